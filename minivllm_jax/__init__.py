@@ -1,1 +1,7 @@
-"""minivllm-jax."""
+"""minivllm-jax: a small, fast, readable LLM inference engine in JAX."""
+
+from minivllm_jax.llm import LLM
+from minivllm_jax.outputs import CompletionOutput, RequestOutput
+from minivllm_jax.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]

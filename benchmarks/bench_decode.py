@@ -1,0 +1,143 @@
+"""Batch-1 greedy decode: our jitted JAX step vs HF transformers `generate` (PyTorch), same run.
+
+Reports compile times, time to first token, and decode tokens/s (tokens after the first,
+medians over repetitions) for both, on the same prompt and thread count.
+
+    python benchmarks/bench_decode.py [--tokens 128] [--reps 3] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--prompt", default="Write a short story about a robot learning to paint.")
+    p.add_argument("--tokens", type=int, default=128, help="new tokens per run")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2, help="torch threads (XLA uses the same cores)")
+    p.add_argument("--no-hf", action="store_true", help="skip the PyTorch peer")
+    p.add_argument("--quick", action="store_true", help="16 tokens, 1 rep")
+    p.add_argument("--out", default=str(RESULTS / "decode.json"))
+    return p.parse_args(argv)
+
+
+def bench_ours(model: str, prompt_ids: list[int], tokens: int, reps: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from convert import resolve_model
+    from minivllm_jax.batch import single_sequence_batch
+    from minivllm_jax.checkpoint import load_converted
+    from minivllm_jax.greedy import greedy_stream
+    from minivllm_jax.kv_cache import init_kv_cache
+    from minivllm_jax.models.llama import forward_jit
+
+    cfg, _, params = load_converted(resolve_model(model))
+    # Compile times: lower+compile each program once before any call with that shape.
+    pages = list(range(1, -(-(len(prompt_ids) + tokens) // 16) + 1))
+    cache = init_kv_cache(cfg, len(pages) + 1, 16, jnp.float32)
+    compile_s = {}
+    for name, batch in [("prefill", single_sequence_batch(np.asarray(prompt_ids), 0, pages, 16)),
+                        ("decode", single_sequence_batch(np.array([1]), len(prompt_ids), pages, 16))]:  # fmt: skip
+        start = time.perf_counter()
+        forward_jit.lower(params, cache, batch, cfg).compile()
+        compile_s[name] = time.perf_counter() - start
+    del cache
+
+    runs = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        stamps = []
+        for _tok in greedy_stream(params, cfg, prompt_ids, tokens):
+            stamps.append(time.perf_counter())
+        runs.append({"ttft_s": stamps[0] - start, "decode_tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])})
+    jax.clear_caches()
+    return {
+        "compile_s": compile_s,
+        "ttft_s": statistics.median(r["ttft_s"] for r in runs),
+        "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
+        "runs": runs,
+    }
+
+
+def bench_hf(model: str, prompt_ids: list[int], tokens: int, reps: int, threads: int) -> dict:
+    import torch
+    import transformers
+
+    from convert.resolve import MODEL_ALIASES, alias_source
+
+    torch.set_num_threads(threads)
+    if model in MODEL_ALIASES:
+        path = alias_source(model)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32,
+            quantization_config=transformers.GgufConfig(dequantize=True),
+        )  # fmt: skip
+    else:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    hf.eval()
+    ids = torch.tensor([prompt_ids])
+    runs = []
+    with torch.no_grad():
+        hf.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm-up
+        for _ in range(reps):
+            start = time.perf_counter()
+            hf.generate(ids, max_new_tokens=1, do_sample=False, eos_token_id=None, pad_token_id=0)
+            ttft = time.perf_counter() - start
+            start = time.perf_counter()
+            hf.generate(ids, max_new_tokens=tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+            total = time.perf_counter() - start
+            runs.append({"ttft_s": ttft, "decode_tok_s": (tokens - 1) / max(total - ttft, 1e-9)})
+    return {
+        "ttft_s": statistics.median(r["ttft_s"] for r in runs),
+        "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
+        "runs": runs,
+    }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.quick:
+        args.tokens, args.reps = 16, 1
+    from transformers import AutoTokenizer
+
+    from convert import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_model(args.model)))
+    prompt_ids = tok.encode(args.prompt)
+    result = {
+        "benchmark": "decode_batch1",
+        "model": args.model,
+        "prompt_tokens": len(prompt_ids),
+        "new_tokens": args.tokens,
+        "threads": args.threads,
+        "cpu_count": os.cpu_count(),
+        "ours": bench_ours(args.model, prompt_ids, args.tokens, args.reps),
+    }
+    if not args.no_hf:
+        result["hf"] = bench_hf(args.model, prompt_ids, args.tokens, args.reps, args.threads)
+        result["speedup"] = result["ours"]["decode_tok_s"] / result["hf"]["decode_tok_s"]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"ours: decode {result['ours']['decode_tok_s']:.1f} tok/s, ttft {result['ours']['ttft_s'] * 1e3:.0f} ms, "
+          f"compile {result['ours']['compile_s']}")  # fmt: skip
+    if "hf" in result:
+        print(f"HF:   decode {result['hf']['decode_tok_s']:.1f} tok/s, ttft {result['hf']['ttft_s'] * 1e3:.0f} ms")
+        print(f"speedup {result['speedup']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""`LLMEngine`: requests in, `RequestOutput`s out, one `step()` at a time.
+
+It owns the request bookkeeping (tokenizing, n samples per request, stop conditions,
+detokenization) and wires the scheduler, block manager and model runner together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+import time
+from collections.abc import Sequence as Seq
+
+from minivllm_jax.config import EngineConfig, ModelConfig
+from minivllm_jax.detokenizer import IncrementalDetokenizer
+from minivllm_jax.engine.block_manager import BlockManager
+from minivllm_jax.engine.runner import ModelRunner, StepResult
+from minivllm_jax.engine.scheduler import ScheduledBatch, Scheduler
+from minivllm_jax.engine.sequence import Sequence
+from minivllm_jax.models.llama import Params
+from minivllm_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from minivllm_jax.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer]
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        config: EngineConfig,
+        params: Params,
+        tokenizer,
+        *,
+        eos_token_ids: Seq[int] = (),
+        seed: int = 0,
+    ) -> None:
+        if config.num_pages - 1 < config.max_pages_per_seq:
+            raise ValueError(
+                f"num_pages={config.num_pages} cannot hold one max_model_len={config.max_model_len} sequence "
+                f"({config.max_pages_per_seq} pages of {config.page_size} + the scratch page)"
+            )
+        self.model_config = model_config
+        self.config = config
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.seed = seed
+        self.block_manager = BlockManager(config.num_pages, config.page_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.runner = ModelRunner(model_config, config, params)
+        self.requests: dict[str, _Request] = {}
+        self._request_counter = itertools.count()
+        self._seed_rng = random.Random(seed)
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+
+    @property
+    def num_compiles(self) -> int:
+        return self.runner.num_compiles
+
+    def warmup(self, progress: bool = True) -> float:
+        return self.runner.warmup(progress)
+
+    # ------------------------------------------------------------------ requests
+
+    def tokenize(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt token ids must not be empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        return None, ids
+
+    def add_request(
+        self,
+        prompt: str | Seq[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Validate and queue a request; returns its id. Raises ValueError on bad input."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        request_id = str(next(self._request_counter)) if request_id is None else request_id
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self.tokenize(prompt)
+        limit = self.config.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {limit} (prompt must leave room for output)")
+        if params.max_tokens is None:
+            params = dataclasses.replace(params, max_tokens=limit - len(ids))
+        elif len(ids) + params.max_tokens > limit:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len ({limit})"
+            )
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        # Unseeded requests still get a seed: reproducible from the engine seed and arrival order.
+        base_seed = params.seed if params.seed is not None else self._seed_rng.randrange(2**62)
+        seqs, detoks = [], []
+        for i in range(params.n):
+            seqs.append(Sequence(request_id, ids, params, index=i, priority=priority, seed=base_seed + i, arrival_time=arrival))
+            detoks.append(IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop))
+        self.requests[request_id] = _Request(request_id, text, ids, params, seqs, detoks, RequestMetrics(arrival))
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its pages; False if it is unknown or already done."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; return the outputs of requests that changed (finished ones
+        are removed from the engine after this)."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        now = time.monotonic()
+        for seq in batch.seqs:
+            metrics = self.requests[seq.request_id].metrics
+            metrics.first_scheduled_time = metrics.first_scheduled_time or now
+        result = self.runner.run(batch)
+        return self._process(batch, result)
+
+    def _process(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
+        now = time.monotonic()
+        changed: dict[str, _Request] = {}
+        for i, seq in enumerate(batch.seqs):
+            samples = batch.samples_next_token(i)
+            seq.num_computed_tokens += batch.num_new_tokens[i]
+            self.block_manager.commit(seq)
+            if batch.is_prefill:
+                self.num_prompt_tokens += batch.num_new_tokens[i]
+            if not samples:
+                continue
+            request = self.requests[seq.request_id]
+            token = int(result.tokens[i])
+            seq.output_token_ids.append(token)
+            self.num_generated_tokens += 1
+            seq.cumulative_logprob += float(result.logprobs[i])
+            if seq.params.logprobs is not None:
+                k = seq.params.logprobs
+                entry = {token: float(result.logprobs[i])}
+                entry.update(zip(result.top_ids[i, :k].tolist(), result.top_logprobs[i, :k].tolist()))
+                seq.logprobs.append(entry)
+            request.metrics.first_token_time = request.metrics.first_token_time or now
+            request.metrics.last_token_time = now
+            self._check_stop(seq, token, request.detokenizers[seq.index])
+            changed[request.request_id] = request
+        outputs = []
+        for request in changed.values():
+            outputs.append(self._output(request))
+            if request.finished:
+                request.metrics.finished_time = now
+                del self.requests[request.request_id]
+        return outputs
+
+    def _check_stop(self, seq: Sequence, token: int, detok: IncrementalDetokenizer) -> None:
+        """Finish the sequence if this token ends it. A stop token's text is never shown."""
+        params = seq.params
+        if token in params.stop_token_ids:
+            self.scheduler.finish(seq, "stop", token)
+        elif token in self.eos_token_ids and not params.ignore_eos:
+            self.scheduler.finish(seq, "stop", None)
+        else:
+            detok.add([token])
+            if detok.finished:  # a stop string: the text is cut before it
+                self.scheduler.finish(seq, "stop", detok.stop_reason)
+            elif len(seq.output_token_ids) >= params.max_tokens or len(seq) >= self.config.max_model_len:
+                self.scheduler.finish(seq, "length")
+        if seq.is_finished:
+            detok.flush()
+
+    def _output(self, request: _Request) -> RequestOutput:
+        outputs = [
+            CompletionOutput(
+                index=seq.index,
+                text=detok.text,
+                token_ids=list(seq.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+            for seq, detok in zip(request.seqs, request.detokenizers)
+        ]
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=outputs,
+            finished=request.finished,
+            metrics=request.metrics,
+            num_cached_tokens=max(s.num_cached_tokens for s in request.seqs),
+        )

@@ -1,0 +1,86 @@
+"""`Sequence`: one sample stream of one request, as the host sees it."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+
+from minivllm_jax.outputs import TokenLogprobs
+from minivllm_jax.sampling_params import SamplingParams
+
+_seq_counter = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Token ids, pages and progress of one sample.
+
+    `num_computed_tokens` tokens have their K/V in the cache (pages in `pages`, in order).
+    A step feeds `token_ids[num_computed_tokens:]` (all of it, or a chunk of a long prefill)
+    and samples the next token from the last fed position.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        index: int = 0,
+        priority: int = 0,
+        seed: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.seq_id = next(_seq_counter)
+        self.request_id = request_id
+        self.index = index
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.priority = priority
+        self.seed = seed  # the row's PRNG seed: tokens depend only on (seed, step)
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = SequenceStatus.WAITING
+        self.pages: list[int] = []
+        self.page_hashes: list[int] = []  # prefix-cache hash of each full, computed page
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache on admission
+        self.logprobs: list[TokenLogprobs] = []
+        self.cumulative_logprob = 0.0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+
+    def __len__(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def __repr__(self) -> str:
+        return f"Sequence({self.request_id}#{self.index}, {self.status.value}, len={len(self)}, pages={len(self.pages)})"
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self) - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """More than one token to feed: a fresh prompt, a chunk remainder or a recompute."""
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def sort_key(self) -> tuple[int, float, int]:
+        """Lower is served first: priority value (vLLM: smaller = more urgent), then arrival."""
+        return (self.priority, self.arrival_time, self.seq_id)

@@ -1,0 +1,195 @@
+"""`LLM`: the offline facade (`generate`, `stream`, `chat`), like vLLM's and nano-vllm's."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+from tqdm.auto import tqdm
+
+from minivllm_jax.config import EngineConfig, ModelConfig
+from minivllm_jax.engine.engine import LLMEngine
+from minivllm_jax.kv_cache import kv_bytes_per_page
+from minivllm_jax.outputs import RequestOutput
+from minivllm_jax.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+# num_pages=None gives the KV cache this fraction of the memory available after the weights.
+KV_MEMORY_FRACTION = 0.25
+
+
+def enable_compilation_cache(path: str | None = None) -> str:
+    """Persist compiled XLA programs on disk so the next start-up skips most compile time."""
+    path = path or os.environ.get("MINIVLLM_COMPILE_CACHE") or str(Path.home() / ".cache" / "minivllm_jax" / "xla")
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux); physical memory as a fallback."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def auto_num_pages(cfg: ModelConfig, max_num_seqs: int, max_model_len: int, page_size: int, dtype: Any) -> int:
+    """num_pages = 1 + min(max_num_seqs * ceil(max_model_len / page_size),
+    KV_MEMORY_FRACTION * MemAvailable // bytes_per_page): never more than the engine can use,
+    and at least one full-length sequence."""
+    per_seq = -(-max_model_len // page_size)
+    fits = int(KV_MEMORY_FRACTION * available_memory_bytes()) // kv_bytes_per_page(cfg, page_size, dtype)
+    return 1 + max(per_seq, min(max_num_seqs * per_seq, fits))
+
+
+def _eos_ids(cfg: ModelConfig, model_dir: Path, tokenizer: Any) -> set[int]:
+    ids = set(cfg.eos_token_ids)
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+class LLM:
+    """Load a model (alias, converted dir, HF folder or .gguf), warm up every bucket, generate."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: str = "float32",
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        max_num_batched_tokens: int = 512,
+        enable_prefix_caching: bool = True,
+        quantization: str | None = None,
+        seed: int = 0,
+        warmup: bool = True,
+        use_tqdm: bool = True,
+        compilation_cache_dir: str | None = None,
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        from convert import resolve_model
+        from minivllm_jax.checkpoint import load_converted
+
+        if quantization is not None:
+            raise ValueError(f"quantization={quantization!r} is not supported yet; use None")
+        enable_compilation_cache(compilation_cache_dir)
+        model_dir = resolve_model(model, dtype=dtype, progress=use_tqdm)
+        cfg, _, params = load_converted(model_dir, dtype)
+        self.model_dir = model_dir
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        max_model_len = min(max_model_len or 2048, cfg.max_position_embeddings)
+        if num_pages is None:
+            num_pages = auto_num_pages(cfg, max_num_seqs, max_model_len, page_size, dtype)
+        config = EngineConfig(
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            page_size=page_size,
+            num_pages=num_pages,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+        )
+        eos = _eos_ids(cfg, model_dir, self.tokenizer)
+        self.engine = LLMEngine(cfg, config, params, self.tokenizer, eos_token_ids=eos, seed=seed)
+        self.warmup_seconds = self.engine.warmup(progress=use_tqdm) if warmup else 0.0
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: Sequence[int] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run all prompts to completion together; outputs come back in input order."""
+        prompts = _as_prompt_list(prompts)
+        params = sampling_params or SamplingParams()
+        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+
+        ids: list[str] = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+                ids.append(self.engine.add_request(prompt, p, priority=priority[i] if priority else 0))
+        except Exception:
+            for request_id in ids:  # all or nothing: don't leave half a batch queued
+                self.engine.abort(request_id)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
+            while len(finished) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        return [finished[i] for i in ids]
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield text deltas of one prompt as they are generated (first sample when n > 1)."""
+        request_id = self.engine.add_request(prompt, sampling_params or SamplingParams())
+        sent = 0
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id != request_id:
+                        continue
+                    text = out.outputs[0].text
+                    if len(text) > sent:
+                        yield text[sent:]
+                        sent = len(text)
+                    if out.finished:
+                        return
+        finally:
+            self.engine.abort(request_id)  # no-op when finished; frees pages if the caller stopped early
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation (or several) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.apply_chat_template(c) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        if not messages:
+            raise ValueError("messages must not be empty")
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError("each message must be a dict with string 'role' and 'content'")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int):  # one prompt given as token ids
+        return [prompts]
+    return prompts

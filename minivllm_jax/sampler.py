@@ -1,0 +1,223 @@
+"""Batched, jittable next-token sampling with per-row settings held in arrays (no recompiles).
+
+Costs on a 2-core CPU shape the code: at batch 64 and a 49k vocab one pass over the logits
+costs ~0.4 ms, an `exp` pass ~2 ms, `jnp.argmax` ~8 ms, `lax.top_k` ~7 ms and a full sort
+~800 ms. So argmax is max + first-match, top-k takes the best chunks first, sampling is a
+two-level inverse CDF (one `exp` pass, two uniforms a row), top-k/top-p read a cutoff from the
+best `FILTER_K` logits (bisection over the vocab only when a row's cut lies deeper), and
+everything optional sits behind a batch-level `lax.cond`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from minivllm_jax.sampling_params import MAX_LOGPROBS, SamplingParams
+
+CHUNK = 64  # vocab chunk for two-level top-k and sampling
+FILTER_K = 64  # top-k/top-p cuts within the best FILTER_K logits need no vocab-wide search
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingArrays:
+    """Per-row sampling settings; padded rows are greedy and ignored."""
+
+    temperature: jax.Array  # f32[B]  0 = greedy
+    top_k: jax.Array  # i32[B]  <= 0 or >= vocab: off
+    top_p: jax.Array  # f32[B]  1 = off
+    min_p: jax.Array  # f32[B]  0 = off
+    seeds: jax.Array  # u32[B, 2]  threefry key data of the row's seed
+    steps: jax.Array  # i32[B]  tokens the row generated so far; key = fold_in(seed, step)
+    presence_penalty: jax.Array  # f32[B]
+    frequency_penalty: jax.Array  # f32[B]
+    repetition_penalty: jax.Array  # f32[B]
+    want_logprobs: jax.Array  # bool[B]  logprob outputs are skipped when no row wants them
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Penalties:
+    """Token history for penalties; pass `None` to `sample` to skip that code entirely."""
+
+    output_counts: jax.Array  # f32[B, V]  occurrences of each token in the row's output
+    prompt_mask: jax.Array  # bool[B, V]  token seen in prompt or output (repetition penalty)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SampleResult:
+    """Logprobs are under the penalized logits at temperature 1 (before top-k/p, min-p)."""
+
+    tokens: jax.Array  # i32[B]
+    logprobs: jax.Array  # f32[B]  of `tokens`; 0 in batches where no row wants logprobs
+    top_ids: jax.Array  # i32[B, MAX_LOGPROBS]  best first; -1 past the vocab
+    top_logprobs: jax.Array  # f32[B, MAX_LOGPROBS]  descending; -inf past the vocab
+
+
+def make_sampling_arrays(rows: list[tuple[SamplingParams, int, int]], batch_size: int) -> SamplingArrays:
+    """Host-side (numpy) arrays for `(params, seed, step)` rows, padded to `batch_size` greedy rows."""
+    if len(rows) > batch_size:
+        raise ValueError(f"{len(rows)} rows do not fit a batch of {batch_size}")
+
+    def col(values: list, pad: float, dtype: type) -> np.ndarray:
+        return np.array(values + [pad] * (batch_size - len(rows)), dtype)
+
+    seeds = np.zeros((batch_size, 2), np.uint32)
+    for i, (_, seed, _) in enumerate(rows):
+        seeds[i] = ((seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF)
+    return SamplingArrays(
+        temperature=col([p.temperature for p, _, _ in rows], 0.0, np.float32),
+        top_k=col([p.top_k for p, _, _ in rows], -1, np.int32),
+        top_p=col([p.top_p for p, _, _ in rows], 1.0, np.float32),
+        min_p=col([p.min_p for p, _, _ in rows], 0.0, np.float32),
+        seeds=seeds,
+        steps=col([step for _, _, step in rows], 0, np.int32),
+        presence_penalty=col([p.presence_penalty for p, _, _ in rows], 0.0, np.float32),
+        frequency_penalty=col([p.frequency_penalty for p, _, _ in rows], 0.0, np.float32),
+        repetition_penalty=col([p.repetition_penalty for p, _, _ in rows], 1.0, np.float32),
+        want_logprobs=col([p.logprobs is not None for p, _, _ in rows], False, np.bool_),
+    )
+
+
+def apply_penalties(logits: jax.Array, a: SamplingArrays, pen: Penalties) -> jax.Array:
+    """HF repetition penalty on seen tokens, then OpenAI presence/frequency on output tokens."""
+    r = a.repetition_penalty[:, None]
+    x = jnp.where(pen.prompt_mask, jnp.where(logits > 0, logits / r, logits * r), logits)
+    counts = pen.output_counts
+    return x - a.frequency_penalty[:, None] * counts - a.presence_penalty[:, None] * (counts > 0)
+
+
+def _chunks(x: jax.Array, fill: float) -> jax.Array:
+    """[B, V] -> [B, V/CHUNK, CHUNK], padding the vocab with `fill`."""
+    pad = -x.shape[1] % CHUNK
+    return jnp.pad(x, ((0, 0), (0, pad)), constant_values=fill).reshape(x.shape[0], -1, CHUNK)
+
+
+def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """Same as `lax.top_k` (ties: lower id first) but ~5x faster on CPU for a big vocab: the best
+    k values lie in the k chunks with the largest maxima, so only those are ranked."""
+    if x.shape[1] <= 4 * k * CHUNK:
+        return lax.top_k(x, k)
+    xc = _chunks(x, -jnp.inf)
+    _, ci = lax.top_k(jnp.max(xc, -1), k)
+    ci = jnp.sort(ci, -1)  # keep candidates in vocab order so ties still prefer lower ids
+    vals, j = lax.top_k(jnp.take_along_axis(xc, ci[:, :, None], 1).reshape(x.shape[0], -1), k)
+    return vals, jnp.take_along_axis(ci, j // CHUNK, 1) * CHUNK + j % CHUNK
+
+
+def _first_argmax(x: jax.Array) -> jax.Array:
+    """`jnp.argmax` (first index on ties) ~10x faster on CPU: the best chunk, then the best in it."""
+    xc = _chunks(x, -jnp.inf)
+    c = jnp.argmax(jnp.max(xc, -1), -1)
+    return c * CHUNK + jnp.argmax(jnp.take_along_axis(xc, c[:, None, None], 1)[:, 0], -1)
+
+
+def _bisect(pred, batch: int) -> jax.Array:
+    """Largest t in [0, 1] with `pred(t[:, None])` per row (pred(0) holds): 30 steps over float bits."""
+    def step(_, lohi):
+        lo, hi = lohi
+        mid = lo + (hi - lo) // 2
+        ok = pred(lax.bitcast_convert_type(mid, jnp.float32)[:, None])
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    lo, hi = jnp.zeros((batch,), jnp.int32), jnp.full((batch,), 0x3F800001, jnp.int32)  # bits(1.0) + 1
+    lo, _ = lax.fori_loop(0, 30, step, (lo, hi))
+    return lax.bitcast_convert_type(lo, jnp.float32)
+
+
+def _weights(v: jax.Array, m: jax.Array, t: jax.Array, cut: jax.Array) -> jax.Array:
+    """Unnormalized probabilities exp((v - max) / T) of the kept logits (v >= cut), rows first."""
+    col = lambda r: r.reshape(r.shape + (1,) * (v.ndim - 1))
+    return jnp.where(v >= col(cut), jnp.exp((v - col(m)) / col(t)), 0.0)
+
+
+def _top_k_top_p_cut(x: jax.Array, m: jax.Array, t: jax.Array, a: SamplingArrays) -> jax.Array:
+    """Logit cut for top-k then top-p (on the top-k mass, renormalized): keep `x >= cut`.
+
+    The cut comes from the best FILTER_K logits; rows whose cut lies deeper get it by bisection
+    over the whole vocab (rare; the only place a vocab-sized buffer is materialized)."""
+    B, V = x.shape
+    k = jnp.where((a.top_k > 0) & (a.top_k < V), a.top_k, V)
+    active = (k < V) | (a.top_p < 1)
+    K = min(FILTER_K, V)
+    topv, _ = _top_k(x, K)
+    pk = jnp.where(jnp.arange(K) < k[:, None], _weights(topv, m, t, jnp.full_like(m, -jnp.inf)), 0.0)
+    mass_k = jnp.where(k <= K, jnp.sum(pk, -1), jnp.sum(_weights(x, m, t, jnp.full_like(m, -jnp.inf)), -1))
+    n_p = jnp.sum(jnp.cumsum(pk, -1) < (a.top_p * mass_k)[:, None], -1) + 1  # K+1: cut is deeper
+    n = jnp.where(a.top_p < 1, jnp.minimum(n_p, k), k)
+    fits = ~active | ((n <= K) & ((k <= K) | (k == V)))  # a top-k mass beyond K is unknown here
+    cut = jnp.where(active & fits, jnp.take_along_axis(topv, jnp.clip(n - 1, 0, K - 1)[:, None], 1)[:, 0], -jnp.inf)
+
+    def deep() -> jax.Array:  # bisection on probabilities, then back to a logit cut
+        p = _weights(x, m, t, jnp.full_like(m, -jnp.inf))
+        zero = jnp.zeros((B,), jnp.float32)
+        by_count = lambda: _bisect(lambda c: jnp.sum(p >= c, -1) >= k, B)
+        k_cut = lax.cond(jnp.any(~fits & (k < V)), by_count, lambda: zero)  # k == V: keep all anyway
+        target = a.top_p * jnp.sum(jnp.where(p >= k_cut[:, None], p, 0.0), -1)
+        mass = lambda c: jnp.sum(jnp.where(p >= jnp.maximum(c, k_cut[:, None]), p, 0.0), -1)
+        by_mass = lambda: _bisect(lambda c: mass(c) >= target, B)
+        p_cut = lax.cond(jnp.any(~fits & (a.top_p < 1)), by_mass, lambda: zero)
+        p_cut = jnp.where(a.top_p < 1, jnp.maximum(p_cut, k_cut), k_cut)
+        return jnp.where(fits, cut, jnp.min(jnp.where(p >= p_cut[:, None], x, jnp.inf), -1))
+
+    return lax.cond(jnp.all(fits), lambda: cut, deep)
+
+
+def _categorical(x: jax.Array, m: jax.Array, t: jax.Array, cut: jax.Array, u: jax.Array) -> jax.Array:
+    """Draw a kept token by inverse CDF without materializing probabilities: a chunk by its mass
+    with u[:, 0], then a token inside it with u[:, 1]. Zero-weight tokens are never returned."""
+    xc = _chunks(x, -jnp.inf)
+    mass = jnp.sum(_weights(xc, m, t, cut), -1)
+
+    def pick(w: jax.Array, r: jax.Array) -> jax.Array:
+        cum = jnp.cumsum(w, -1)
+        last = jnp.max(jnp.where(w > 0, lax.broadcasted_iota(jnp.int32, w.shape, 1), 0), -1)
+        return jnp.minimum(jnp.sum(cum <= r[:, None] * cum[:, -1:], -1), last)
+
+    c = pick(mass, u[:, 0])
+    inner = _weights(jnp.take_along_axis(xc, c[:, None, None], 1)[:, 0], m, t, cut)
+    return c * CHUNK + pick(inner, u[:, 1])
+
+
+def _sample_random(x: jax.Array, m: jax.Array, a: SamplingArrays) -> jax.Array:
+    """Temperature, top-k, top-p, min-p, then a draw keyed by (seed, step) only; greedy rows too."""
+    t = jnp.where(a.temperature > 0, a.temperature, 1.0)
+    needs_cut = jnp.any((a.temperature > 0) & (((a.top_k > 0) & (a.top_k < x.shape[1])) | (a.top_p < 1)))
+    cut = lax.cond(needs_cut, lambda: _top_k_top_p_cut(x, m, t, a), lambda: jnp.full_like(m, -jnp.inf))
+    cut = jnp.maximum(cut, m + t * jnp.log(a.min_p))  # min-p: p >= min_p * p_max; log(0) = -inf
+    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.wrap_key_data(s, impl="threefry2x32"), n))
+    u = jax.vmap(lambda key: jax.random.uniform(key, (2,)))(keys(a.seeds, a.steps))
+    greedy = (a.temperature <= 0)[:, None]  # keep only the max and draw u = 0: its first index
+    return _categorical(x, m, t, jnp.where(greedy[:, 0], m, cut), u)
+
+
+def sample(logits: jax.Array, arrays: SamplingArrays, penalties: Penalties | None = None) -> SampleResult:
+    """Next token per row; greedy rows (temperature 0) take the argmax of the penalized logits."""
+    x = logits.astype(jnp.float32)
+    if penalties is not None:
+        x = apply_penalties(x, arrays, penalties)
+    m = jnp.max(x, -1)
+    greedy = lambda: _first_argmax(x)
+    is_random = arrays.temperature > 0  # all-greedy batches take the cheaper argmax
+    tokens = lax.cond(jnp.any(is_random), lambda: _sample_random(x, m, arrays), greedy)
+
+    def with_logprobs():
+        lse = m + jnp.log(jnp.sum(jnp.exp(x - m[:, None]), -1))
+        k = min(MAX_LOGPROBS, x.shape[1])
+        vals, ids = _top_k(x, k)
+        pad = ((0, 0), (0, MAX_LOGPROBS - k))
+        tok_lp = jnp.take_along_axis(x, tokens[:, None], 1)[:, 0] - lse
+        return tok_lp, jnp.pad(ids, pad, constant_values=-1), jnp.pad(vals - lse[:, None], pad, constant_values=-jnp.inf)
+
+    def without():
+        B = x.shape[0]
+        return jnp.zeros((B,), jnp.float32), jnp.full((B, MAX_LOGPROBS), -1, jnp.int32), jnp.full((B, MAX_LOGPROBS), -jnp.inf)
+
+    lp, top_ids, top_lp = lax.cond(jnp.any(arrays.want_logprobs), with_logprobs, without)
+    return SampleResult(tokens=tokens.astype(jnp.int32), logprobs=lp, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp)

@@ -1,0 +1,118 @@
+"""BlockManager: allocation, refcounts, prefix-cache hits and eviction, page 0 never handed out."""
+
+from __future__ import annotations
+
+import pytest
+
+from minivllm_jax.engine.block_manager import BlockManager
+from minivllm_jax.engine.sequence import Sequence
+from minivllm_jax.sampling_params import SamplingParams
+
+
+def seq(tokens) -> Sequence:
+    return Sequence("r", list(tokens), SamplingParams(max_tokens=4))
+
+
+def test_allocate_and_free_returns_every_page():
+    bm = BlockManager(num_pages=10, page_size=4)
+    a, b = seq(range(10)), seq(range(100, 105))
+    bm.allocate(a)
+    bm.allocate(b)
+    assert len(a.pages) == 3 and len(b.pages) == 2
+    assert 0 not in a.pages + b.pages  # the scratch page is never handed out
+    assert len(set(a.pages + b.pages)) == 5
+    assert bm.num_free_pages == 9 - 5
+    bm.free_pages(a)
+    bm.free_pages(b)
+    assert bm.num_free_pages == bm.num_usable_pages == 9
+    assert a.pages == [] and a.num_computed_tokens == 0
+
+
+def test_can_allocate_and_append_respect_free_pages():
+    bm = BlockManager(num_pages=4, page_size=4)
+    big = seq(range(12))  # 3 pages: all usable ones
+    assert bm.can_allocate(big)
+    assert not bm.can_allocate(big, reserve=1)
+    bm.allocate(big)
+    assert not bm.can_allocate(seq([1]))
+    big.output_token_ids.append(5)  # 13 tokens need a 4th page
+    assert not bm.can_append(big)
+    bm.free_pages(big)
+    small = seq(range(4))
+    bm.allocate(small)
+    small.output_token_ids.append(9)
+    assert bm.can_append(small)
+    bm.append(small)
+    assert len(small.pages) == 2
+
+
+def test_prefix_cache_shares_full_computed_pages():
+    bm = BlockManager(num_pages=16, page_size=4)
+    prompt = list(range(1, 11))  # 2 full pages + 2 tokens
+    a = seq(prompt)
+    bm.allocate(a)
+    assert a.num_cached_tokens == 0
+    a.num_computed_tokens = len(prompt)
+    bm.commit(a)
+    b = seq(prompt + [99])
+    bm.allocate(b)
+    assert b.num_cached_tokens == b.num_computed_tokens == 8
+    assert b.pages[:2] == a.pages[:2] and b.pages[2] != a.pages[2]
+    assert bm.refcount[a.pages[0]] == 2
+    bm.free_pages(a)
+    bm.free_pages(b)
+    assert bm.num_free_pages == 15
+
+
+def test_prefix_cache_leaves_one_token_to_compute():
+    bm = BlockManager(num_pages=16, page_size=4)
+    a = seq(range(8))
+    bm.allocate(a)
+    a.num_computed_tokens = 8
+    bm.commit(a)
+    b = seq(range(8))  # identical prompt: the last page is recomputed for its logits
+    bm.allocate(b)
+    assert b.num_cached_tokens == 4
+
+
+def test_freed_pages_stay_cached_until_reused_then_miss():
+    bm = BlockManager(num_pages=4, page_size=4)
+    a = seq(range(9))
+    bm.allocate(a)
+    a.num_computed_tokens = 9
+    bm.commit(a)
+    bm.free_pages(a)
+    b = seq(range(9))
+    bm.allocate(b)  # hits both full pages although `a` is gone
+    assert b.num_cached_tokens == 8
+    bm.free_pages(b)
+    c = seq(range(50, 62))  # takes all 3 pages, evicting the cached prefix
+    bm.allocate(c)
+    c.num_computed_tokens = 12
+    bm.commit(c)
+    bm.free_pages(c)
+    d = seq(range(9))
+    bm.allocate(d)
+    assert d.num_cached_tokens == 0
+
+
+def test_prefix_caching_disabled_never_hits():
+    bm = BlockManager(num_pages=16, page_size=4, enable_prefix_caching=False)
+    a = seq(range(9))
+    bm.allocate(a)
+    a.num_computed_tokens = 9
+    bm.commit(a)
+    b = seq(range(9))
+    bm.allocate(b)
+    assert b.num_cached_tokens == 0 and not set(a.pages) & set(b.pages)
+
+
+def test_double_free_is_caught():
+    bm = BlockManager(num_pages=4, page_size=4)
+    a = seq(range(3))
+    bm.allocate(a)
+    pages = list(a.pages)
+    bm.free_pages(a)
+    a.pages = pages
+    with pytest.raises(AssertionError):
+        bm.free_pages(a)
