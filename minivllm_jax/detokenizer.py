@@ -32,11 +32,11 @@ class IncrementalDetokenizer:
         tokenizer: PreTrainedTokenizerBase,
         prompt_ids: Sequence[int],
         skip_special_tokens: bool = True,
-        stop: Sequence[str] = (),
+        stop: str | Sequence[str] = (),
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.stop = [s for s in stop if s]
+        self.stop = [s for s in ([stop] if isinstance(stop, str) else stop) if s]
         self.finished = False
         self.stop_reason: str | None = None
         self._ids = list(prompt_ids[-INITIAL_CONTEXT:])  # the decode window

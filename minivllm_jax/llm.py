@@ -3,44 +3,23 @@
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import jax
 from tqdm.auto import tqdm
 
 from minivllm_jax.config import EngineConfig, ModelConfig
 from minivllm_jax.engine.engine import LLMEngine
 from minivllm_jax.kv_cache import kv_bytes_per_page
 from minivllm_jax.outputs import RequestOutput
+from minivllm_jax.runtime import available_memory_bytes, enable_compilation_cache, keep_freed_memory
 from minivllm_jax.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
 
 # num_pages=None gives the KV cache this fraction of the memory available after the weights.
 KV_MEMORY_FRACTION = 0.25
-
-
-def enable_compilation_cache(path: str | None = None) -> str:
-    """Persist compiled XLA programs on disk so the next start-up skips most compile time."""
-    path = path or os.environ.get("MINIVLLM_COMPILE_CACHE") or str(Path.home() / ".cache" / "minivllm_jax" / "xla")
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    return path
-
-
-def available_memory_bytes() -> int:
-    """MemAvailable from /proc/meminfo (Linux); physical memory as a fallback."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def auto_num_pages(cfg: ModelConfig, max_num_seqs: int, max_model_len: int, page_size: int, dtype: Any) -> int:
@@ -91,6 +70,7 @@ class LLM:
         if quantization is not None:
             raise ValueError(f"quantization={quantization!r} is not supported yet; use None")
         enable_compilation_cache(compilation_cache_dir)
+        keep_freed_memory()
         model_dir = resolve_model(model, dtype=dtype, progress=use_tqdm)
         cfg, _, params = load_converted(model_dir, dtype)
         self.model_dir = model_dir

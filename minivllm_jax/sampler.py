@@ -1,16 +1,18 @@
-"""Batched, jittable next-token sampling with per-row settings held in arrays (no recompiles).
+"""Batched, jittable next-token sampling; per-row settings are arrays, so mixing requests never recompiles.
 
-Costs on a 2-core CPU shape the code: at batch 64 and a 49k vocab one pass over the logits
-costs ~0.4 ms, an `exp` pass ~2 ms, `jnp.argmax` ~8 ms, `lax.top_k` ~7 ms and a full sort
-~800 ms. So argmax is max + first-match, top-k takes the best chunks first, sampling is a
-two-level inverse CDF (one `exp` pass, two uniforms a row), top-k/top-p read a cutoff from the
-best `FILTER_K` logits (bisection over the vocab only when a row's cut lies deeper), and
-everything optional sits behind a batch-level `lax.cond`.
+The CPU shapes the code (batch 64 x 49k vocab, 2 cores): a max pass costs ~0.4 ms and an exp
+pass ~2 ms, but `jnp.argmax` ~8 ms, `lax.top_k` ~7 ms and a full sort ~800 ms. So argmax and
+top-k look inside the best 64-wide chunks only, a draw is a two-level inverse CDF (one exp pass,
+two uniforms a row), top-k/top-p take their cut from the best FILTER_K logits and bisect over the
+vocab only when a row's cut lies deeper, and each optional stage sits behind a batch-level
+`lax.cond`. A row's result depends only on its logits, settings, seed and step, never on its
+batch mates, its position or the batch size.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -64,24 +66,19 @@ def make_sampling_arrays(rows: list[tuple[SamplingParams, int, int]], batch_size
     """Host-side (numpy) arrays for `(params, seed, step)` rows, padded to `batch_size` greedy rows."""
     if len(rows) > batch_size:
         raise ValueError(f"{len(rows)} rows do not fit a batch of {batch_size}")
-
-    def col(values: list, pad: float, dtype: type) -> np.ndarray:
-        return np.array(values + [pad] * (batch_size - len(rows)), dtype)
-
-    seeds = np.zeros((batch_size, 2), np.uint32)
-    for i, (_, seed, _) in enumerate(rows):
-        seeds[i] = ((seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF)
+    rows = list(rows) + [(SamplingParams(temperature=0.0), 0, 0)] * (batch_size - len(rows))
+    f32 = lambda name: np.array([getattr(p, name) for p, _, _ in rows], np.float32)
     return SamplingArrays(
-        temperature=col([p.temperature for p, _, _ in rows], 0.0, np.float32),
-        top_k=col([p.top_k for p, _, _ in rows], -1, np.int32),
-        top_p=col([p.top_p for p, _, _ in rows], 1.0, np.float32),
-        min_p=col([p.min_p for p, _, _ in rows], 0.0, np.float32),
-        seeds=seeds,
-        steps=col([step for _, _, step in rows], 0, np.int32),
-        presence_penalty=col([p.presence_penalty for p, _, _ in rows], 0.0, np.float32),
-        frequency_penalty=col([p.frequency_penalty for p, _, _ in rows], 0.0, np.float32),
-        repetition_penalty=col([p.repetition_penalty for p, _, _ in rows], 1.0, np.float32),
-        want_logprobs=col([p.logprobs is not None for p, _, _ in rows], False, np.bool_),
+        temperature=f32("temperature"),
+        top_k=np.array([p.top_k for p, _, _ in rows], np.int32),
+        top_p=f32("top_p"),
+        min_p=f32("min_p"),
+        seeds=np.array([((s >> 32) & 0xFFFFFFFF, s & 0xFFFFFFFF) for _, s, _ in rows], np.uint32),
+        steps=np.array([n for _, _, n in rows], np.int32),
+        presence_penalty=f32("presence_penalty"),
+        frequency_penalty=f32("frequency_penalty"),
+        repetition_penalty=f32("repetition_penalty"),
+        want_logprobs=np.array([p.logprobs is not None for p, _, _ in rows], np.bool_),
     )
 
 
@@ -118,7 +115,7 @@ def _first_argmax(x: jax.Array) -> jax.Array:
     return c * CHUNK + jnp.argmax(jnp.take_along_axis(xc, c[:, None, None], 1)[:, 0], -1)
 
 
-def _bisect(pred, batch: int) -> jax.Array:
+def _bisect(pred: Callable[[jax.Array], jax.Array], batch: int) -> jax.Array:
     """Largest t in [0, 1] with `pred(t[:, None])` per row (pred(0) holds): 30 steps over float bits."""
     def step(_, lohi):
         lo, hi = lohi
@@ -141,14 +138,15 @@ def _top_k_top_p_cut(x: jax.Array, m: jax.Array, t: jax.Array, a: SamplingArrays
     """Logit cut for top-k then top-p (on the top-k mass, renormalized): keep `x >= cut`.
 
     The cut comes from the best FILTER_K logits; rows whose cut lies deeper get it by bisection
-    over the whole vocab (rare; the only place a vocab-sized buffer is materialized)."""
+    over the whole vocab (~30 passes, so rarer is better: raise FILTER_K if it is common)."""
     B, V = x.shape
     k = jnp.where((a.top_k > 0) & (a.top_k < V), a.top_k, V)
-    active = (k < V) | (a.top_p < 1)
+    active = (a.temperature > 0) & ((k < V) | (a.top_p < 1))  # greedy rows ignore filters
     K = min(FILTER_K, V)
     topv, _ = _top_k(x, K)
     pk = jnp.where(jnp.arange(K) < k[:, None], _weights(topv, m, t, jnp.full_like(m, -jnp.inf)), 0.0)
-    mass_k = jnp.where(k <= K, jnp.sum(pk, -1), jnp.sum(_weights(x, m, t, jnp.full_like(m, -jnp.inf)), -1))
+    full_mass = lambda: jnp.sum(_weights(x, m, t, jnp.full_like(m, -jnp.inf)), -1)  # an exp pass: only for top-p alone
+    mass_k = jnp.where(k <= K, jnp.sum(pk, -1), lax.cond(jnp.any(active & (k == V)), full_mass, lambda: m))
     n_p = jnp.sum(jnp.cumsum(pk, -1) < (a.top_p * mass_k)[:, None], -1) + 1  # K+1: cut is deeper
     n = jnp.where(a.top_p < 1, jnp.minimum(n_p, k), k)
     fits = ~active | ((n <= K) & ((k <= K) | (k == V)))  # a top-k mass beyond K is unknown here
@@ -194,7 +192,7 @@ def _sample_random(x: jax.Array, m: jax.Array, a: SamplingArrays) -> jax.Array:
     keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.wrap_key_data(s, impl="threefry2x32"), n))
     u = jax.vmap(lambda key: jax.random.uniform(key, (2,)))(keys(a.seeds, a.steps))
     greedy = (a.temperature <= 0)[:, None]  # keep only the max and draw u = 0: its first index
-    return _categorical(x, m, t, jnp.where(greedy[:, 0], m, cut), u)
+    return _categorical(x, m, t, jnp.where(greedy[:, 0], m, cut), jnp.where(greedy, 0.0, u))
 
 
 def sample(logits: jax.Array, arrays: SamplingArrays, penalties: Penalties | None = None) -> SampleResult:
@@ -207,17 +205,14 @@ def sample(logits: jax.Array, arrays: SamplingArrays, penalties: Penalties | Non
     is_random = arrays.temperature > 0  # all-greedy batches take the cheaper argmax
     tokens = lax.cond(jnp.any(is_random), lambda: _sample_random(x, m, arrays), greedy)
 
-    def with_logprobs():
+    def with_logprobs() -> tuple[jax.Array, jax.Array, jax.Array]:
         lse = m + jnp.log(jnp.sum(jnp.exp(x - m[:, None]), -1))
-        k = min(MAX_LOGPROBS, x.shape[1])
-        vals, ids = _top_k(x, k)
-        pad = ((0, 0), (0, MAX_LOGPROBS - k))
-        tok_lp = jnp.take_along_axis(x, tokens[:, None], 1)[:, 0] - lse
-        return tok_lp, jnp.pad(ids, pad, constant_values=-1), jnp.pad(vals - lse[:, None], pad, constant_values=-jnp.inf)
+        vals, ids = _top_k(x, min(MAX_LOGPROBS, x.shape[1]))
+        pad = ((0, 0), (0, MAX_LOGPROBS - ids.shape[1]))  # a vocab smaller than MAX_LOGPROBS
+        top_lp = jnp.pad(vals - lse[:, None], pad, constant_values=-jnp.inf)
+        return jnp.take_along_axis(x, tokens[:, None], 1)[:, 0] - lse, jnp.pad(ids, pad, constant_values=-1), top_lp
 
-    def without():
-        B = x.shape[0]
-        return jnp.zeros((B,), jnp.float32), jnp.full((B, MAX_LOGPROBS), -1, jnp.int32), jnp.full((B, MAX_LOGPROBS), -jnp.inf)
-
+    shape = (x.shape[0], MAX_LOGPROBS)
+    without = lambda: (jnp.zeros(shape[:1]), jnp.full(shape, -1, jnp.int32), jnp.full(shape, -jnp.inf))
     lp, top_ids, top_lp = lax.cond(jnp.any(arrays.want_logprobs), with_logprobs, without)
-    return SampleResult(tokens=tokens.astype(jnp.int32), logprobs=lp, top_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp)
+    return SampleResult(tokens.astype(jnp.int32), lp, top_ids.astype(jnp.int32), top_lp)

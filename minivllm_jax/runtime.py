@@ -1,0 +1,48 @@
+"""Process-level set-up for fast CPU serving: persistent XLA compile cache, allocator, memory."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import jax
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+
+def enable_compilation_cache(path: str | None = None) -> str:
+    """Persist compiled XLA programs on disk so the next start-up skips most compile time."""
+    path = path or os.environ.get("MINIVLLM_COMPILE_CACHE") or str(Path.home() / ".cache" / "minivllm_jax" / "xla")
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+def keep_freed_memory() -> bool:
+    """Ask glibc to serve large blocks from the heap and keep freed memory mapped.
+
+    XLA on CPU allocates each step's temporaries (tens of MB) afresh; by default glibc maps
+    such blocks with mmap and unmaps them on free, so every step pays page faults on fresh
+    memory (measured: a 19 MB copy took 6.7 ms instead of 1.8 ms). Returns False where this
+    is not glibc.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30) == 1
+        return ok and libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30) == 1
+    except (OSError, AttributeError):
+        return False
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux); physical memory as a fallback."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
