@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+serve: $(STAMP)
+	$(VENV)/bin/minivllm-serve --model smollm2-135m --host $(or $(HOST),127.0.0.1) --port $(or $(PORT),8000)
+
 run: $(STAMP)
 	$(PY) -m minivllm_jax --model smollm2-135m --prompt "$(or $(PROMPT),Write a haiku about the sea.)"
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from minivllm_jax.batch import single_sequence_batch
@@ -39,7 +38,7 @@ def greedy_stream(
     batch = single_sequence_batch(np.asarray(prompt_ids), 0, pages, page_size)
     for step in range(max_new_tokens):
         logits, cache = forward_jit(params, cache, batch, cfg)
-        token = int(jnp.argmax(logits[0]))
+        token = int(np.argmax(np.asarray(logits[0])))  # host argmax: XLA's is slow on CPU
         yield token
         if token in stop_ids:
             return

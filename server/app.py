@@ -1,0 +1,261 @@
+"""FastAPI app: OpenAI-compatible completions and chat (JSON and SSE), `WS /v1/stream`,
+`/health`, `/metrics` and `/v1/models`, over one `AsyncEngine` shared by every request.
+
+Bodies are read and parsed by hand (size limit, strict UTF-8, strict JSON, pydantic models) so
+every bad input gets an OpenAI-style `{"error": {...}}` with a 4xx code, never FastAPI's 422.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request, WebSocket
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from minivllm_jax.sampling_params import SamplingParams
+from server.engine_loop import EngineStopped, RequestStream
+from server.middleware import GateMiddleware
+from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_json, parse_request
+from server.responses import ChatFormatter, CompletionFormatter, _Formatter, sse
+from server.state import LLMLike, ServerState
+from server.ws import serve_socket
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def create_app(
+    llm_or_factory: LLMLike | Callable[[], LLMLike],
+    *,
+    model_name: str,
+    api_key: str | None = None,
+    max_queue: int = 256,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    on_load_error: Callable[[BaseException], None] | None = None,
+) -> FastAPI:
+    """Build the app around an already-built `LLM` (ready at once) or a factory, which runs on
+    a background thread after start-up so `/health` answers 503 while it loads and warms up."""
+    state = ServerState(model_name, api_key=api_key, max_queue=max_queue, max_body_bytes=max_body_bytes)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if hasattr(llm_or_factory, "engine"):
+            state.attach(llm_or_factory)  # type: ignore[arg-type]
+        else:
+            loader = threading.Thread(target=_load, args=(state, llm_or_factory, on_load_error), daemon=True,
+                                      name="model-loader")  # fmt: skip
+            loader.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(state.close)
+
+    app = FastAPI(title="minivllm-jax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.minivllm = state
+    app.add_middleware(GateMiddleware, state=state)
+    _add_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.healthy:
+            return JSONResponse({"status": "ok", "model": state.model_name})
+        return JSONResponse({"status": state.status, "error": state.error}, 503, headers={"Retry-After": "1"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return PlainTextResponse(state.render_metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card(state)]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        state.check_model(model)
+        return _model_card(state)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        arrival = time.monotonic()
+        state.require_ready()
+        state.check_capacity()
+        req = parse_request(CompletionRequest, parse_json(await _read_body(request, state.max_body_bytes)))
+        state.check_model(req.model)
+        params = req.sampling_params()
+        ids = await state.prompt_ids(req.single_prompt(), None)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        fmt = CompletionFormatter(rid, state.model_name, int(time.time()), state.table, req.logprobs, req.n,
+                                  req.include_usage)  # fmt: skip
+        return await _respond(request, state, ids, params, fmt, req.stream, arrival)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        arrival = time.monotonic()
+        state.require_ready()
+        state.check_capacity()
+        req = parse_request(ChatCompletionRequest, parse_json(await _read_body(request, state.max_body_bytes)))
+        state.check_model(req.model)
+        params = req.sampling_params()
+        ids = await state.prompt_ids(None, req.messages)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        top_k = (req.top_logprobs or 0) if req.logprobs else None
+        fmt = ChatFormatter(rid, state.model_name, int(time.time()), state.table, top_k, req.n, req.include_usage)
+        return await _respond(request, state, ids, params, fmt, req.stream, arrival, {"logprobs": "top_logprobs"})
+
+    @app.websocket("/v1/stream")
+    async def stream(websocket: WebSocket) -> None:
+        await serve_socket(websocket, state)
+
+    return app
+
+
+def _load(state: ServerState, factory: Callable[[], LLMLike], on_error: Callable[[BaseException], None] | None) -> None:
+    start = time.perf_counter()
+    try:
+        state.attach(factory())
+    except BaseException as e:  # surface it on /health and to the CLI, never swallow it
+        if type(e).__module__.startswith("convert") or isinstance(e, (OSError, ValueError)):
+            logger.error("loading the model failed: %s", e)  # a user error: one line is enough
+        else:
+            logger.exception("loading the model failed")
+        state.fail(e)
+        if on_error is not None:
+            on_error(e)
+        return
+    logger.info("model %r ready in %.1fs", state.model_name, time.perf_counter() - start)
+
+
+def _model_card(state: ServerState) -> dict[str, Any]:
+    card: dict[str, Any] = {"id": state.model_name, "object": "model", "created": state.created}
+    card["owned_by"] = "minivllm-jax"
+    if state.llm is not None:
+        card["max_model_len"] = state.llm.engine.config.max_model_len
+    return card
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed `limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"request body is larger than the {limit}-byte limit", code="request_too_large")
+
+
+class _EngineStreamResponse(StreamingResponse):
+    """SSE response that aborts its request however the response ends (done, client gone,
+    cancelled at shutdown, or never started)."""
+
+    def __init__(self, stream: RequestStream, content: AsyncIterator[str]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._stream = stream
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._stream.abort()
+
+
+async def _respond(
+    request: Request,
+    state: ServerState,
+    ids: list[int],
+    params: SamplingParams,
+    fmt: _Formatter,
+    streaming: bool,
+    arrival: float,
+    renames: dict[str, str] | None = None,
+) -> Response:
+    stream = await state.start(ids, params, fmt.id, arrival, renames)
+    if streaming:
+        return _EngineStreamResponse(stream, _sse_events(stream, fmt))
+    try:
+        final = await _unless_disconnected(request, _last_output(stream))
+    except EngineStopped as e:
+        raise APIError(503, str(e), type="service_unavailable", code="engine_unavailable") from None
+    finally:
+        stream.abort()
+    if final is None:  # the client is gone; nobody will read this
+        return Response(status_code=499)
+    return JSONResponse(fmt.response(final, stream.prompt_tokens))
+
+
+async def _sse_events(stream: RequestStream, fmt: _Formatter) -> AsyncIterator[str]:
+    for chunk in fmt.start_chunks():
+        yield sse(chunk)
+    last = None
+    try:
+        async for out in stream:
+            last = out
+            chunks = fmt.chunks(out)
+            if chunks:
+                yield "".join(sse(c) for c in chunks)
+    except EngineStopped as e:
+        yield sse(APIError(503, str(e), type="service_unavailable", code="engine_unavailable").body())
+    else:
+        if fmt.include_usage:
+            yield sse(fmt.usage_chunk(last, stream.prompt_tokens))
+    yield sse("[DONE]")
+
+
+async def _last_output(stream: RequestStream) -> Any:
+    last = None
+    async for out in stream:
+        last = out
+    return last
+
+
+async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, Any]) -> Any:
+    """Run `work` while watching the connection; None if the client disconnects first (the
+    body is fully read, so the next `receive()` only returns on disconnect)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    return task.result() if task in done else None
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> Response:
+        return JSONResponse(e.body(), e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        err = APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=code)
+        return JSONResponse(err.body(), e.status_code, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> Response:
+        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        err = APIError(500, "internal server error", type="server_error", code="internal_error")
+        return JSONResponse(err.body(), 500)

@@ -1,0 +1,98 @@
+"""`minivllm-serve` / `python -m server`: load a model, warm it up and serve it with uvicorn.
+
+uvicorn starts first, so `/health` answers 503 while the model loads and compiles, then 200.
+SIGTERM/SIGINT stop accepting connections, let in-flight requests finish for up to
+`--shutdown-timeout` seconds, cancel (abort) the rest, and exit with status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+
+API_KEY_ENV = "MINIVLLM_API_KEY"
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="minivllm-serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", default="smollm2-135m",
+                   help="alias, converted dir, HF folder or .gguf; also the served model name")  # fmt: skip
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV})")  # fmt: skip
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together (largest batch bucket)")
+    p.add_argument("--max-model-len", type=int, default=2048, help="prompt + output tokens per sequence")
+    p.add_argument("--num-pages", type=int, default=None, help="KV cache pages (default: sized from free memory)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens in one prefill step")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-queue", type=int, default=256, help="requests in flight before new ones get 429")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body / WebSocket message")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to drain requests on SIGTERM")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("server")
+    if args.host not in LOOPBACK and not args.api_key:
+        log.warning("binding %s without --api-key: anyone who can reach this port can use the model", args.host)
+
+    import uvicorn
+
+    from server.app import create_app
+
+    def load_llm():  # runs on the loader thread while uvicorn already answers /health
+        from minivllm_jax import LLM
+
+        return LLM(
+            args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+            page_size=args.page_size, num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=not args.no_prefix_caching, seed=args.seed, use_tqdm=sys.stderr.isatty(),
+        )  # fmt: skip
+
+    load_errors: list[BaseException] = []
+
+    def on_load_error(error: BaseException) -> None:
+        load_errors.append(error)
+        server.should_exit = True
+
+    app = create_app(
+        load_llm, model_name=args.model, api_key=args.api_key, max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes, on_load_error=on_load_error,
+    )  # fmt: skip
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
+        timeout_graceful_shutdown=args.shutdown_timeout, ws_max_size=args.max_body_bytes,
+    )  # fmt: skip
+    server = uvicorn.Server(config)
+    # uvicorn re-raises the signal that stopped it once its own handlers are removed; these
+    # no-op handlers make that a clean exit (status 0) instead of death by signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+
+    code = 1 if load_errors or not server.started else 0
+    if any(t.name == "model-loader" and t.is_alive() for t in threading.enumerate()):
+        # Stopped during warm-up: don't wait for XLA to finish compiling.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

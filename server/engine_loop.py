@@ -1,0 +1,294 @@
+"""`AsyncEngine`: one `LLMEngine` on one background thread, bridged to asyncio.
+
+The engine is not thread-safe, so exactly one thread touches it. Handlers send it commands
+(add, abort, stop) through a list guarded by a condition variable; the thread runs them
+between steps and sleeps on the condition when there is nothing to do (no polling). Each
+request's outputs go back to its own `asyncio.Queue` via `loop.call_soon_threadsafe`, so all
+HTTP and WebSocket requests share the engine's continuous batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from minivllm_jax.outputs import RequestOutput
+from minivllm_jax.sampling_params import SamplingParams
+from server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStopped(RuntimeError):
+    """The engine loop is shutting down or died; the request cannot be served."""
+
+
+class QueueFull(RuntimeError):
+    """`max_queue` requests are already in flight; the client should retry later."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """A snapshot the engine thread publishes after each iteration (read by /metrics)."""
+
+    running: int
+    waiting: int
+    free_pages: int
+    usable_pages: int
+    generated_tokens: int
+    prompt_tokens: int
+    compiles: int
+    preemptions: int
+    steps: int
+
+
+_ABORTED = object()  # queue sentinel: the consumer side aborted the request
+
+
+class RequestStream:
+    """Async iterator over one request's cumulative `RequestOutput`s.
+
+    A slow consumer that falls behind gets only the newest output (all fields are cumulative).
+    `abort()` is idempotent and safe after the end; callers use it in `finally` so a client
+    that goes away frees its pages.
+    """
+
+    def __init__(self, owner: AsyncEngine, request_id: str, prompt_tokens: int, n: int, arrival: float) -> None:
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.n = n
+        self.aborted = False
+        self._owner = owner
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._closed = False
+        self._arrival = arrival
+        self._last_token_time: float | None = None
+        self._tokens = 0
+
+    def _put(self, item: Any) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._closed:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        while isinstance(item, RequestOutput) and not item.finished and not self._queue.empty():
+            item = self._queue.get_nowait()
+        if item is _ABORTED:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self._close(None)
+            raise item
+        self._observe(item)
+        if item.finished:
+            self._close(item.outputs[0].finish_reason or "stop")
+        return item
+
+    def abort(self) -> None:
+        if self._closed:
+            return
+        self.aborted = True
+        self._owner._submit(lambda: self._owner._abort_now(self.request_id))
+        self._close("abort")
+        self._queue.put_nowait(_ABORTED)  # wake a consumer blocked in __anext__
+
+    def _observe(self, out: RequestOutput) -> None:
+        """TTFT once; then the gap per token of the longest choice (n choices advance together)."""
+        now = time.monotonic()
+        tokens = max(len(c.token_ids) for c in out.outputs)
+        new = tokens - self._tokens
+        if new <= 0:
+            return
+        metrics = self._owner.metrics
+        if self._last_token_time is None:
+            metrics.ttft.observe(now - self._arrival)
+        else:
+            metrics.itl.observe((now - self._last_token_time) / new, new)
+        self._tokens, self._last_token_time = tokens, now
+
+    def _close(self, reason: str | None) -> None:
+        """Leave the in-flight count exactly once (finished, aborted or failed)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._owner.num_in_flight -= 1
+        if reason is not None:
+            self._owner.metrics.observe_finished(reason, time.monotonic() - self._arrival)
+
+
+class AsyncEngine:
+    """Owns an `LLMEngine` on a daemon thread; `add()` returns a `RequestStream`."""
+
+    def __init__(self, engine: Any, *, max_queue: int = 256, metrics: ServerMetrics | None = None) -> None:
+        self.engine = engine
+        self.max_queue = max_queue
+        self.metrics = metrics or ServerMetrics()
+        self.num_in_flight = 0  # event-loop side: admitted requests not yet closed
+        self.error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._commands: list[Callable[[], None]] = []
+        self._stopping = False
+        self._closing = False  # engine thread: no more adds (set when failing everything)
+        self._finished = False  # the thread is gone: commands run inline
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, RequestStream]] = {}  # engine thread only
+        self._steps = 0
+        self.stats = self._snapshot()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping and self.error is None
+
+    async def add(
+        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str, arrival: float | None = None
+    ) -> RequestStream:
+        """Queue a tokenized request. Raises QueueFull, EngineStopped, or the engine's
+        ValueError for a bad request (checked on the engine thread, between steps).
+        `arrival` (time.monotonic) is when the server received it; latencies count from there."""
+        if not self.alive:
+            raise EngineStopped("the engine is not running")
+        if self.num_in_flight >= self.max_queue:
+            raise QueueFull(f"{self.num_in_flight} requests in flight (max_queue={self.max_queue})")
+        loop = asyncio.get_running_loop()
+        arrival = time.monotonic() if arrival is None else arrival
+        stream = RequestStream(self, request_id, len(prompt_ids), params.n, arrival)
+        self.num_in_flight += 1
+        added: asyncio.Future[None] = loop.create_future()
+
+        def add_now() -> None:
+            if self._closing:
+                _resolve(loop, added, EngineStopped("the engine is shutting down"))
+                return
+            try:
+                self.engine.add_request(list(prompt_ids), params, request_id=request_id)
+            except Exception as e:
+                _resolve(loop, added, e)
+                return
+            self._streams[request_id] = (loop, stream)
+            _resolve(loop, added, None)
+
+        self._submit(add_now)
+        try:
+            await added
+        except BaseException:  # rejected, or the handler was cancelled while waiting
+            stream._close(None)
+            self._submit(lambda: self._abort_now(request_id))
+            raise
+        return stream
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """Abort everything, fail open streams with EngineStopped, and join the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        with self._cond:
+            if not self._finished:
+                self._commands.append(command)
+                self._cond.notify()
+                return
+        command()  # the engine thread is gone, so running it here cannot race with it
+
+    def _abort_now(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self.engine.abort(request_id)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._commands or self._stopping or self.engine.has_unfinished()):
+                        self._cond.wait()
+                    commands, self._commands = self._commands, []
+                    stopping = self._stopping
+                for command in commands:
+                    command()
+                if stopping:
+                    break
+                if self.engine.has_unfinished():
+                    outputs = self.engine.step()
+                    self._steps += 1
+                    for out in outputs:
+                        self._dispatch(out)
+                self.stats = self._snapshot()
+        except BaseException as e:  # an engine bug: fail every request rather than hang them
+            logger.exception("engine loop crashed")
+            self.error = e
+        finally:
+            self._fail_all(EngineStopped("the engine stopped" if self.error is None else f"engine error: {self.error}"))
+
+    def _dispatch(self, out: RequestOutput) -> None:
+        entry = self._streams.get(out.request_id)
+        if entry is None:
+            return
+        if out.finished:
+            del self._streams[out.request_id]
+        _call_soon(entry[0], entry[1]._put, out)
+
+    def _fail_all(self, error: EngineStopped) -> None:
+        self._closing = True
+        for request_id, (loop, stream) in list(self._streams.items()):
+            try:
+                self.engine.abort(request_id)
+            except Exception:
+                logger.exception("abort of %s failed during shutdown", request_id)
+            _call_soon(loop, stream._put, error)
+        self._streams.clear()
+        with self._cond:
+            pending, self._commands = self._commands, []
+            self._finished = True
+        for command in pending:  # queued adds are answered with EngineStopped
+            try:
+                command()
+            except Exception:
+                logger.exception("command failed during shutdown")
+        self.stats = self._snapshot()
+
+    def _snapshot(self) -> EngineStats:
+        e = self.engine
+        return EngineStats(
+            running=len(e.scheduler.running),
+            waiting=len(e.scheduler.waiting),
+            free_pages=e.block_manager.num_free_pages,
+            usable_pages=e.block_manager.num_usable_pages,
+            generated_tokens=e.num_generated_tokens,
+            prompt_tokens=e.num_prompt_tokens,
+            compiles=e.num_compiles,
+            preemptions=e.scheduler.num_preemptions,
+            steps=self._steps,
+        )
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the event loop is already closed (process exiting)
+        pass
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None], error: BaseException | None) -> None:
+    def set_() -> None:
+        if fut.done():
+            return
+        if error is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(error)
+
+    _call_soon(loop, set_)

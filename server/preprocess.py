@@ -1,0 +1,119 @@
+"""Tokenizing off the engine thread, and token ids -> strings/bytes for logprobs.
+
+Tokenizing a long prompt takes about 1 s per MB of text here; done on the engine thread it
+would stall every stream. So prompts are tokenized on one worker thread with its own copy of
+the tokenizer (HF tokenizers are not safe to share across threads), and the engine receives
+token ids. Prompts far too long to fit are rejected from their length alone, before any work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from server.protocol import invalid
+
+# A normalizer could shrink text before tokenizing (NFC, ...); this margin keeps the
+# characters-only length check conservative.
+_NORMALIZE_MARGIN = 4
+
+
+class TokenTable:
+    """Every token's bytes and display string, computed once at start-up (no tokenizer calls
+    from request handlers)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        size = len(tokenizer)
+        pieces = tokenizer.convert_ids_to_tokens(list(range(size)))
+        decoder = _byte_decoder() if _is_byte_level(tokenizer) else None
+        self._bytes: list[bytes] = []
+        for i, piece in enumerate(pieces):
+            if piece is None:
+                self._bytes.append(b"")
+            elif decoder is not None and all(ch in decoder for ch in piece):
+                self._bytes.append(bytes(decoder[ch] for ch in piece))
+            elif decoder is not None:  # added/special tokens are stored as plain text
+                self._bytes.append(piece.encode("utf-8"))
+            else:
+                self._bytes.append(tokenizer.decode([i]).encode("utf-8"))
+        self.max_token_bytes = max((len(b) for b in self._bytes), default=1) or 1
+
+    def bytes(self, token_id: int) -> list[int]:
+        return list(self._bytes[token_id]) if 0 <= token_id < len(self._bytes) else []
+
+    def text(self, token_id: int) -> str:
+        if not 0 <= token_id < len(self._bytes):
+            return ""
+        return self._bytes[token_id].decode("utf-8", errors="replace")
+
+
+class Preprocessor:
+    """Prompt -> token ids (text or chat messages) on a single worker thread."""
+
+    def __init__(self, tokenizer: Any, max_model_len: int, max_token_bytes: int) -> None:
+        self._tokenizer = copy.deepcopy(tokenizer)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        self.max_model_len = max_model_len
+        # A token covers at most max_token_bytes bytes, so more characters than this can
+        # never fit in max_model_len tokens.
+        self.max_prompt_chars = _NORMALIZE_MARGIN * max_token_bytes * max_model_len
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _check_length(self, chars: int, param: str) -> None:
+        if chars > self.max_prompt_chars:
+            raise invalid(
+                f"{param} is too long: {chars} characters cannot fit in max_model_len ({self.max_model_len}) tokens",
+                param,
+                "context_length_exceeded",
+            )
+
+    async def encode(self, prompt: str | list[int]) -> list[int]:
+        """Text -> ids (no special tokens added, like `LLMEngine.tokenize`); ids pass through
+        (the engine checks their range)."""
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if not prompt:
+            raise invalid("prompt must not be empty", "prompt")
+        self._check_length(len(prompt), "prompt")
+        return await self._run(lambda: self._tokenizer.encode(prompt, add_special_tokens=False))
+
+    async def chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """The tokenizer's chat template with the generation prompt (as `LLM.apply_chat_template`)."""
+        if not messages:
+            raise invalid("messages must not be empty", "messages")
+        self._check_length(sum(len(m["content"]) for m in messages), "messages")
+
+        def apply() -> list[int]:
+            ids = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+        try:
+            return await self._run(apply)
+        except Exception as e:  # template errors (e.g. jinja raise_exception on role order)
+            raise invalid(f"messages could not be formatted with the chat template: {e}", "messages") from None
+
+    async def _run(self, fn: Any) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend is not None and type(backend.decoder).__name__ == "ByteLevel"
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte <-> printable-character table, inverted (char -> byte)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars

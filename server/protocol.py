@@ -1,0 +1,301 @@
+"""OpenAI request schemas (pydantic, strict) and the mapping to `SamplingParams`.
+
+Types are checked here (strict: no "10" for 10, no NaN); value ranges are checked once, by
+`SamplingParams`, whose messages name the field, so every error says which `param` was wrong.
+Fields OpenAI clients send that do not change the output (`user`, `metadata`, ...) are accepted
+and ignored; fields that would change it but are unsupported must keep their neutral value.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from minivllm_jax.sampling_params import SamplingParams
+
+MAX_N = 16  # choices per request: each one is a sequence in the engine
+
+
+class APIError(Exception):
+    """An error the client caused (or may retry): rendered as OpenAI's `{"error": {...}}`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    """Fields shared by every generation request (OpenAI names, vLLM extensions)."""
+
+    model: str | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # vLLM extension
+    min_p: float = 0.0  # vLLM extension
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = Field(None, max_length=16)
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM extension
+    ignore_eos: bool = False  # vLLM extension
+    stop_token_ids: list[int] | None = Field(None, max_length=64)
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Accepted and ignored: they never change the output.
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    # Would change the output; only the neutral value is accepted.
+    logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="after")
+    def _neutral(self) -> "_Sampling":
+        if self.logit_bias:
+            raise _unsupported("logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise _FieldError("stream_options", "stream_options is only allowed when stream is true")
+        return self
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        return dict(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, n=self.n,
+            stop=self.stop, seed=self.seed, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+            ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
+            skip_special_tokens=self.skip_special_tokens,
+        )  # fmt: skip
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    """`POST /v1/completions`: one prompt (text or token ids) per request."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @model_validator(mode="after")
+    def _supported(self) -> "CompletionRequest":
+        if self.echo:
+            raise _unsupported("echo")
+        if self.suffix:
+            raise _unsupported("suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise _unsupported("best_of", "best_of must equal n (no server-side ranking)")
+        return self
+
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and not isinstance(p[0], int):
+            if len(p) != 1:
+                raise invalid("batched prompts are not supported; send one prompt per request", "prompt")
+            p = p[0]
+        if not p:
+            raise invalid("prompt must not be empty", "prompt")
+        return p
+
+    def sampling_params(self) -> SamplingParams:
+        return make_sampling_params(self.sampling_kwargs(), max_tokens=self.max_tokens, logprobs=self.logprobs)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None  # accepted, ignored (the chat template has no slot for it)
+
+    def as_template_dict(self) -> dict[str, str]:
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(_Sampling):
+    """`POST /v1/chat/completions`: the tokenizer's chat template turns messages into a prompt."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none"] | None = None
+    parallel_tool_calls: bool | None = None  # accepted, ignored
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _supported(self) -> "ChatCompletionRequest":
+        if not self.messages:
+            raise _FieldError("messages", "messages must not be empty")
+        if self.tools:
+            raise _unsupported("tools")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise _FieldError("top_logprobs", "top_logprobs needs logprobs: true")
+        return self
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [m.as_template_dict() for m in self.messages]
+
+    def sampling_params(self) -> SamplingParams:
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return make_sampling_params(self.sampling_kwargs(), max_tokens=max_tokens, logprobs=logprobs,
+                                    renames={"logprobs": "top_logprobs"})  # fmt: skip
+
+
+class StreamRequest(_Sampling):
+    """One request on `WS /v1/stream`: exactly one of `prompt` / `messages`, plus sampling fields.
+    `max_tokens` defaults like the matching HTTP endpoint (16 for a prompt, the rest of the
+    context for messages); `logprobs: k` adds per-token logprobs to each token message."""
+
+    type: Literal["request"] = "request"
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    max_tokens: int | None = None
+    logprobs: int | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "StreamRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise _FieldError("prompt", "send exactly one of 'prompt' or 'messages'")
+        if self.messages is not None and not self.messages:
+            raise _FieldError("messages", "messages must not be empty")
+        if self.prompt is not None and not self.prompt:
+            raise _FieldError("prompt", "prompt must not be empty")
+        if self.stream_options is not None:
+            raise _unsupported("stream_options", "stream_options is not used on the WebSocket (usage is always sent)")
+        return self
+
+    def sampling_params(self) -> SamplingParams:
+        max_tokens = self.max_tokens if self.max_tokens is not None or self.messages is not None else 16
+        return make_sampling_params(self.sampling_kwargs(), max_tokens=max_tokens, logprobs=self.logprobs)
+
+
+# ---------------------------------------------------------------------- parsing and errors
+
+
+class _FieldError(ValueError):
+    """Raised inside validators so the error names its field (pydantic keeps the message)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _unsupported(param: str, message: str | None = None) -> _FieldError:
+    return _FieldError(param, message or f"{param} is not supported by this server")
+
+
+def parse_json(raw: bytes) -> Any:
+    """Strict UTF-8 JSON, with a message for each way a body can be broken."""
+    if not raw.strip():
+        raise invalid("request body is empty; send a JSON object")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise invalid(f"request body is not valid UTF-8 (byte {e.start})") from None
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise invalid("request body JSON is nested too deeply") from None
+    except ValueError as e:
+        raise invalid(f"request body is not valid JSON: {e}") from None
+
+
+def parse_request(model: type[_Strict], data: Any) -> Any:
+    """Validate decoded JSON against a request model; the first error becomes an `APIError`."""
+    if not isinstance(data, dict):
+        raise invalid(f"request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise _from_validation_error(e) from None
+
+
+def _from_validation_error(e: ValidationError) -> APIError:
+    errors = e.errors(include_url=False)
+    # For a union, the deepest error names the branch the client was most likely aiming at
+    # (a list of message parts with an image part, not "should be a string").
+    err = max(errors, key=lambda x: len(x["loc"]))
+    cause = err.get("ctx", {}).get("error")
+    if isinstance(cause, _FieldError):
+        return invalid(str(cause), cause.param)
+    # Union members add their type name to loc ("prompt", "str", ...): keep the data path.
+    loc = [str(x) for x in err["loc"] if isinstance(x, int) or not _is_type_name(x)]
+    param = ".".join(loc) or None
+    if err["type"] == "extra_forbidden":
+        return invalid(f"unknown field {param!r}", param, "unknown_field")
+    if err["type"] == "missing":
+        return invalid(f"missing required field {param!r}", param)
+    return invalid(f"{param}: {err['msg']}" if param else err["msg"], param)
+
+
+def _is_type_name(part: Any) -> bool:
+    return isinstance(part, str) and bool(re.search(r"[\[\]]|^(str|int|float|bool|TextPart)$", part))
+
+
+def make_sampling_params(
+    kwargs: dict[str, Any],
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    renames: dict[str, str] | None = None,
+) -> SamplingParams:
+    """Build `SamplingParams`; its ValueError names the field first, which becomes `param`."""
+    try:
+        return SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=logprobs)
+    except ValueError as e:
+        raise invalid(str(e), param_from_message(str(e), renames)) from None
+
+
+def param_from_message(message: str, renames: dict[str, str] | None = None) -> str | None:
+    """'top_p must be in (0, 1]' -> 'top_p'; engine length errors name max_tokens or prompt."""
+    if "max_tokens (" in message:
+        return "max_tokens"
+    m = re.match(r"[a-z_]+", message)
+    name = m.group(0) if m else None
+    return (renames or {}).get(name, name) if name else None

@@ -1,0 +1,138 @@
+"""`WS /v1/stream`: JSON requests in, `{"type": "token"}` messages then `{"type": "done"}` out.
+
+Requests on one socket run one after another; one sent while another streams waits its turn.
+`{"type": "cancel"}` aborts the current request (it ends with `finish_reason: "abort"`).
+A bad request gets `{"type": "error", ...}` and the socket stays open for the next one. A
+client that disconnects aborts its request, so its KV pages go back to the pool at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+import uuid
+from typing import Any
+
+from fastapi import WebSocket
+
+from server.engine_loop import EngineStopped, RequestStream
+from server.protocol import APIError, StreamRequest, parse_json, parse_request
+from server.responses import ChoiceTracker, chat_logprobs, usage
+from server.state import ServerState
+
+logger = logging.getLogger(__name__)
+
+MAX_PENDING = 8  # requests queued on one socket behind the one streaming
+
+
+async def serve_socket(websocket: WebSocket, state: ServerState) -> None:
+    await websocket.accept()
+    pending: collections.deque[dict[str, Any]] = collections.deque()
+    receiving: asyncio.Task[Any] | None = None
+    try:
+        while True:
+            if pending:
+                message = pending.popleft()
+            else:
+                receiving = receiving or asyncio.ensure_future(websocket.receive())
+                message, receiving = await receiving, None
+            if message["type"] == "websocket.disconnect":
+                return
+            try:
+                started = await _start(state, message)
+            except APIError as e:
+                await websocket.send_json(error_message(e))
+                continue
+            if started is None:  # a cancel with nothing running
+                continue
+            stream, top_k = started
+            pump = asyncio.ensure_future(_pump(websocket, state, stream, top_k))
+            try:
+                while not pump.done():
+                    receiving = receiving or asyncio.ensure_future(websocket.receive())
+                    await asyncio.wait({pump, receiving}, return_when=asyncio.FIRST_COMPLETED)
+                    if pump.done() or not receiving.done():
+                        continue
+                    message, receiving = receiving.result(), None
+                    if message["type"] == "websocket.disconnect":
+                        return
+                    if _is_cancel(message):
+                        stream.abort()
+                    elif len(pending) < MAX_PENDING:
+                        pending.append(message)
+                    else:
+                        busy = APIError(429, "too many requests queued on this socket", code="queue_full")
+                        await websocket.send_json(error_message(busy))
+                pump.result()  # a send that failed means the client is gone
+            finally:
+                stream.abort()
+                pump.cancel()
+    except Exception as e:  # the socket broke mid-send; nothing left to tell the client
+        logger.debug("websocket closed: %r", e)
+    finally:
+        if receiving is not None:
+            receiving.cancel()
+
+
+def error_message(e: APIError) -> dict[str, Any]:
+    return {"type": "error", "status": e.status, "message": e.message, "param": e.param, "code": e.code}
+
+
+def _is_cancel(message: dict[str, Any]) -> bool:
+    try:
+        return _decode(message) == {"type": "cancel"}
+    except APIError:
+        return False  # a broken message is answered when its turn comes
+
+
+def _decode(message: dict[str, Any]) -> Any:
+    raw = message.get("bytes")
+    if raw is None:
+        raw = (message.get("text") or "").encode("utf-8", errors="surrogatepass")
+    return parse_json(raw)
+
+
+async def _start(state: ServerState, message: dict[str, Any]) -> tuple[RequestStream, int | None] | None:
+    arrival = time.monotonic()
+    state.require_ready()
+    state.check_capacity()
+    size = len(message.get("bytes") or b"") + len(message.get("text") or "")
+    if size > state.max_body_bytes:
+        raise APIError(413, f"message is larger than the {state.max_body_bytes}-byte limit", code="request_too_large")
+    data = _decode(message)
+    if data == {"type": "cancel"}:
+        return None
+    req = parse_request(StreamRequest, data)
+    state.check_model(req.model)
+    params = req.sampling_params()
+    ids = await state.prompt_ids(req.prompt, req.messages)
+    stream = await state.start(ids, params, f"ws-{uuid.uuid4().hex}", arrival)
+    return stream, req.logprobs
+
+
+async def _pump(websocket: WebSocket, state: ServerState, stream: RequestStream, top_k: int | None) -> None:
+    tracker = ChoiceTracker(stream.n)
+    last = None
+    try:
+        async for out in stream:
+            last = out
+            for d in tracker.deltas(out):
+                if not (d.text or d.token_ids):
+                    continue
+                msg: dict[str, Any] = {"type": "token", "id": stream.request_id, "index": d.index, "text": d.text,
+                                       "token_ids": d.token_ids}  # fmt: skip
+                if top_k is not None and d.logprobs is not None and state.table is not None:
+                    msg["logprobs"] = chat_logprobs(state.table, d.token_ids, d.logprobs, top_k)
+                await websocket.send_json(msg)
+    except EngineStopped as e:
+        err = APIError(503, str(e), type="service_unavailable", code="engine_unavailable")
+        await websocket.send_json(error_message(err))
+        return
+    reasons = [c.finish_reason or "abort" for c in last.outputs] if last is not None else ["abort"] * stream.n
+    done: dict[str, Any] = {"type": "done", "id": stream.request_id, "finish_reason": reasons[0],
+                            "usage": usage(last, stream.prompt_tokens)}  # fmt: skip
+    if stream.n > 1:
+        done["finish_reasons"] = reasons
+    await websocket.send_json(done)
