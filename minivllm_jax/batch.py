@@ -13,9 +13,15 @@ import numpy as np
 class StepBatch:
     """One model step over `B` rows of `T` new tokens each (decode: `T == 1`).
 
-    Row `b` already has `context_lens[b]` tokens in the cache (reached through its block table)
-    and feeds `query_lens[b] <= T` new ones; the rest of the row is padding. Padded rows have
-    `query_lens == 0`, an all-scratch block table and scratch slots.
+    Row `b` already has `context_lens[b]` tokens in the cache and feeds `query_lens[b] <= T` new
+    ones; the rest of the row is padding. Padded rows have `query_lens == 0` and scratch slots.
+
+    The cached tokens are reached in one of two ways. A block table (`[B, P]`) pads every row
+    to the widest one; prefill steps use it. Decode steps instead list the past pages of all
+    rows flat (`page_ids`, `page_rows`, `page_lens`, length `N`, a bucket of the real total) and
+    have a zero-width block table, so attention reads only pages that hold tokens: in a mixed
+    batch most of a padded table is empty. Padding entries of the list point at the scratch
+    page with `page_lens == 0`, owned by the last row (the list stays sorted by row).
     """
 
     tokens: jax.Array  # int32[B, T]
@@ -24,6 +30,9 @@ class StepBatch:
     block_tables: jax.Array  # int32[B, P]   pages holding the row's earlier tokens
     context_lens: jax.Array  # int32[B]      tokens already cached before this step
     query_lens: jax.Array  # int32[B]      valid new tokens in this step
+    page_ids: jax.Array = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))  # int32[N]
+    page_rows: jax.Array = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))  # int32[N] sorted
+    page_lens: jax.Array = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))  # int32[N] 0..page_size
 
 
 def single_sequence_batch(

@@ -127,10 +127,13 @@ class EngineConfig:
     def decode_batch_buckets(self) -> tuple[int, ...]:
         return _doubling(1, self.max_num_seqs)
 
-    @property
-    def page_buckets(self) -> tuple[int, ...]:
-        """Block-table widths of decode steps."""
-        return _doubling(min(8, self.max_pages_per_seq), self.max_pages_per_seq)
+    def page_list_buckets(self, rows: int) -> tuple[int, ...]:
+        """Lengths of the flat page list of a decode step with `rows` rows (doubling from 16).
+
+        A batch in this rows bucket has more than rows/2 sequences, each with at least one
+        cached page, so shorter lists are never needed."""
+        cap = rows * self.max_pages_per_seq
+        return tuple(n for n in _doubling(min(16, cap), cap) if n > rows // 2)
 
     @property
     def prefill_page_buckets(self) -> tuple[int, ...]:
@@ -147,16 +150,18 @@ class EngineConfig:
         rows = _doubling(1, self.max_prefill_rows)
         return tuple(r for r in rows if r == 1 or r * tokens <= self.max_num_batched_tokens)
 
-    def prefill_shapes(self) -> list[tuple[int, int, int]]:
+    def prefill_shapes(self) -> list[tuple[int, int, int, int]]:
+        """(rows, tokens, block-table width, page-list length) of every prefill program."""
         return [
-            (rows, tokens, pages)
+            (rows, tokens, pages, 0)
             for tokens in self.prefill_token_buckets
             for rows in self.prefill_row_buckets(tokens)
             for pages in self.prefill_page_buckets
         ]
 
-    def decode_shapes(self) -> list[tuple[int, int, int]]:
-        return [(rows, 1, pages) for rows in self.decode_batch_buckets for pages in self.page_buckets]
+    def decode_shapes(self) -> list[tuple[int, int, int, int]]:
+        """Decode programs: no block table, a flat page list instead (see `StepBatch`)."""
+        return [(rows, 1, 0, n) for rows in self.decode_batch_buckets for n in self.page_list_buckets(rows)]
 
 
 def bucket_for(value: int, buckets: tuple[int, ...]) -> int:

@@ -65,9 +65,10 @@ class ModelRunner:
                 logger.warning("compiled %s after warm-up; a bucket is missing from the warm-up set", key)
         return program
 
-    def _step_program(self, rows: int, tokens: int, pages: int) -> Any:
-        batch = _abstract_batch(rows, tokens, pages)
-        return self._program(("step", rows, tokens, pages), forward_jit, self.params, self.cache, batch, cfg=self.model_config)
+    def _step_program(self, rows: int, tokens: int, pages: int, listed: int) -> Any:
+        batch = _abstract_batch(rows, tokens, pages, listed)
+        key = ("step", rows, tokens, pages, listed)
+        return self._program(key, forward_jit, self.params, self.cache, batch, cfg=self.model_config)
 
     def _sample_program(self, rows: int, penalties: bool) -> Any:
         logits = jax.ShapeDtypeStruct((rows, self.model_config.vocab_size), jnp.float32)
@@ -80,7 +81,7 @@ class ModelRunner:
         start = time.perf_counter()
         cfg = self.config
         steps = cfg.prefill_shapes() + cfg.decode_shapes()
-        sample_rows = sorted({r for r, _, _ in steps})
+        sample_rows = sorted({shape[0] for shape in steps})
         jobs = [("step", s) for s in steps] + [("sample", (r, p)) for r in sample_rows for p in (False, True)]
         for kind, shape in tqdm(jobs, desc="warm-up: compiling buckets", disable=not progress):
             if kind == "step":
@@ -94,7 +95,9 @@ class ModelRunner:
 
     def run(self, batch: ScheduledBatch) -> StepResult:
         step_batch, rows = self._prepare(batch)
-        program = self._step_program(*step_batch.tokens.shape, step_batch.block_tables.shape[1])
+        program = self._step_program(
+            *step_batch.tokens.shape, step_batch.block_tables.shape[1], step_batch.page_ids.shape[0]
+        )
         logits, self.cache = program(self.params, self.cache, step_batch)
 
         seqs = batch.seqs
@@ -111,15 +114,15 @@ class ModelRunner:
         cfg, ps = self.config, self.config.page_size
         n = len(batch.seqs)
         context = [s.num_computed_tokens for s in batch.seqs]
-        past_pages = max(-(-c // ps) for c in context)
+        past_pages = [-(-c // ps) for c in context]
         if batch.is_prefill:
             width = bucket_for(max(batch.num_new_tokens), cfg.prefill_token_buckets)
             rows = bucket_for(n, cfg.prefill_row_buckets(width))
-            table_width = bucket_for(max(past_pages, 1), cfg.prefill_page_buckets)
-        else:
+            table_width = bucket_for(max(max(past_pages), 1), cfg.prefill_page_buckets)
+        else:  # decode lists its pages flat instead of a table (see StepBatch)
             width = 1
             rows = bucket_for(n, cfg.decode_batch_buckets)
-            table_width = bucket_for(max(past_pages, 1), cfg.page_buckets)
+            table_width = 0
 
         tokens = np.zeros((rows, width), np.int32)
         positions = np.zeros((rows, width), np.int32)
@@ -131,18 +134,37 @@ class ModelRunner:
             tokens[i, :q] = seq.token_ids[c : c + q]
             positions[i, :q] = pos
             slots[i, :q] = pages[pos // ps] * ps + pos % ps
-            k = -(-c // ps)
-            tables[i, :k] = pages[:k]
+            tables[i, : min(table_width, past_pages[i])] = pages[: min(table_width, past_pages[i])]
         context_lens = np.zeros(rows, np.int32)
         query_lens = np.zeros(rows, np.int32)
         context_lens[:n] = context
         query_lens[:n] = batch.num_new_tokens
-        return StepBatch(tokens, positions, slots, tables, context_lens, query_lens), rows
+        step = StepBatch(tokens, positions, slots, tables, context_lens, query_lens)
+        if not batch.is_prefill:
+            step = dataclasses.replace(step, **_page_list(batch.seqs, context, past_pages, rows, cfg))
+        return step, rows
 
 
-def _abstract_batch(rows: int, tokens: int, pages: int) -> StepBatch:
+def _page_list(seqs, context: list[int], past_pages: list[int], rows: int, cfg: EngineConfig) -> dict[str, np.ndarray]:
+    """The decode step's flat page list: every row's cached pages in row order, padded to a bucket
+    with scratch-page entries of length 0 owned by the last row (keeps `page_rows` sorted)."""
+    ps, total = cfg.page_size, sum(past_pages)
+    length = bucket_for(max(total, 1), cfg.page_list_buckets(rows))
+    ids = np.full(length, SCRATCH_PAGE, np.int32)
+    owners = np.full(length, rows - 1, np.int32)
+    lens = np.zeros(length, np.int32)
+    counts = np.asarray(past_pages)
+    ids[:total] = np.concatenate([np.asarray(s.pages[:k], np.int32) for s, k in zip(seqs, past_pages)])
+    owners[:total] = np.repeat(np.arange(len(seqs), dtype=np.int32), counts)
+    first = np.repeat(np.cumsum(counts) - counts, counts)  # list index of each row's first page
+    lens[:total] = np.minimum(ps, np.repeat(np.asarray(context), counts) - (np.arange(total) - first) * ps)
+    return {"page_ids": ids, "page_rows": owners, "page_lens": lens}
+
+
+def _abstract_batch(rows: int, tokens: int, pages: int, listed: int) -> StepBatch:
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
-    return StepBatch(i32(rows, tokens), i32(rows, tokens), i32(rows, tokens), i32(rows, pages), i32(rows), i32(rows))
+    return StepBatch(i32(rows, tokens), i32(rows, tokens), i32(rows, tokens), i32(rows, pages), i32(rows), i32(rows),
+                     i32(listed), i32(listed), i32(listed))  # fmt: skip
 
 
 def _abstract_penalties(rows: int, vocab: int) -> Penalties:

@@ -158,6 +158,8 @@ def paged_attention(
 ) -> jax.Array:
     """Attention of each row's new queries over its cached pages plus its new keys (causal).
 
+    Decode steps that list their pages flat (`batch.page_ids`) take `ragged_decode_attention`.
+
     q: [B, T, H, hd]; k_new/v_new: [B, T, KVH, hd]; `layer` indexes the stacked cache. Returns
     [B, T, H*hd]. Only the row's pages (`block_tables`, the first `context_lens` tokens) and its
     own new tokens (causally) are attended to. Plain JAX; a kernel can replace this function.
@@ -168,6 +170,8 @@ def paged_attention(
     slow at); past and new keys are scored separately and joined only in the small score
     tensor, so the gathered pages are never concatenated with the new keys.
     """
+    if batch.page_ids.shape[0]:
+        return ragged_decode_attention(q, k_new, v_new, cache, layer, batch)
     B, T, H, hd = q.shape
     KVH = k_new.shape[2]
     G = H // KVH
@@ -202,6 +206,52 @@ def paged_attention(
     out = out + jax.lax.dot_general(probs[..., S:], vn, pv, preferred_element_type=jnp.float32)
     out = out.astype(q.dtype).reshape(B, KVH, T, G, hd).transpose(0, 2, 1, 3, 4)
     return out.reshape(B, T, H * hd)
+
+
+def ragged_decode_attention(
+    q: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    cache: KVCache,
+    layer: jax.Array,
+    batch: StepBatch,
+) -> jax.Array:
+    """Decode attention (`T == 1`) over a flat list of pages shared by all rows.
+
+    Work and memory traffic follow the real number of cached pages, not rows x the longest
+    row. Each listed page is scored against its row's queries; a row's softmax is put together
+    from per-page maxima and sums with segment reductions over `page_rows` (sorted), and the new
+    token's own key/value join at the end. Same contract as `paged_attention`.
+    """
+    B, T, H, hd = q.shape
+    assert T == 1, "a flat page list is for decode steps"
+    KVH = k_new.shape[2]
+    G = H // KVH
+    L, num_pages, _, page_size, _ = cache.k.shape
+    dtype = cache.k.dtype
+    rows = batch.page_rows
+
+    blocks = ((layer * num_pages + batch.page_ids) * KVH)[:, None] + jnp.arange(KVH, dtype=rows.dtype)
+    k_pages = cache.k.reshape(-1, page_size, hd).at[blocks].get(mode="promise_in_bounds")  # [N, KVH, ps, hd]
+    v_pages = cache.v.reshape(-1, page_size, hd).at[blocks].get(mode="promise_in_bounds")
+    qf = (q.reshape(B, KVH, G, hd) * hd**-0.5).astype(dtype)
+    batch_dims = ((0, 1), (0, 1))
+    scores = jax.lax.dot_general(qf[rows], k_pages, (((3,), (3,)), batch_dims), preferred_element_type=jnp.float32)
+    valid = jnp.arange(page_size)[None, :] < batch.page_lens[:, None]  # [N, ps]
+    scores = jnp.where(valid[:, None, None, :], scores, -jnp.inf)  # [N, KVH, G, ps]
+    s_new = jnp.sum(qf * k_new.reshape(B, KVH, 1, hd).astype(dtype), axis=-1, dtype=jnp.float32)  # [B, KVH, G]
+
+    page_max = jax.ops.segment_max(scores.max(-1), rows, B, indices_are_sorted=True)
+    row_max = jnp.maximum(page_max, s_new)  # finite: every row has its new token
+    probs = jnp.exp(scores - row_max[rows][..., None])
+    p_new = jnp.exp(s_new - row_max)
+    denom = jax.ops.segment_sum(probs.sum(-1), rows, B, indices_are_sorted=True) + p_new
+    page_out = jax.lax.dot_general(probs.astype(dtype), v_pages, (((3,), (2,)), batch_dims),
+                                   preferred_element_type=jnp.float32)  # fmt: skip
+    out = jax.ops.segment_sum(page_out, rows, B, indices_are_sorted=True)  # [B, KVH, G, hd]
+    out = out + p_new[..., None] * v_new.reshape(B, KVH, 1, hd).astype(jnp.float32)
+    out = out / denom[..., None]
+    return out.astype(q.dtype).reshape(B, 1, H * hd)
 
 
 def _layer(cfg: ModelConfig, x: jax.Array, lp: Params, cache: KVCache, layer, cos, sin, batch: StepBatch):
