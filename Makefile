@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.minivllm-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup run serve test test-all clean-venv
+.PHONY: setup run serve test bench clean-venv
 
 # torch is pinned first so the CPU wheel on disk is used; the project's torch range accepts it.
 $(STAMP): pyproject.toml
@@ -25,6 +25,9 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) benchmarks/run_all.py $(BENCH_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

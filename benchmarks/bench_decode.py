@@ -9,14 +9,15 @@ medians over repetitions) for both, on the same prompt and thread count.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import RESULTS, load_hf_model, write_result  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -74,20 +75,8 @@ def bench_ours(model: str, prompt_ids: list[int], tokens: int, reps: int) -> dic
 
 def bench_hf(model: str, prompt_ids: list[int], tokens: int, reps: int, threads: int) -> dict:
     import torch
-    import transformers
 
-    from convert.resolve import MODEL_ALIASES, alias_source
-
-    torch.set_num_threads(threads)
-    if model in MODEL_ALIASES:
-        path = alias_source(model)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32,
-            quantization_config=transformers.GgufConfig(dequantize=True),
-        )  # fmt: skip
-    else:
-        hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    hf.eval()
+    hf = load_hf_model(model, "float32", threads)
     ids = torch.tensor([prompt_ids])
     runs = []
     with torch.no_grad():
@@ -129,8 +118,7 @@ def main(argv=None) -> int:
     if not args.no_hf:
         result["hf"] = bench_hf(args.model, prompt_ids, args.tokens, args.reps, args.threads)
         result["speedup"] = result["ours"]["decode_tok_s"] / result["hf"]["decode_tok_s"]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    write_result(result, args.out)
     print(f"ours: decode {result['ours']['decode_tok_s']:.1f} tok/s, ttft {result['ours']['ttft_s'] * 1e3:.0f} ms, "
           f"compile {result['ours']['compile_s']}")  # fmt: skip
     if "hf" in result:

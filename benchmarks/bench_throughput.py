@@ -1,70 +1,85 @@
 """Offline throughput, nano-vllm style: N requests with random input/output lengths (seeded),
-our engine vs HF transformers `generate` (PyTorch, batched with left padding), same run.
+our engine vs the PyTorch peer (HF transformers `generate`, batched with left padding), same
+model, dtype and threads, in the same run, for each --dtype.
 
 Outputs are forced to their drawn lengths (`ignore_eos`; HF with no EOS), so both sides
 produce exactly the same useful tokens. HF runs its batches in input order and decodes each
-batch to its longest request; only requested tokens count as useful.
+batch to its longest request; only requested tokens count. `--hf-batch-sweep 1 4 8 16` first
+times each batch size on a prefix of the workload and runs the whole workload at the best.
+Cost per 1M output tokens comes from --usd-per-hour; energy from RAPL / nvidia-smi when
+readable (see energy.py), else the JSON says why not.
 
-    python benchmarks/bench_throughput.py [--num-prompts 64] [--hf-batch 8] [--quick]
+    python benchmarks/bench_throughput.py [--preset mixed] [--dtype float32 bfloat16] [--hf-batch 8]
+    python benchmarks/bench_throughput.py --quick --model PATH_TO_TINY_HF_DIR
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
+import gc
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-RESULTS = Path(__file__).parent / "results"
+from benchmarks.common import (  # noqa: E402
+    RESULTS,
+    Workload,
+    add_workload_args,
+    load_hf_model,
+    make_workload,
+    model_vocab_size,
+    new_figure,
+    save_plot,
+    write_result,
+)
+from benchmarks.energy import EnergyMeter, add_cost_args, cost_fields  # noqa: E402
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, nargs=2, default=[16, 512], metavar=("MIN", "MAX"))
-    p.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
-    p.add_argument("--temperature", type=float, default=0.6)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default="smollm2-135m", help="alias, converted dir, HF folder or .gguf")
+    add_workload_args(p, default_preset="mixed")
+    p.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
+                   help="one or both; each is measured for both engines in this run")  # fmt: skip
+    p.add_argument("--temperature", type=float, default=0.6, help="0 = greedy on both sides")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--hf-batch", type=int, default=8, help="HF generate batch size (0 skips the PyTorch peer)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--quick", action="store_true", help="8 short requests, for smoke tests")
+    p.add_argument("--hf-batch-sweep", type=int, nargs="*", default=None, metavar="B",
+                   help="candidate HF batch sizes; the best on a workload prefix is used "
+                        "(overrides --hf-batch)")  # fmt: skip
+    p.add_argument("--hf-sweep-prompts", type=int, default=None,
+                   help="prefix length for the sweep (default: the largest candidate batch)")  # fmt: skip
+    p.add_argument("--threads", type=int, default=2, help="torch threads (XLA uses the same cores)")
+    add_cost_args(p)
+    p.add_argument("--quick", action="store_true", help="preset tiny, small engine: a smoke test")
     p.add_argument("--out", default=str(RESULTS / "throughput.json"))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.preset, args.max_num_seqs, args.max_num_batched_tokens = "tiny", 8, 64
+    return args
 
 
-def workload(args: argparse.Namespace, vocab_hi: int = 10000) -> tuple[list[list[int]], list[int]]:
-    rng = np.random.default_rng(args.seed)
-    lo_in, hi_in = args.input_len
-    lo_out, hi_out = args.output_len
-    prompts = [rng.integers(100, vocab_hi, size=int(rng.integers(lo_in, hi_in + 1))).tolist() for _ in range(args.num_prompts)]
-    outputs = [int(rng.integers(lo_out, hi_out + 1)) for _ in range(args.num_prompts)]
-    return prompts, outputs
-
-
-def run_ours(args, prompts, out_lens) -> dict:
+def run_ours(args: argparse.Namespace, dtype: str, wl: Workload) -> dict[str, Any]:
+    """Our engine on the whole workload at once (continuous batching), after a full warm-up."""
     from minivllm_jax import LLM, SamplingParams
 
-    max_len = max(len(p) + o for p, o in zip(prompts, out_lens))
     start = time.perf_counter()
-    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_model_len=max_len,
+    llm = LLM(args.model, dtype=dtype, max_num_seqs=args.max_num_seqs, max_model_len=wl.max_len,
               max_num_batched_tokens=args.max_num_batched_tokens, use_tqdm=False)  # fmt: skip
     startup = time.perf_counter() - start
     params = [SamplingParams(temperature=args.temperature, max_tokens=o, ignore_eos=True, seed=i)
-              for i, o in enumerate(out_lens)]  # fmt: skip
+              for i, o in enumerate(wl.output_lens)]  # fmt: skip
     compiles = llm.engine.num_compiles
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    with EnergyMeter() as meter:
+        outs = llm.generate(wl.prompts, params, use_tqdm=False)
+    elapsed = meter.elapsed_s
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert produced == sum(out_lens), (produced, sum(out_lens))
-    return {
+    assert produced == wl.output_tokens, (produced, wl.output_tokens)
+    result = {
         "startup_s": startup,
         "warmup_s": llm.warmup_seconds,
         "compiled_programs": compiles,
@@ -73,71 +88,137 @@ def run_ours(args, prompts, out_lens) -> dict:
         "num_pages": llm.engine.config.num_pages,
         "elapsed_s": elapsed,
         "output_tok_s": produced / elapsed,
-        "total_tok_s": (produced + sum(map(len, prompts))) / elapsed,
+        "total_tok_s": (produced + wl.input_tokens) / elapsed,
+        **cost_fields(elapsed, produced, args.usd_per_hour, meter),
     }
+    del llm, outs
+    gc.collect()
+    return result
 
 
-def run_hf(args, prompts, out_lens) -> dict:
+def hf_generate(model: Any, prompts: list[list[int]], out_lens: list[int], batch: int, temperature: float) -> None:
+    """HF `generate` over the prompts in input order, `batch` at a time, left padded with id 0."""
     import torch
-    import transformers
 
-    from convert.resolve import MODEL_ALIASES, alias_source
-
-    torch.set_num_threads(args.threads)
-    if args.model in MODEL_ALIASES:
-        path = alias_source(args.model)
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32,
-            quantization_config=transformers.GgufConfig(dequantize=True),
-        )  # fmt: skip
-    else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    model.eval()
-    start = time.perf_counter()
+    sampling: dict[str, Any] = {"do_sample": False}
+    if temperature > 0:  # plain temperature sampling, as ours: no top-k/top-p from generation_config
+        sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
     with torch.no_grad():
-        for i in range(0, len(prompts), args.hf_batch):
-            batch, lens = prompts[i : i + args.hf_batch], out_lens[i : i + args.hf_batch]
-            width = max(map(len, batch))
-            ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(lens), do_sample=True,
-                           temperature=args.temperature, top_k=0, eos_token_id=None, pad_token_id=0)  # fmt: skip
-    elapsed = time.perf_counter() - start
-    return {
-        "batch_size": args.hf_batch,
-        "elapsed_s": elapsed,
-        "output_tok_s": sum(out_lens) / elapsed,
-        "total_tok_s": (sum(out_lens) + sum(map(len, prompts))) / elapsed,
-    }
+        for i in range(0, len(prompts), batch):
+            chunk, lens = prompts[i : i + batch], out_lens[i : i + batch]
+            width = max(map(len, chunk))
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(lens), eos_token_id=None,
+                           pad_token_id=0, **sampling)  # fmt: skip
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.quick:
-        args.num_prompts, args.input_len, args.output_len, args.max_num_seqs = 8, [8, 48], [4, 16], 8
-    prompts, out_lens = workload(args)
+def run_hf(args: argparse.Namespace, dtype: str, wl: Workload) -> dict[str, Any]:
+    """The PyTorch peer: load, warm up, optionally pick the best batch size, run the workload."""
+    import torch
+
+    start = time.perf_counter()
+    model = load_hf_model(args.model, dtype, args.threads)
+    startup = time.perf_counter() - start
+    torch.manual_seed(0)
+    hf_generate(model, wl.prompts[:2], [2, 2], 2, args.temperature)  # warm-up: first-call overheads
+
+    batch, sweep = args.hf_batch, None
+    if args.hf_batch_sweep:
+        n = args.hf_sweep_prompts or max(args.hf_batch_sweep)
+        prompts, lens = wl.prompts[:n], wl.output_lens[:n]
+        sweep = {}
+        for b in args.hf_batch_sweep:
+            t = time.perf_counter()
+            hf_generate(model, prompts, lens, b, args.temperature)
+            sweep[str(b)] = sum(lens) / (time.perf_counter() - t)
+            print(f"  HF {dtype} batch {b}: {sweep[str(b)]:.1f} output tok/s on {len(prompts)} prompts")
+        batch = int(max(sweep, key=sweep.get))
+
+    with EnergyMeter() as meter:
+        hf_generate(model, wl.prompts, wl.output_lens, batch, args.temperature)
+    elapsed = meter.elapsed_s
+    del model
+    gc.collect()
     result = {
+        "batch_size": batch,
+        "startup_s": startup,
+        "elapsed_s": elapsed,
+        "output_tok_s": wl.output_tokens / elapsed,
+        "total_tok_s": (wl.output_tokens + wl.input_tokens) / elapsed,
+        **cost_fields(elapsed, wl.output_tokens, args.usd_per_hour, meter),
+    }
+    if sweep is not None:
+        result["batch_sweep_output_tok_s"] = sweep
+    return result
+
+
+def _energy_text(side: dict[str, Any]) -> str:
+    e = side["energy"]
+    return f"{e['j_per_output_token']:.3f} J/token" if isinstance(e, dict) else "energy n/a"
+
+
+def plot(result: dict[str, Any], out: str | Path) -> Path:
+    """Grouped bars per dtype: output and total tok/s, ours vs HF, with the speedup on top."""
+    fig, axes = new_figure(ncols=2, width=5.0)
+    dtypes = list(result["by_dtype"])
+    for ax, metric in zip(axes[0], ["output_tok_s", "total_tok_s"]):
+        for j, (side, label) in enumerate([("ours", "minivllm-jax (XLA)"), ("hf", "HF generate (PyTorch)")]):
+            xs = [i + (j - 0.5) * 0.38 for i in range(len(dtypes))]
+            ys = [result["by_dtype"][d].get(side, {}).get(metric, 0.0) for d in dtypes]
+            bars = ax.bar(xs, ys, width=0.38, label=label)
+            ax.bar_label(bars, fmt="%.0f", fontsize=8)
+        for i, d in enumerate(dtypes):
+            if "speedup" in result["by_dtype"][d] and metric == "output_tok_s":
+                ax.annotate(f"ours/HF {result['by_dtype'][d]['speedup']:.2f}x", (i, 0), xytext=(0, -28),
+                            textcoords="offset points", ha="center", fontsize=9)  # fmt: skip
+        ax.set_xticks(range(len(dtypes)), dtypes)
+        ax.set_ylabel(metric.replace("_tok_s", " tokens/s"))
+        wl = result["workload"]
+        ax.set_title(f"{result['model']}: {wl['preset']} workload, {wl['num_prompts']} requests", fontsize=9)
+        ax.legend(fontsize=8)
+    return save_plot(fig, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    vocab = model_vocab_size(args.model) or 10000
+    wl = make_workload(args, vocab_hi=min(10000, vocab))
+    desc = wl.describe()
+    result: dict[str, Any] = {
         "benchmark": "offline_throughput",
         "model": args.model,
-        "num_prompts": args.num_prompts,
-        "input_len": args.input_len,
-        "output_len": args.output_len,
-        "input_tokens": sum(map(len, prompts)),
-        "output_tokens": sum(out_lens),
+        "workload": desc,
+        # Flat workload fields of the old layout, kept for its readers.
+        "num_prompts": desc["num_prompts"],
+        "input_len": desc["input_len_range"],
+        "output_len": desc["output_len_range"],
+        "input_tokens": wl.input_tokens,
+        "output_tokens": wl.output_tokens,
         "temperature": args.temperature,
-        "cpu_count": os.cpu_count(),
-        "ours": run_ours(args, prompts, out_lens),
+        "threads": args.threads,
+        "dtypes": args.dtype,
+        "usd_per_hour": args.usd_per_hour,
+        "by_dtype": {},
     }
-    print(f"ours: {result['ours']['output_tok_s']:.1f} output tok/s, {result['ours']['total_tok_s']:.1f} total tok/s "
-          f"({result['ours']['elapsed_s']:.1f} s; warm-up {result['ours']['warmup_s']:.1f} s, "
-          f"{result['ours']['compiled_programs']} programs)")  # fmt: skip
-    if args.hf_batch:
-        result["hf"] = run_hf(args, prompts, out_lens)
-        result["speedup"] = result["ours"]["output_tok_s"] / result["hf"]["output_tok_s"]
-        print(f"HF:   {result['hf']['output_tok_s']:.1f} output tok/s, {result['hf']['total_tok_s']:.1f} total tok/s "
-              f"({result['hf']['elapsed_s']:.1f} s)\nspeedup {result['speedup']:.2f}x")  # fmt: skip
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    for dtype in args.dtype:
+        r: dict[str, Any] = {"ours": run_ours(args, dtype, wl)}
+        o = r["ours"]
+        print(f"[{dtype}] ours: {o['output_tok_s']:.1f} output tok/s, {o['total_tok_s']:.1f} total tok/s "
+              f"({o['elapsed_s']:.1f} s; warm-up {o['warmup_s']:.1f} s, {o['compiled_programs']} programs; "
+              f"{o['usd_per_1m_output_tokens']:.4f} USD/1M tok, {_energy_text(o)})")  # fmt: skip
+        if args.hf_batch:
+            r["hf"] = h = run_hf(args, dtype, wl)
+            r["speedup"] = o["output_tok_s"] / h["output_tok_s"]
+            print(f"[{dtype}] HF:   {h['output_tok_s']:.1f} output tok/s, {h['total_tok_s']:.1f} total tok/s "
+                  f"({h['elapsed_s']:.1f} s at batch {h['batch_size']}; "
+                  f"{h['usd_per_1m_output_tokens']:.4f} USD/1M tok, "
+                  f"{_energy_text(h)})\n[{dtype}] ours/HF output tok/s: {r['speedup']:.2f}x")  # fmt: skip
+        result["by_dtype"][dtype] = r
+    # The first dtype's sides at the top level too, as in the old single-dtype layout.
+    result.update({k: v for k, v in result["by_dtype"][args.dtype[0]].items()})
+    write_result(result, args.out)
+    plot(result, args.out)
     return 0
 
 

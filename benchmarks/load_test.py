@@ -1,28 +1,67 @@
-"""Loopback load test of a running `minivllm-serve`: N streaming requests at concurrency C.
+"""Loopback load test of `minivllm-serve`, in the spirit of `vllm bench serve`.
 
 Each request is a streaming `/v1/completions` (or chat) call parsed as raw SSE with httpx.
 Reports errors, time to first token (TTFT), inter-token latency (gap between content chunks),
-time per output token after the first (TPOT) and end-to-end latency (p50/p90/p99), plus output
-token throughput; writes JSON under benchmarks/results/. Bounded: a fixed request count, a
-per-request timeout and an overall deadline; refuses non-loopback URLs.
+time per output token after the first (TPOT) and end-to-end latency (p50/p90/p99), output
+token throughput, and goodput (requests/s meeting both `--slo-ttft-ms` and `--slo-tpot-ms`).
+Bounded: a fixed request count, a per-request timeout and an overall deadline; refuses
+non-loopback URLs.
+
+Workload: by default the fixed text prompts below with `--max-tokens` each (EOS ignored);
+with `--preset` (or `--input-len` / `--output-len`) seeded random lengths, prompts sent as
+random token-id lists (`--prompt-format ids`, the default) or as their decoded text.
+Load shape: `--concurrency C` requests in flight; or `--request-rate R` Poisson arrivals
+(seeded; `inf` sends all at once; `--concurrency` then caps requests in flight); or
+`--concurrency-sweep 1 2 4 ...`, one run per level (with a PNG of latency vs concurrency).
+`--launch` starts `python -m server` itself on a free loopback port, waits for /health 200,
+runs, then stops it with SIGTERM, so one command reproduces the serving numbers.
 
     python -m server --port 8000 &        # or minivllm-serve
     python benchmarks/load_test.py --requests 100 --concurrency 16
+    python benchmarks/load_test.py --launch --server-args "--max-num-seqs 32" \\
+        --preset chat --concurrency-sweep 1 2 4 8 16 32
+    python benchmarks/load_test.py --launch --preset chat --request-rate 4
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import math
 import os
-import statistics
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
-RESULTS = Path(__file__).parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from benchmarks.common import (  # noqa: E402
+    RESULTS,
+    add_slo_args,
+    add_workload_args,
+    latency_summary,
+    local_model_dir,
+    make_workload,
+    model_vocab_size,
+    new_figure,
+    save_plot,
+    write_result,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 PROMPTS = [
     "The capital of France is",
@@ -34,55 +73,155 @@ PROMPTS = [
     "The quick brown fox",
     "Explain what a paged KV cache is in one sentence.",
 ]
+DEFAULT_REQUESTS, DEFAULT_CONCURRENCY = 100, 16
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (loopback only)")
     p.add_argument("--api-key", default=os.environ.get("MINIVLLM_API_KEY"), help="default: $MINIVLLM_API_KEY")
-    p.add_argument("--model", default=None, help="default: the first model /v1/models lists")
+    p.add_argument("--model", default=None,
+                   help="default: the first model /v1/models lists (with --launch: smollm2-135m)")  # fmt: skip
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    p.add_argument("--requests", type=int, default=100)
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (EOS ignored)")
+    p.add_argument("--requests", type=int, default=None,
+                   help=f"requests per run (default {DEFAULT_REQUESTS}, or the preset's count)")  # fmt: skip
+    p.add_argument("--concurrency", type=int, default=None,
+                   help=f"requests in flight (default {DEFAULT_CONCURRENCY}; with --request-rate: a cap)")  # fmt: skip
+    p.add_argument("--request-rate", type=float, default=None,
+                   help="Poisson arrivals at R requests/s (seeded by --seed); inf sends all at once")  # fmt: skip
+    p.add_argument("--concurrency-sweep", type=int, nargs="+", default=None, metavar="C",
+                   help="one run per concurrency level (e.g. 1 2 4 8 16 32), plus a PNG")  # fmt: skip
+    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per fixed-prompt request (EOS ignored)")
     p.add_argument("--temperature", type=float, default=0.8)
+    add_workload_args(p, default_preset=None)
+    p.add_argument("--prompt-format", choices=["ids", "text"], default="ids",
+                   help="random prompts as token-id lists or decoded text (chat always uses text)")  # fmt: skip
+    add_slo_args(p)
+    p.add_argument("--warmup-requests", type=int, default=1, help="untimed short requests sent first")
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
-    p.add_argument("--deadline", type=float, default=1800.0, help="seconds for the whole run")
-    p.add_argument("--out", default=str(RESULTS / "load_test.json"))
+    p.add_argument("--deadline", type=float, default=1800.0, help="seconds for each run")
+    p.add_argument("--launch", action="store_true", help="start `python -m server` on a free loopback port for the run")
+    p.add_argument("--server-args", default="", help='extra server flags for --launch, e.g. "--max-num-seqs 32"')
+    p.add_argument("--launch-timeout", type=float, default=900.0, help="seconds to wait for the launched server")
+    p.add_argument("--quick", action="store_true", help="smoke test: tiny preset, 8 requests, concurrency 4")
+    p.add_argument("--out", default=str(RESULTS / "load_test.json"), help="JSON path; the PNG goes beside it")
     args = p.parse_args(argv)
     if urlparse(args.url).hostname not in LOOPBACK:
         p.error(f"--url must be a loopback address ({', '.join(sorted(LOOPBACK))}); got {args.url}")
-    if args.requests < 1 or args.concurrency < 1 or args.max_tokens < 1:
-        p.error("--requests, --concurrency and --max-tokens must be >= 1")
+    if args.quick:
+        args.preset = args.preset or "tiny"
+        args.concurrency = args.concurrency or (None if args.request_rate else 4)
+    args.random = args.preset is not None or args.input_len is not None or args.output_len is not None
+    if args.random:
+        args.preset = args.preset or "chat"
+    if args.request_rate is not None and args.concurrency_sweep:
+        p.error("use either --request-rate or --concurrency-sweep")
+    if args.request_rate is not None and not args.request_rate > 0:
+        p.error("--request-rate must be > 0 (or inf)")
+    levels = [args.concurrency or 1] + (args.concurrency_sweep or [])
+    if args.max_tokens < 1 or (args.requests is not None and args.requests < 1) or min(levels) < 1:
+        p.error("--requests, --concurrency, --concurrency-sweep and --max-tokens must be >= 1")
+    if args.request_rate is None and args.concurrency is None:
+        args.concurrency = DEFAULT_CONCURRENCY
+    if args.launch and args.model is None:
+        args.model = "smollm2-135m"
     return args
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (None for no data)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
+# ------------------------------------------------------------------ server
 
 
-def summarize(values: list[float]) -> dict[str, float | None]:
-    return {
-        "p50": percentile(values, 50),
-        "p90": percentile(values, 90),
-        "p99": percentile(values, 99),
-        "mean": statistics.fmean(values) if values else None,
-    }
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-async def one_request(client, args: argparse.Namespace, i: int) -> dict:
-    """Stream one request; returns its timings or its error."""
-    prompt = PROMPTS[i % len(PROMPTS)]
-    body: dict = {"model": args.model, "max_tokens": args.max_tokens, "temperature": args.temperature,
-                  "seed": i, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
-    if args.endpoint == "chat":
-        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
+@contextlib.contextmanager
+def launched_server(model: str, server_args: str, timeout: float, api_key: str | None) -> Iterator[str]:
+    """Run `python -m server` on a free loopback port until the block ends (then SIGTERM);
+    yields its URL once /health says 200. The server log goes to a temp file, shown on failure."""
+    import httpx
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = Path(tempfile.mkdtemp(prefix="minivllm-load-test-")) / "server.log"
+    cmd = [sys.executable, "-m", "server", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+           "--log-level", "warning", *shlex.split(server_args)]  # fmt: skip
+    env = {**os.environ, **({"MINIVLLM_API_KEY": api_key} if api_key else {})}
+    print(f"launching: {shlex.join(cmd)} (log: {log})", flush=True)
+    start = time.perf_counter()
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            if time.perf_counter() - start > timeout:
+                raise SystemExit(f"server not ready after {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            time.sleep(0.5)
+        print(f"server ready after {time.perf_counter() - start:.1f} s", flush=True)
+        yield url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(30)
+    if proc.returncode != 0:
+        print(f"warning: the server exited with {proc.returncode} after SIGTERM (log: {log})", file=sys.stderr)
     else:
-        path, body["prompt"] = "/v1/completions", prompt
+        shutil.rmtree(log.parent, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ requests
+
+
+def build_requests(args: argparse.Namespace) -> tuple[list[dict], dict[str, Any]]:
+    """Request bodies (without `model`) and a description of the workload."""
+    base = {"temperature": args.temperature, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    if not args.random:
+        n = args.requests or DEFAULT_REQUESTS
+        texts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+        bodies = [_with_prompt(args, {**base, "max_tokens": args.max_tokens, "seed": i}, t)
+                  for i, t in enumerate(texts)]  # fmt: skip
+        return bodies, {"kind": "fixed prompts", "num_prompts": n, "max_tokens": args.max_tokens}
+    args.num_prompts = args.requests or args.num_prompts
+    vocab = model_vocab_size(args.model) if args.model else None
+    if vocab is None:
+        print("note: model not found locally; random token ids drawn below 10000", file=sys.stderr)
+    work = make_workload(args, vocab_hi=min(10_000, vocab or 10_000))
+    fmt = "text" if args.endpoint == "chat" else args.prompt_format
+    prompts: list[Any] = work.prompts
+    if fmt == "text":
+        from transformers import AutoTokenizer
+
+        folder = local_model_dir(args.model) if args.model else None
+        if folder is None:
+            raise SystemExit("text prompts need the model's tokenizer on this machine (pass --model)")
+        tok = AutoTokenizer.from_pretrained(str(folder))
+        prompts = [tok.decode(p) for p in work.prompts]
+    bodies = [_with_prompt(args, {**base, "max_tokens": o, "seed": i}, p)
+              for i, (p, o) in enumerate(zip(prompts, work.output_lens))]  # fmt: skip
+    return bodies, {"kind": "random", "prompt_format": fmt, **work.describe()}
+
+
+def _with_prompt(args: argparse.Namespace, body: dict, prompt: str | list[int]) -> dict:
+    if args.endpoint == "chat":
+        return {**body, "messages": [{"role": "user", "content": prompt}]}
+    return {**body, "prompt": prompt}
+
+
+async def one_request(client: Any, args: argparse.Namespace, body: dict) -> dict:
+    """Stream one request; returns its timings (TTFT from when it was sent) or its error."""
+    path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
+    body = {"model": args.model, **body}
     start = time.perf_counter()
     chunk_times: list[float] = []
     tokens, done = None, False
@@ -119,68 +258,155 @@ async def one_request(client, args: argparse.Namespace, i: int) -> dict:
     }
 
 
-async def run(args: argparse.Namespace) -> dict:
-    import httpx
+def arrival_offsets(n: int, rate: float | None, seed: int) -> list[float]:
+    """Send times (s after the start): Poisson arrivals at `rate`/s, first at 0; all 0 for
+    None or inf (the concurrency limit alone shapes the load)."""
+    if rate is None or math.isinf(rate):
+        return [0.0] * n
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=n)
+    return [0.0] + np.cumsum(gaps[:-1]).tolist()
 
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
-    async with httpx.AsyncClient(base_url=args.url, headers=headers, limits=limits, timeout=30.0) as client:
-        if args.model is None:
-            models = (await client.get("/v1/models")).raise_for_status().json()
-            args.model = models["data"][0]["id"]
-        gate = asyncio.Semaphore(args.concurrency)
 
-        async def limited(i: int) -> dict:
-            async with gate:
-                return await one_request(client, args, i)
+async def run_level(client: Any, args: argparse.Namespace, bodies: list[dict], concurrency: int | None) -> dict:
+    """One timed run: all `bodies` at the given concurrency limit and --request-rate."""
+    gate = asyncio.Semaphore(concurrency) if concurrency else contextlib.nullcontext()
+    offsets = arrival_offsets(len(bodies), args.request_rate, args.seed)
+    start = time.perf_counter()
 
-        start = time.perf_counter()
-        results = await asyncio.wait_for(asyncio.gather(*(limited(i) for i in range(args.requests))), args.deadline)
-        wall = time.perf_counter() - start
+    async def send(i: int) -> dict:
+        await asyncio.sleep(max(0.0, start + offsets[i] - time.perf_counter()))
+        async with gate:
+            return await one_request(client, args, bodies[i])
+
+    results = await asyncio.wait_for(asyncio.gather(*(send(i) for i in range(len(bodies)))), args.deadline)
+    wall = time.perf_counter() - start
     ok = [r for r in results if "error" not in r]
     errors = [r["error"] for r in results if "error" in r]
-    tokens = sum(r["tokens"] for r in ok)
     return {
         "url": args.url,
         "model": args.model,
         "endpoint": args.endpoint,
-        "requests": args.requests,
-        "concurrency": args.concurrency,
-        "max_tokens": args.max_tokens,
-        "completed": len(ok),
+        "requests": len(bodies),
+        "concurrency": concurrency,
+        "request_rate": args.request_rate,
+        "max_tokens": args.max_tokens if not args.random else None,
         "errors": len(errors),
         "error_samples": errors[:5],
-        "wall_s": wall,
-        "output_tokens": tokens,
-        "output_tokens_per_s": tokens / wall if wall > 0 else None,
-        "ttft_s": summarize([r["ttft"] for r in ok]),
-        "itl_s": summarize([x for r in ok for x in r["itl"]]),
-        "tpot_s": summarize([r["tpot"] for r in ok if r["tpot"] is not None]),
-        "e2e_s": summarize([r["e2e"] for r in ok]),
+        **latency_summary(ok, wall, args.slo_ttft_ms, args.slo_tpot_ms),
+        "samples": {"ttft_s": [r["ttft"] for r in ok], "tpot_s": [r["tpot"] for r in ok if r["tpot"] is not None]},
     }
+
+
+async def run(args: argparse.Namespace) -> dict:
+    """Warm up, then one run (or one per --concurrency-sweep level); returns the report."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    levels = args.concurrency_sweep or [args.concurrency]
+    width = max(c or 0 for c in levels) or 1000  # connections: rate mode without a cap may open many
+    limits = httpx.Limits(max_connections=width, max_keepalive_connections=width)
+    async with httpx.AsyncClient(base_url=args.url, headers=headers, limits=limits, timeout=30.0) as client:
+        if args.model is None:
+            models = (await client.get("/v1/models")).raise_for_status().json()
+            args.model = models["data"][0]["id"]
+        bodies, workload = build_requests(args)
+        for body in bodies[: args.warmup_requests]:
+            warm = await one_request(client, args, {**body, "max_tokens": 4})
+            if "error" in warm:
+                raise SystemExit(f"warm-up request failed: {warm['error']}")
+        runs = []
+        for c in levels:
+            runs.append(await run_level(client, args, bodies, c))
+            _print_run(runs[-1])
+    if not args.concurrency_sweep:
+        return {**runs[0], "workload": workload}
+    return {
+        "mode": "concurrency-sweep",
+        "url": args.url,
+        "model": args.model,
+        "endpoint": args.endpoint,
+        "workload": workload,
+        "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
+        "concurrency": levels,
+        "errors": sum(r["errors"] for r in runs),
+        "levels": runs,
+    }
+
+
+# ------------------------------------------------------------------ report
 
 
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1000:.0f} ms"
 
 
+def _print_run(r: dict) -> None:
+    load = f"concurrency {r['concurrency']}" if r["request_rate"] is None else f"rate {r['request_rate']}/s"
+    tps = r["output_tokens_per_s"] or 0.0
+    print(f"{r['requests']} requests at {load}: {r['completed']} ok, {r['errors']} errors, {r['wall_s']:.1f} s, "
+          f"{tps:.1f} output tok/s, goodput {r['goodput']['requests_per_s'] or 0:.2f} req/s")  # fmt: skip
+    for name in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):
+        s = r[name]
+        print(f"  {name[:-2]:5s} p50 {_ms(s['p50']):>9s}  p90 {_ms(s['p90']):>9s}  p99 {_ms(s['p99']):>9s}")
+    for e in r["error_samples"]:
+        print(f"  error: {e}", file=sys.stderr)
+
+
+def plot_sweep(report: dict, out: str) -> Path:
+    """TTFT p50/p99, TPOT p50 and output tok/s vs concurrency."""
+    fig, axes = new_figure(3, width=4.5)
+    levels = report["levels"]
+    cs = [lv["concurrency"] for lv in levels]
+    ms = lambda key, q: [(lv[key][q] or 0) * 1000 for lv in levels]  # noqa: E731
+    axes[0, 0].plot(cs, ms("ttft_s", "p50"), "o-", label="p50")
+    axes[0, 0].plot(cs, ms("ttft_s", "p99"), "s--", label="p99")
+    axes[0, 1].plot(cs, ms("tpot_s", "p50"), "o-", label="p50")
+    axes[0, 1].plot(cs, ms("tpot_s", "p99"), "s--", label="p99")
+    axes[0, 2].plot(cs, [lv["output_tokens_per_s"] or 0 for lv in levels], "o-", label="output tok/s")
+    axes[0, 2].plot(cs, [lv["goodput"]["requests_per_s"] or 0 for lv in levels], "s--", label="goodput req/s")
+    for ax, title in zip(axes[0], ["TTFT (ms)", "TPOT (ms)", "throughput"]):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(cs, [str(c) for c in cs])
+        ax.set_xlabel("concurrency (requests in flight)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"HTTP serving: {report['model']}, {report['workload']['num_prompts']} requests per level")
+    return save_plot(fig, out)
+
+
+def plot_run(report: dict, out: str) -> Path:
+    """CDFs of per-request TTFT and TPOT for a single run."""
+    fig, axes = new_figure(2, width=4.5)
+    for ax, name in zip(axes[0], ["TTFT", "TPOT"]):
+        xs = sorted(v * 1000 for v in report["samples"][f"{name.lower()}_s"])
+        ax.plot(xs, np.arange(1, len(xs) + 1) / max(1, len(xs)), drawstyle="steps-post")
+        ax.set_xlabel(f"{name} (ms)")
+        ax.set_ylabel("fraction of requests")
+        ax.grid(alpha=0.3)
+    rate = report["request_rate"]
+    load = f"concurrency {report['concurrency']}" if rate is None else f"{rate} req/s"
+    fig.suptitle(f"HTTP serving: {report['model']}, {report['requests']} requests at {load}")
+    return save_plot(fig, out)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    report = asyncio.run(run(args))
-    report["timestamp"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(
-        f"{report['requests']} requests at concurrency {report['concurrency']}: {report['completed']} ok, "
-        f"{report['errors']} errors, {report['wall_s']:.1f} s, {report['output_tokens_per_s']:.1f} output tok/s"
-    )
-    for name in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):
-        s = report[name]
-        print(f"  {name[:-2]:5s} p50 {_ms(s['p50']):>9s}  p90 {_ms(s['p90']):>9s}  p99 {_ms(s['p99']):>9s}")
-    for e in report["error_samples"]:
-        print(f"  error: {e}", file=sys.stderr)
-    print(f"wrote {out}")
+    with contextlib.ExitStack() as stack:
+        if args.launch:
+            server = launched_server(args.model, args.server_args, args.launch_timeout, args.api_key)
+            args.url = stack.enter_context(server)
+        report = asyncio.run(run(args))
+    write_result(report, args.out)
+    if args.concurrency_sweep:
+        print(f"{'C':>4}{'TTFT p50':>11}{'TTFT p99':>11}{'TPOT p50':>11}{'ITL p99':>11}{'tok/s':>9}{'goodput':>9}")
+        for lv in report["levels"]:
+            print(f"{lv['concurrency']:>4}{_ms(lv['ttft_s']['p50']):>11}{_ms(lv['ttft_s']['p99']):>11}"
+                  f"{_ms(lv['tpot_s']['p50']):>11}{_ms(lv['itl_s']['p99']):>11}"
+                  f"{lv['output_tokens_per_s'] or 0:>9.1f}{lv['goodput']['requests_per_s'] or 0:>9.2f}")  # fmt: skip
+        plot_sweep(report, args.out)
+    elif report["completed"]:
+        plot_run(report, args.out)
     return 0 if report["errors"] == 0 else 1
 
 

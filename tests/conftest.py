@@ -34,6 +34,27 @@ def make_tiny_llama(path, seed: int = 0, **overrides):
     return model
 
 
+def save_tiny_tokenizer(path) -> None:
+    """A word-level tokenizer over the tiny vocab (128 ids: `<unk>`, `<s>`, `</s>`, `w3`..`w127`)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, TINY_LLAMA["vocab_size"])}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_with_tokenizer(tmp_path_factory):
+    """A tiny random Llama folder with a tokenizer, so `LLM(path)` can serve it (benchmark smoke tests)."""
+    path = tmp_path_factory.mktemp("tiny-with-tokenizer") / "tiny"
+    make_tiny_llama(path)
+    save_tiny_tokenizer(path)
+    return path
+
+
 @pytest.fixture
 def tiny_llama_dir(tmp_path):
     model = make_tiny_llama(tmp_path / "tiny")

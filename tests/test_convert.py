@@ -34,20 +34,9 @@ from minivllm_jax.checkpoint import load_converted
 from minivllm_jax.config import ModelConfig, UnsupportedModelError
 from minivllm_jax.kv_cache import init_kv_cache
 from minivllm_jax.models.llama import forward_jit, hf_weight_map
-from tests.conftest import make_tiny_llama
+from tests.conftest import make_tiny_llama, save_tiny_tokenizer
 
 IDS = [1, 5, 9, 77, 3, 12, 127, 64, 2, 40, 41, 42]
-
-
-def save_tiny_tokenizer(path: Path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 128)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    fast.save_pretrained(path)
 
 
 def make_model(path: Path, tied: bool, sharded: bool = False, seed: int = 0):

@@ -490,7 +490,8 @@ def test_loopback_load_has_no_errors_and_no_recompiles(server, tmp_path):
     before = server.metrics()
     out = tmp_path / "load.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "load_test.py"), "--url", server.url, "--api-key", API_KEY,
-           "--requests", "32", "--concurrency", "8", "--max-tokens", "12", "--deadline", "240", "--out", str(out)]  # fmt: skip
+           "--requests", "32", "--concurrency", "8", "--max-tokens", "12", "--warmup-requests", "0", "--deadline", "240",
+           "--out", str(out)]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads(out.read_text())

@@ -1,0 +1,316 @@
+"""Offline latency under load: our engine vs HF transformers `generate` (PyTorch), same run.
+
+A closed loop keeps C requests in flight (C = each `--concurrency`): whenever one finishes,
+the next one arrives at once. Every request's arrival and the host time each of its output
+tokens became available are recorded, giving time to first token (TTFT, queueing included),
+time per output token after the first (TPOT), inter-token latency (ITL) at p50/p90/p99,
+output tok/s, and goodput (completed requests/s meeting both `--slo-ttft-ms` and
+`--slo-tpot-ms`).
+
+Ours: `LLMEngine.add_request` / `step()` with continuous batching; all bucket shapes are
+compiled before timing and `num_compiles` must not change while timing (checked, recorded).
+PyTorch peer: the same requests in static batches of C with left padding (`generate`, no
+EOS, greedy); a request's tokens are timestamped by a streamer, and a closed-loop user whose
+request finished early waits for the whole batch, so its next TTFT includes that wait.
+
+Prompts are seeded random token ids (fresh ids at each concurrency, same lengths, so the
+prefix cache never hits across levels); outputs are forced to their drawn lengths
+(`ignore_eos`), greedy on both sides.
+
+    python benchmarks/bench_latency.py                          # chat preset, C = 1 2 4 8 16 32
+    python benchmarks/bench_latency.py --concurrency 1 8 --num-prompts 16 --no-hf
+    python benchmarks/bench_latency.py --quick                  # smoke test: tiny preset, C = 1 2 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from benchmarks.common import (  # noqa: E402
+    RESULTS,
+    Workload,
+    add_slo_args,
+    add_workload_args,
+    latency_summary,
+    load_hf_model,
+    make_workload,
+    model_vocab_size,
+    new_figure,
+    request_timings,
+    save_plot,
+    write_result,
+)
+
+DEFAULT_CONCURRENCY = [1, 2, 4, 8, 16, 32]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m", help="alias, converted dir, HF folder or .gguf")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    add_workload_args(p, default_preset="chat")
+    levels = " ".join(map(str, DEFAULT_CONCURRENCY))
+    p.add_argument("--concurrency", type=int, nargs="+", default=None,
+                   help=f"requests kept in flight, one run each (default {levels})")  # fmt: skip
+    add_slo_args(p)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="our prefill token budget per step")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="our max_model_len (default: next power of two >= longest request, min 128)")  # fmt: skip
+    p.add_argument("--num-pages", type=int, default=None, help="our KV pages (default: sized from free memory)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads for the PyTorch peer")
+    p.add_argument("--no-hf", action="store_true", help="skip the PyTorch peer")
+    p.add_argument("--quick", action="store_true", help="smoke test: tiny preset, concurrency 1 2 4")
+    p.add_argument("--out", default=str(RESULTS / "latency.json"), help="JSON path; the PNG goes beside it")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.preset = "tiny"
+        args.concurrency = args.concurrency or [1, 2, 4]
+    args.concurrency = sorted(set(args.concurrency or DEFAULT_CONCURRENCY))
+    if args.concurrency[0] < 1:
+        p.error("--concurrency values must be >= 1")
+    return args
+
+
+def fresh_prompts(work: Workload, seed: int, vocab_hi: int) -> list[list[int]]:
+    """New random ids with the workload's prompt lengths: each level gets prompts the prefix
+    cache has never seen, while lengths (and so the work) stay identical across levels."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(100, vocab_hi, size=len(p)).tolist() for p in work.prompts]
+
+
+# ------------------------------------------------------------------ ours
+
+
+def engine_closed_loop(
+    llm: Any, prompts: list[list[int]], output_lens: list[int], concurrency: int
+) -> tuple[list[dict], float]:
+    """Keep `concurrency` requests in flight on `llm.engine` until all are done; returns
+    per-request timings (see `request_timings`) and the wall time."""
+    from minivllm_jax import SamplingParams
+
+    engine = llm.engine
+    pending = deque(range(len(prompts)))
+    arrival: dict[str, float] = {}
+    times: dict[str, list[float]] = {}
+    records: list[dict] = []
+    start = time.perf_counter()
+    while pending or arrival:
+        while pending and len(arrival) < concurrency:
+            i = pending.popleft()
+            params = SamplingParams(temperature=0.0, max_tokens=output_lens[i], ignore_eos=True)
+            rid = engine.add_request(prompts[i], params)
+            arrival[rid], times[rid] = time.perf_counter(), []
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            stamps = times[out.request_id]
+            stamps += [now] * (len(out.outputs[0].token_ids) - len(stamps))
+            if out.finished:
+                records.append(request_timings(arrival.pop(out.request_id), times.pop(out.request_id)))
+    return records, time.perf_counter() - start
+
+
+def run_ours(
+    args: argparse.Namespace, work: Workload, level_prompts: dict[int, list[list[int]]], vocab_hi: int
+) -> dict:
+    """Load and warm up our engine, then one closed-loop run per concurrency level."""
+    from minivllm_jax import LLM
+
+    max_len = args.max_model_len or max(128, 1 << (work.max_len - 1).bit_length())
+    start = time.perf_counter()
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.concurrency), max_model_len=max_len,
+              num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
+              use_tqdm=sys.stderr.isatty())  # fmt: skip
+    startup_s = time.perf_counter() - start
+    # An untimed pass over the same shapes warms Python and allocator paths (compiles are done).
+    warm = fresh_prompts(work, args.seed + 10_000, vocab_hi)[: max(args.concurrency)]
+    engine_closed_loop(llm, warm, [4] * len(warm), max(args.concurrency))
+
+    levels, compiles_before = [], llm.engine.num_compiles
+    for c in args.concurrency:
+        before = llm.engine.num_compiles
+        records, wall = engine_closed_loop(llm, level_prompts[c], work.output_lens, c)
+        level = {"concurrency": c, **latency_summary(records, wall, args.slo_ttft_ms, args.slo_tpot_ms)}
+        level["compiles_during_run"] = llm.engine.num_compiles - before
+        levels.append(level)
+        _print_level("ours", level)
+    cfg = llm.engine.config
+    return {
+        "engine": {
+            "max_num_seqs": cfg.max_num_seqs, "max_model_len": cfg.max_model_len, "page_size": cfg.page_size,
+            "num_pages": cfg.num_pages, "max_num_batched_tokens": cfg.max_num_batched_tokens,
+            "enable_prefix_caching": cfg.enable_prefix_caching,
+        },  # fmt: skip
+        "startup_s": startup_s,
+        "warmup_s": llm.warmup_seconds,
+        "num_compiles": llm.engine.num_compiles,
+        "compiles_during_timed": llm.engine.num_compiles - compiles_before,
+        "levels": levels,
+    }
+
+
+# ------------------------------------------------------------------ PyTorch peer
+
+
+@dataclasses.dataclass
+class _Stamps:
+    """A `transformers` streamer that only notes when each generated step reached the host."""
+
+    times: list[float] = dataclasses.field(default_factory=list)
+    seen_prompt: bool = False
+
+    def put(self, value: Any) -> None:
+        if self.seen_prompt:  # generate's first put is the prompt itself
+            self.times.append(time.perf_counter())
+        self.seen_prompt = True
+
+    def end(self) -> None:
+        pass
+
+
+def hf_generate(hf: Any, prompts: list[list[int]], max_new: int, pad_id: int) -> list[float]:
+    """One left-padded greedy batch, EOS disabled; returns the host time of every generated step."""
+    import torch
+    import transformers
+
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    # generate fills unset fields from the model's generation_config, so EOS is unset there too.
+    hf.generation_config.eos_token_id = None
+    gen = transformers.GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=pad_id)
+    streamer = _Stamps()
+    with torch.inference_mode():
+        hf.generate(input_ids=ids, attention_mask=mask, generation_config=gen, streamer=streamer)
+    if len(streamer.times) < max_new:
+        raise RuntimeError(f"HF generate stopped after {len(streamer.times)} of {max_new} steps")
+    return streamer.times
+
+
+def hf_static_batches(hf: Any, prompts: list[list[int]], output_lens: list[int], concurrency: int,
+                      pad_id: int) -> tuple[list[dict], float]:  # fmt: skip
+    """C closed-loop users, served in static batches of C: user j's next request arrives when
+    its previous one has its last token, but runs only when the whole batch is done."""
+    records: list[dict] = []
+    start = time.perf_counter()
+    user_free = [start] * concurrency  # when each user sent its next request
+    for b in range(0, len(prompts), concurrency):
+        batch = range(b, min(b + concurrency, len(prompts)))
+        stamps = hf_generate(hf, [prompts[i] for i in batch], max(output_lens[i] for i in batch), pad_id)
+        for j, i in enumerate(batch):
+            token_times = stamps[: output_lens[i]]
+            records.append(request_timings(user_free[j], token_times))
+            user_free[j] = token_times[-1]
+    return records, time.perf_counter() - start
+
+
+def run_hf(args: argparse.Namespace, work: Workload, level_prompts: dict[int, list[list[int]]]) -> dict:
+    """The PyTorch peer at the same concurrency levels, on the same prompts."""
+    start = time.perf_counter()
+    hf = load_hf_model(args.model, args.dtype, args.threads)
+    load_s = time.perf_counter() - start
+    pad_id = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
+    hf_generate(hf, work.prompts[: max(args.concurrency)], 2, pad_id)  # warm-up, like ours
+    levels = []
+    for c in args.concurrency:
+        records, wall = hf_static_batches(hf, level_prompts[c], work.output_lens, c, pad_id)
+        level = {"concurrency": c, **latency_summary(records, wall, args.slo_ttft_ms, args.slo_tpot_ms)}
+        levels.append(level)
+        _print_level("hf", level)
+    batching = "static batches of C, left padding"
+    return {"load_s": load_s, "threads": args.threads, "batching": batching, "levels": levels}
+
+
+# ------------------------------------------------------------------ report
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.0f}"
+
+
+def _print_level(name: str, lv: dict) -> None:
+    print(f"[{name}] C={lv['concurrency']}: TTFT p50 {_ms(lv['ttft_s']['p50'])} ms, TPOT p50 "
+          f"{_ms(lv['tpot_s']['p50'])} ms, {lv['output_tokens_per_s']:.1f} out tok/s", flush=True)  # fmt: skip
+
+
+def print_table(ours: list[dict], hf: list[dict] | None) -> None:
+    """Ours vs HF per concurrency (ms; tok/s; goodput req/s)."""
+    hf_by_c = {lv["concurrency"]: lv for lv in hf or []}
+    cols = ["TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p99", "out tok/s", "goodput/s"]
+    print(f"{'C':>4} {'':5}" + "".join(f"{c:>11}" for c in cols))
+    for lv in ours:
+        for name, row in (("ours", lv), ("hf", hf_by_c.get(lv["concurrency"]))):
+            if row is None:
+                continue
+            vals = [_ms(row["ttft_s"]["p50"]), _ms(row["ttft_s"]["p99"]), _ms(row["tpot_s"]["p50"]),
+                    _ms(row["tpot_s"]["p99"]), _ms(row["itl_s"]["p99"]), f"{row['output_tokens_per_s']:.1f}",
+                    f"{row['goodput']['requests_per_s']:.2f}"]  # fmt: skip
+            print(f"{lv['concurrency']:>4} {name:5}" + "".join(f"{v:>11}" for v in vals))
+
+
+def plot(result: dict, out: str) -> Path:
+    """TTFT p50/p99, TPOT p50 and output tok/s vs concurrency, ours vs HF."""
+    fig, axes = new_figure(3, width=4.5)
+    series = [("ours", result["ours"]["levels"], "tab:blue")]
+    if result.get("hf"):
+        series.append(("HF generate", result["hf"]["levels"], "tab:orange"))
+    for name, levels, color in series:
+        cs = [lv["concurrency"] for lv in levels]
+        ms = lambda key, q: [(lv[key][q] or 0) * 1000 for lv in levels]  # noqa: E731
+        axes[0, 0].plot(cs, ms("ttft_s", "p50"), "o-", color=color, label=f"{name} p50")
+        axes[0, 0].plot(cs, ms("ttft_s", "p99"), "s--", color=color, label=f"{name} p99")
+        axes[0, 1].plot(cs, ms("tpot_s", "p50"), "o-", color=color, label=f"{name} p50")
+        axes[0, 2].plot(cs, [lv["output_tokens_per_s"] for lv in levels], "o-", color=color, label=name)
+    titles = ["TTFT (ms)", "TPOT (ms)", "output tok/s"]
+    for ax, title in zip(axes[0], titles):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(result["concurrency"], [str(c) for c in result["concurrency"]])
+        ax.set_xlabel("concurrency (requests in flight)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    w = result["workload"]
+    fig.suptitle(f"{result['model']} {result['dtype']}, {w['num_prompts']} requests ({w['preset']}) per level")
+    return save_plot(fig, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    vocab_hi = min(10_000, model_vocab_size(args.model) or 10_000)
+    work = make_workload(args, vocab_hi=vocab_hi)
+    level_prompts = {c: fresh_prompts(work, args.seed + c, vocab_hi) for c in args.concurrency}
+    ours = run_ours(args, work, level_prompts, vocab_hi)
+    hf = None if args.no_hf else run_hf(args, work, level_prompts)
+    result = {
+        "benchmark": "latency",
+        "model": args.model,
+        "dtype": args.dtype,
+        "workload": work.describe(),
+        "concurrency": args.concurrency,
+        "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
+        "sampling": "greedy, ignore_eos (exact output lengths)",
+        "ours": ours,
+        "hf": hf,
+    }
+    print_table(ours["levels"], hf["levels"] if hf else None)
+    write_result(result, args.out)
+    plot(result, args.out)
+    if ours["compiles_during_timed"]:
+        n = ours["compiles_during_timed"]
+        print(f"error: {n} compiles during the timed runs (a bucket is missing from warm-up)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

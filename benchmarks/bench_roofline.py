@@ -1,0 +1,297 @@
+"""Roofline: how close is our batch-1 decode to what this machine's memory allows?
+
+Batch-1 decode reads every weight once per token and does about 2 FLOPs per weight, so it is
+bound by memory bandwidth: tok/s <= bandwidth / bytes read per token. Prefill reuses each
+weight for many tokens, so it is bound by compute: tok/s <= peak FLOP/s / (2 * non-embedding
+params). This script measures both ceilings here (numpy and jitted JAX: large-array read/copy
+bandwidth, fp32 matmul GFLOP/s; medians of several reps), then measures our batch-1 greedy
+decode twice (`minivllm_jax.greedy.greedy_stream`, the bare model loop; and the full `LLM`
+engine serving one temperature-0 request) plus one prefill step, and reports each as a
+fraction of its bound, with a roofline plot.
+
+Only weight bytes and weight-matmul FLOPs are counted: the KV cache read at these context
+lengths and attention FLOPs are a few percent at most.
+
+    python benchmarks/bench_roofline.py [--model smollm2-135m] [--tokens 64] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import RESULTS, model_vocab_size, new_figure, save_plot, write_result  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m", help="alias, converted dir, HF folder or .gguf")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens before the decode runs")
+    p.add_argument("--tokens", type=int, default=64, help="new tokens per decode run")
+    p.add_argument("--prefill-len", type=int, default=256, help="tokens in the measured prefill step")
+    p.add_argument("--reps", type=int, default=3, help="timed repetitions (medians reported)")
+    p.add_argument("--array-mb", type=int, default=512, help="array size for the bandwidth test (>> caches)")
+    p.add_argument("--matmul-n", type=int, default=2048, help="square fp32 matmul size for the peak test")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="small arrays, few tokens, one rep")
+    p.add_argument("--out", default=str(RESULTS / "roofline.json"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.prompt_len, args.tokens, args.prefill_len, args.reps = 16, 8, 32, 1
+        args.array_mb, args.matmul_n = 64, 512
+    return args
+
+
+def _median_time(fn: Callable[[], Any], reps: int, warmup: int = 1) -> float:
+    for _ in range(warmup):  # page faults, compiles
+        fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def measure_bandwidth(array_mb: int, reps: int) -> dict[str, float]:
+    """GB/s of a large read (sum) and copy (read + write), numpy and jitted JAX."""
+    import jax
+    import jax.numpy as jnp
+
+    n = array_mb * 2**20 // 4
+    a = np.full(n, 1.0, np.float32)
+    b = np.empty_like(a)
+    reps = max(reps, 5)
+    out = {
+        "numpy_read_gb_s": a.nbytes / _median_time(lambda: a.sum(), reps) / 1e9,
+        "numpy_copy_gb_s": 2 * a.nbytes / _median_time(lambda: np.copyto(b, a), reps) / 1e9,
+    }
+    del b
+    x = jnp.asarray(a)
+    del a
+    total = jax.jit(jnp.sum)
+    out["jax_read_gb_s"] = x.nbytes / _median_time(lambda: total(x).block_until_ready(), reps) / 1e9
+    return out
+
+
+def measure_matmul_peak(n: int, reps: int) -> dict[str, float]:
+    """fp32 GFLOP/s of an n x n matmul: numpy (BLAS sgemm) and jitted JAX (XLA)."""
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((n, n), dtype=np.float32), rng.standard_normal((n, n), dtype=np.float32)
+    flops = 2 * n**3
+    mm = jax.jit(jnp.matmul)
+    ja, jb = jnp.asarray(a), jnp.asarray(b)
+    return {
+        "numpy_sgemm_gflop_s": flops / _median_time(lambda: a @ b, reps) / 1e9,
+        "jax_matmul_gflop_s": flops / _median_time(lambda: mm(ja, jb).block_until_ready(), reps) / 1e9,
+    }
+
+
+def param_counts(params: Any, cfg: Any) -> dict[str, int]:
+    """Parameter counts and the bytes a batch-1 decode step reads.
+
+    The embedding table is read in full only as a tied LM head; untied, decode reads one row
+    of it (negligible) and the separate lm_head in full.
+    """
+    import jax
+
+    leaves = jax.tree.leaves(params)
+    total = sum(x.size for x in leaves)
+    total_bytes = sum(x.nbytes for x in leaves)
+    embed = params["embed_tokens"]
+    head = embed.size if cfg.tie_word_embeddings else params["lm_head"].size
+    non_embedding = total - embed.size - (0 if cfg.tie_word_embeddings else head)
+    return {
+        "params": int(total),
+        "param_bytes": int(total_bytes),
+        "non_embedding_params": int(non_embedding),
+        "lm_head_params": int(head),
+        "decode_bytes_per_token": int(total_bytes - (0 if cfg.tie_word_embeddings else embed.nbytes)),
+        "decode_flops_per_token": int(2 * (non_embedding + head)),
+    }
+
+
+def _decode_rate(stamps: list[float]) -> float:
+    """Tokens per second after the first token (the first one includes prefill)."""
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+def measure_greedy_stream(params: Any, cfg: Any, prompt: list[int], tokens: int, reps: int) -> dict[str, Any]:
+    """Batch-1 decode through the bare model loop (no scheduler, no sampler)."""
+    from minivllm_jax.greedy import greedy_stream
+
+    list(greedy_stream(params, cfg, prompt, tokens))  # compile prefill + decode
+    rates, ttfts, ids = [], [], []
+    for _ in range(reps):
+        start, stamps, ids = time.perf_counter(), [], []
+        for tok in greedy_stream(params, cfg, prompt, tokens):
+            stamps.append(time.perf_counter())
+            ids.append(tok)
+        rates.append(_decode_rate(stamps))
+        ttfts.append(stamps[0] - start)
+    return {"decode_tok_s": statistics.median(rates), "ttft_s": statistics.median(ttfts), "runs_tok_s": rates,
+            "token_ids": ids}  # fmt: skip
+
+
+def measure_engine(model: str, dtype: str, prompt: list[int], tokens: int, reps: int) -> dict[str, Any]:
+    """Batch-1 decode through the full engine (scheduler, bucketed runner, sampler, detokenizer)."""
+    from minivllm_jax import LLM, SamplingParams
+
+    llm = LLM(model, dtype=dtype, max_num_seqs=1, max_model_len=len(prompt) + tokens,
+              max_num_batched_tokens=max(16, len(prompt)), use_tqdm=False)  # fmt: skip
+    engine = llm.engine
+    sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+
+    def one_run() -> tuple[list[float], list[int]]:
+        engine.add_request(prompt, sp)
+        stamps: list[float] = []
+        ids: list[int] = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                new = out.outputs[0].token_ids[len(ids) :]
+                stamps += [time.perf_counter()] * len(new)
+                ids += new
+        return stamps, ids
+
+    one_run()  # warm-up (everything is compiled already; first-call overheads)
+    rates, ids = [], []
+    for _ in range(reps):
+        stamps, ids = one_run()
+        rates.append(_decode_rate(stamps))
+    return {"decode_tok_s": statistics.median(rates), "runs_tok_s": rates, "compiled_programs": engine.num_compiles,
+            "token_ids": ids}  # fmt: skip
+
+
+def measure_prefill(params: Any, cfg: Any, length: int, reps: int, seed: int) -> float:
+    """Seconds for one prefill step of `length` tokens at batch 1 (compiled once, then timed)."""
+    import jax
+
+    from minivllm_jax.batch import single_sequence_batch
+    from minivllm_jax.kv_cache import init_kv_cache
+    from minivllm_jax.models.llama import forward_jit
+
+    page = 16
+    pages = list(range(1, -(-length // page) + 1))
+    cache = init_kv_cache(cfg, len(pages) + 1, page, jax.tree.leaves(params)[0].dtype)
+    tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, length)
+    batch = single_sequence_batch(tokens, 0, pages, page)
+
+    def step() -> None:
+        nonlocal cache
+        logits, cache = forward_jit(params, cache, batch, cfg)  # the cache is donated: keep the new one
+        logits.block_until_ready()
+
+    return _median_time(step, reps, warmup=2)  # the 2nd call sees a committed cache: may compile again
+
+
+def plot(result: dict[str, Any], out: str | Path) -> Path:
+    """Log-log roofline: min(peak, bandwidth * intensity) with our measured points."""
+    fig, axes = new_figure(width=7.0, height=4.5)
+    ax = axes[0][0]
+    bw, peak = result["bound_bandwidth_gb_s"], result["bound_peak_gflop_s"]
+    xs = np.logspace(-2, 3, 200)
+    ax.plot(xs, np.minimum(peak, bw * xs), "k-", label=f"roof: {bw:.1f} GB/s, {peak:.0f} GFLOP/s")
+    for name, point in result["points"].items():
+        label = f"{name}: {point['fraction_of_bound']:.0%} of bound"
+        ax.plot(point["intensity_flop_per_byte"], point["gflop_s"], "o", label=label)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP / byte of weights)")
+    ax.set_ylabel("GFLOP/s")
+    ax.set_title(f"roofline: {result['model']} ({result['dtype']})", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    return save_plot(fig, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import jax
+
+    from convert import resolve_model
+    from minivllm_jax.checkpoint import load_converted
+
+    bandwidth = measure_bandwidth(args.array_mb, args.reps)
+    matmul = measure_matmul_peak(args.matmul_n, args.reps)
+    bw = max(bandwidth.values())  # the best we saw is the ceiling; anything slower is ours to fix
+    peak = max(matmul.values())
+    print(f"bandwidth {bandwidth}; matmul {matmul}")
+
+    cfg, _, params = load_converted(resolve_model(args.model, dtype=args.dtype, progress=False), args.dtype)
+    counts = param_counts(params, cfg)
+    decode_bound = bw * 1e9 / counts["decode_bytes_per_token"]
+    prefill_bound = peak * 1e9 / (2 * counts["non_embedding_params"])
+
+    vocab = model_vocab_size(args.model) or cfg.vocab_size
+    prompt = np.random.default_rng(args.seed).integers(min(100, vocab - 1), min(10000, vocab), args.prompt_len).tolist()
+    stream = measure_greedy_stream(params, cfg, prompt, args.tokens, args.reps)
+    prefill_s = measure_prefill(params, cfg, args.prefill_len, args.reps, args.seed)
+    del params
+    jax.clear_caches()
+    engine = measure_engine(args.model, args.dtype, prompt, args.tokens, args.reps)
+
+    # Roofline points: achieved FLOP/s and FLOPs per byte of weights read.
+    def decode_point(tok_s: float) -> dict[str, float]:
+        return {
+            "tok_s": tok_s,
+            "gflop_s": tok_s * counts["decode_flops_per_token"] / 1e9,
+            "intensity_flop_per_byte": counts["decode_flops_per_token"] / counts["decode_bytes_per_token"],
+            "fraction_of_bound": tok_s / decode_bound,
+        }
+
+    prefill_flops = 2 * counts["non_embedding_params"] * args.prefill_len + 2 * counts["lm_head_params"]
+    prefill_tok_s = args.prefill_len / prefill_s
+    points = {
+        "decode b=1 (greedy_stream)": decode_point(stream["decode_tok_s"]),
+        "decode b=1 (LLM engine)": decode_point(engine["decode_tok_s"]),
+        f"prefill {args.prefill_len} tok": {
+            "tok_s": prefill_tok_s,
+            "gflop_s": prefill_flops / prefill_s / 1e9,
+            "intensity_flop_per_byte": prefill_flops / counts["decode_bytes_per_token"],
+            "fraction_of_bound": prefill_tok_s / prefill_bound,
+        },
+    }
+    result = {
+        "benchmark": "roofline",
+        "model": args.model,
+        "dtype": args.dtype,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.tokens,
+        "prefill_len": args.prefill_len,
+        "reps": args.reps,
+        "bandwidth_gb_s": bandwidth,
+        "matmul_gflop_s": matmul,
+        "bound_bandwidth_gb_s": bw,
+        "bound_peak_gflop_s": peak,
+        **counts,
+        "decode_bound_tok_s": decode_bound,
+        "prefill_bound_tok_s": prefill_bound,
+        "greedy_stream": {k: v for k, v in stream.items() if k != "token_ids"},
+        "engine": {k: v for k, v in engine.items() if k != "token_ids"},
+        "engine_matches_greedy_stream": engine["token_ids"] == stream["token_ids"],
+        "prefill_step_s": prefill_s,
+        "points": points,
+    }
+    for name, p in points.items():
+        print(f"{name}: {p['tok_s']:.1f} tok/s = {p['fraction_of_bound']:.0%} of its bound "
+              f"({decode_bound if 'decode' in name else prefill_bound:.1f} tok/s)")  # fmt: skip
+    write_result(result, args.out)
+    plot(result, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

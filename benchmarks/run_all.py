@@ -1,0 +1,123 @@
+"""Run every benchmark with the settings the README quotes, then rebuild the results table.
+
+    python benchmarks/run_all.py            # the full suite (about 45 minutes on 2 cores)
+    python benchmarks/run_all.py --only throughput decode
+    python benchmarks/run_all.py --report   # only rebuild the table from the JSON results
+
+The table goes to benchmarks/results/SUMMARY.md and between the markers in benchmarks/README.md.
+
+Each entry is one script run (ours and the PyTorch peer in the same process where the script
+compares them), so each number in the table can be reproduced by the command printed beside
+it. Runs are sequential: on a small CPU, anything running beside a benchmark is noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+MARK_START, MARK_END = "<!-- results:start -->", "<!-- results:end -->"
+
+# name -> script arguments. Sizes are chosen so the whole suite fits in about 45 minutes here.
+SUITE: dict[str, list[str]] = {
+    "throughput": ["bench_throughput.py", "--preset", "mixed", "--hf-batch", "8"],
+    "throughput_bf16": ["bench_throughput.py", "--preset", "chat", "--num-prompts", "16", "--dtype", "bfloat16",
+                        "--hf-batch", "8", "--out", str(RESULTS / "throughput_bf16.json")],  # fmt: skip
+    "decode": ["bench_decode.py", "--tokens", "128", "--reps", "3"],
+    "roofline": ["bench_roofline.py"],
+    "latency": ["bench_latency.py", "--preset", "chat", "--num-prompts", "16", "--concurrency", "1", "2", "4", "8",
+                "16", "32"],  # fmt: skip
+    "serving": ["load_test.py", "--launch", "--preset", "chat", "--requests", "48", "--concurrency-sweep", "1", "4",
+                "8", "16", "--server-args", "--max-num-seqs 16", "--out", str(RESULTS / "serving.json")],  # fmt: skip
+    "memory": ["bench_memory.py", "--preset", "mixed", "--num-prompts", "32"],
+    "ablations": ["bench_ablations.py", "--preset", "mixed", "--num-prompts", "24"],
+}
+
+
+def _load(name: str) -> dict | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _fmt(x, digits: int = 1) -> str:
+    return "n/a" if x is None else f"{x:,.{digits}f}"
+
+
+def summary() -> str:
+    """The main table (ours vs PyTorch) from whatever results exist; missing ones say n/a."""
+    rows: list[tuple[str, str, str, str]] = []
+    tp = _load("throughput") or {}
+    ours, hf = tp.get("ours", {}), tp.get("hf", {})
+    rows.append(("offline throughput, output tok/s (mixed, fp32)", _fmt(ours.get("output_tok_s")),
+                 _fmt(hf.get("output_tok_s")), _fmt(tp.get("speedup"), 2) + "x"))  # fmt: skip
+    rows.append(("offline throughput, total tok/s", _fmt(ours.get("total_tok_s")), _fmt(hf.get("total_tok_s")), ""))
+    bf = _load("throughput_bf16") or {}
+    rows.append(("offline throughput, output tok/s (chat, bf16)", _fmt(bf.get("ours", {}).get("output_tok_s")),
+                 _fmt(bf.get("hf", {}).get("output_tok_s")), _fmt(bf.get("speedup"), 2) + "x"))  # fmt: skip
+    dec = _load("decode") or {}
+    rows.append(("batch-1 greedy decode, tok/s", _fmt(dec.get("ours", {}).get("decode_tok_s")),
+                 _fmt(dec.get("hf", {}).get("decode_tok_s")), _fmt(dec.get("speedup"), 2) + "x"))  # fmt: skip
+    lat = _load("latency") or {}
+    ms = lambda d, k: None if d is None or d.get(k) is None else 1e3 * d[k]  # noqa: E731
+    ttft8 = {}
+    for side in ("ours", "hf"):
+        levels = (lat.get(side) or {}).get("levels", [])
+        ttft8[side] = next((lv["ttft_s"] for lv in levels if lv["concurrency"] == 8), None)
+    rows.append(("TTFT p50 / p99 at concurrency 8, ms (chat)",
+                 f"{_fmt(ms(ttft8['ours'], 'p50'), 0)} / {_fmt(ms(ttft8['ours'], 'p99'), 0)}",
+                 f"{_fmt(ms(ttft8['hf'], 'p50'), 0)} / {_fmt(ms(ttft8['hf'], 'p99'), 0)}", ""))  # fmt: skip
+    mem = _load("memory") or {}
+    gib = lambda b: None if b is None else b / 2**30  # noqa: E731
+    rows.append(("params + KV pool, GiB", _fmt(gib((mem.get("params") or {}).get("bytes")), 2) + " + "
+                 + _fmt(gib((mem.get("kv_pool") or {}).get("bytes")), 2), "", ""))  # fmt: skip
+    rows.append(("peak host RSS, GiB", _fmt(gib((mem.get("host_rss") or {}).get("peak_rss_bytes")), 2),
+                 _fmt(gib((mem.get("hf") or {}).get("peak_rss_bytes")), 2), ""))  # fmt: skip
+    roof = _load("roofline") or {}
+    point = (roof.get("points") or {}).get("decode b=1 (LLM engine)") or {}
+    frac = point.get("fraction_of_bound")
+    rows.append(("batch-1 engine decode, share of the bandwidth bound",
+                 _fmt(None if frac is None else 100 * frac, 0) + "%", "", ""))  # fmt: skip
+    lines = ["| metric | minivllm-jax (XLA) | HF transformers (PyTorch) | ratio |", "|---|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+    machine = tp.get("machine") or dec.get("machine") or {}
+    stamp = tp.get("timestamp") or dec.get("timestamp") or "not run yet"
+    lines.append(f"\nMeasured {stamp} on {machine.get('cpu', '?')}, {machine.get('cpu_count', '?')} cores, "
+                 f"{machine.get('mem_gib', '?')} GiB (`python benchmarks/run_all.py`).")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", nargs="+", choices=sorted(SUITE), help="run just these entries")
+    p.add_argument("--report", action="store_true", help="skip the runs; rebuild the summary only")
+    args = p.parse_args(argv)
+    failed = []
+    for name in [] if args.report else (args.only or list(SUITE)):
+        cmd = [sys.executable, str(HERE / SUITE[name][0]), *SUITE[name][1:]]
+        print(f"\n=== {name}: {shlex.join(cmd[1:])}", flush=True)
+        start = time.perf_counter()
+        rc = subprocess.call(cmd)
+        print(f"=== {name}: exit {rc} in {time.perf_counter() - start:.0f} s", flush=True)
+        if rc:
+            failed.append(name)
+    table = summary()
+    (RESULTS / "SUMMARY.md").write_text(table)
+    readme = HERE / "README.md"
+    if readme.exists() and MARK_START in (text := readme.read_text()):
+        head, rest = text.split(MARK_START, 1)
+        readme.write_text(head + MARK_START + "\n" + table + MARK_END + rest.split(MARK_END, 1)[1])
+    print("\n" + table)
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
