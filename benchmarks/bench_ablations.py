@@ -77,7 +77,7 @@ def registry(a: argparse.Namespace) -> list[Ablation]:
         Ablation("paged-same-kv", f"paged (page {a.page_size}) limited to {budget}",
                  lambda b: b.run(num_pages=1 + a.kv_budget_seqs * b.max_model_len // a.page_size)),
         Ablation("contiguous", f"one max_model_len page per sequence, {budget}", contiguous),
-        Ablation("bucket-padding", "baseline's padded slots per step kind (tokens, rows, block-table pages)",
+        Ablation("bucket-padding", "baseline's padded slots per step kind (tokens, rows, attended pages)",
                  lambda b: b.run()),
         Ablation("prefix-caching-on", f"prompts share their first {a.shared_prefix_len} tokens; cache on",
                  lambda b: b.run(workload=b.shared_prefix)),

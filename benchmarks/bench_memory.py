@@ -82,7 +82,16 @@ def rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
-    """Peak RSS of this process so far (getrusage reports KiB on Linux; it can lag VmRSS a little)."""
+    """Peak RSS of this process so far: VmHWM from /proc (per address space, reset by exec).
+
+    getrusage's ru_maxrss is the fallback only: Linux carries it across fork+exec, so a child
+    started by a big parent would report the parent's peak (seen here: both sides 7.87 GB)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return max(int(line.split()[1]) * 1024, rss_bytes())
+    except OSError:
+        pass
     return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss_bytes())
 
 

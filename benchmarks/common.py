@@ -346,8 +346,8 @@ def run_requests(engine, prompts: list[list[int]], params: list, on_step=None, t
 class PaddingCounter:
     """Counts real vs padded work of every step by wrapping `runner._prepare` (an instance patch).
 
-    Bucketing pads a step to (rows, tokens) and its block table to a page width; the waste is
-    what the bucket computes beyond the scheduled tokens. `uninstall()` restores the runner.
+    Bucketing pads a step to (rows, tokens) and the pages attention reads (a prefill block table,
+    a decode page list) to a bucket; the waste is what the bucket computes beyond the real work. `uninstall()` restores the runner.
     """
 
     def __init__(self, runner) -> None:
@@ -379,10 +379,12 @@ class PaddingCounter:
         c["rows"] += len(batch.seqs)
         c["row_slots"] += rows
         c["pages"] += sum(-(-s.num_computed_tokens // ps) for s in batch.seqs)
-        c["page_slots"] += rows * step_batch.block_tables.shape[1]
+        # Pages attention reads: a block table pads every row to its width; a decode step's flat
+        # page list pads only the total (see StepBatch).
+        c["page_slots"] += rows * step_batch.block_tables.shape[1] + step_batch.page_ids.shape[0]
 
     def summary(self) -> dict[str, Any]:
-        """Per step kind: counts and % padded token slots, rows and block-table entries."""
+        """Per step kind: counts and % padded token slots, rows and attended pages."""
 
         def pct(used: int, slots: int) -> float | None:
             return round(100.0 * (1 - used / slots), 2) if slots else None
@@ -393,7 +395,7 @@ class PaddingCounter:
                 **c,
                 "padded_token_pct": pct(c["tokens"], c["token_slots"]),
                 "padded_row_pct": pct(c["rows"], c["row_slots"]),
-                "padded_table_pct": pct(c["pages"], c["page_slots"]),
+                "padded_pages_pct": pct(c["pages"], c["page_slots"]),
             }
         total = sum(c["tokens"] for c in self.counts.values())
         slots = sum(c["token_slots"] for c in self.counts.values())
