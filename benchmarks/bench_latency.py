@@ -186,8 +186,6 @@ def hf_generate(hf: Any, prompts: list[list[int]], max_new: int, pad_id: int) ->
     width = max(map(len, prompts))
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    # generate fills unset fields from the model's generation_config, so EOS is unset there too.
-    hf.generation_config.eos_token_id = None
     gen = transformers.GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=pad_id)
     streamer = _Stamps()
     with torch.inference_mode():

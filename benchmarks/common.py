@@ -117,6 +117,9 @@ def load_hf_model(model: str, dtype: str = "float32", threads: int = 2):
         )  # fmt: skip
     else:
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
+    # Benchmarks force output lengths; `generate` fills an unset eos_token_id from the model's
+    # generation_config, so EOS must be cleared there too or the peer may stop early.
+    hf.generation_config.eos_token_id = None
     return hf.eval()
 
 
