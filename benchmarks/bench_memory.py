@@ -68,14 +68,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---------------------------------------------------------------- host memory
 
 
-def rss_bytes() -> int:
-    """Resident set size of this process now (Linux /proc; psutil elsewhere)."""
+def _proc_status_bytes(field: str) -> int | None:
+    """A `kB` field of /proc/self/status (Linux), in bytes; None where it cannot be read."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return None
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process now (Linux /proc; psutil elsewhere)."""
+    rss = _proc_status_bytes("VmRSS")
+    if rss is not None:
+        return rss
     import psutil
 
     return psutil.Process().memory_info().rss
@@ -86,13 +94,10 @@ def peak_rss_bytes() -> int:
 
     getrusage's ru_maxrss is the fallback only: Linux carries it across fork+exec, so a child
     started by a big parent would report the parent's peak (seen here: both sides 7.87 GB)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return max(int(line.split()[1]) * 1024, rss_bytes())
-    except OSError:
-        pass
-    return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss_bytes())
+    peak = _proc_status_bytes("VmHWM")
+    if peak is None:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return max(peak, rss_bytes())
 
 
 def device_memory() -> dict[str, Any]:

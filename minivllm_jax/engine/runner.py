@@ -134,7 +134,8 @@ class ModelRunner:
             tokens[i, :q] = seq.token_ids[c : c + q]
             positions[i, :q] = pos
             slots[i, :q] = pages[pos // ps] * ps + pos % ps
-            tables[i, : min(table_width, past_pages[i])] = pages[: min(table_width, past_pages[i])]
+            k = min(table_width, past_pages[i])
+            tables[i, :k] = pages[:k]
         context_lens = np.zeros(rows, np.int32)
         query_lens = np.zeros(rows, np.int32)
         context_lens[:n] = context

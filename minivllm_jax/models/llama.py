@@ -133,18 +133,26 @@ def _linear(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
     return y + p["bias"] if "bias" in p else y
 
 
-def _gather_pages(pages: jax.Array, layer: jax.Array, block_tables: jax.Array) -> jax.Array:
-    """This layer's pages of each row, kv-head-major: `[B, kvh, P * page_size, hd]`.
+def _block_index(pages: jax.Array, layer: jax.Array, page_ids: jax.Array) -> jax.Array:
+    """Index of each page's per-head `[page_size, hd]` block in the stacked cache
+    `[L, num_pages, kvh, page_size, hd]` flattened over (layer, page, head): `[..., kvh]`.
 
-    `pages` is the stacked cache `[L, num_pages, kvh, page_size, hd]`. Layer, page and head are
-    folded into one index of contiguous `[page_size, hd]` blocks, so XLA emits one simple gather
-    that reads only the row's pages (no copy of the layer, no transpose afterwards).
-    """
-    L, num_pages, kvh, page_size, hd = pages.shape
+    Folding layer, page and head into one index makes each read one simple gather of contiguous
+    blocks: no copy of the layer, no transpose afterwards."""
+    _, num_pages, kvh = pages.shape[:3]
+    return (layer * num_pages + page_ids)[..., None] * kvh + jnp.arange(kvh, dtype=page_ids.dtype)
+
+
+def _gather_blocks(pages: jax.Array, index: jax.Array) -> jax.Array:
+    """The `[page_size, hd]` blocks named by `index` (from `_block_index`): `[*index.shape, ps, hd]`."""
+    return pages.reshape(-1, *pages.shape[3:]).at[index].get(mode="promise_in_bounds")
+
+
+def _gather_pages(pages: jax.Array, layer: jax.Array, block_tables: jax.Array) -> jax.Array:
+    """This layer's pages of each row, kv-head-major: `[B, kvh, P * page_size, hd]`."""
     B, P = block_tables.shape
-    blocks = ((layer * num_pages + block_tables)[:, None, :] * kvh) + jnp.arange(kvh, dtype=block_tables.dtype)[:, None]
-    flat = pages.reshape(L * num_pages * kvh, page_size, hd)
-    out = flat.at[blocks].get(mode="promise_in_bounds")  # [B, kvh, P, page_size, hd]
+    _, _, kvh, page_size, hd = pages.shape
+    out = _gather_blocks(pages, _block_index(pages, layer, block_tables).swapaxes(1, 2))  # [B, kvh, P, ps, hd]
     return out.reshape(B, kvh, P * page_size, hd)
 
 
@@ -227,13 +235,13 @@ def ragged_decode_attention(
     assert T == 1, "a flat page list is for decode steps"
     KVH = k_new.shape[2]
     G = H // KVH
-    L, num_pages, _, page_size, _ = cache.k.shape
+    page_size = cache.page_size
     dtype = cache.k.dtype
     rows = batch.page_rows
 
-    blocks = ((layer * num_pages + batch.page_ids) * KVH)[:, None] + jnp.arange(KVH, dtype=rows.dtype)
-    k_pages = cache.k.reshape(-1, page_size, hd).at[blocks].get(mode="promise_in_bounds")  # [N, KVH, ps, hd]
-    v_pages = cache.v.reshape(-1, page_size, hd).at[blocks].get(mode="promise_in_bounds")
+    blocks = _block_index(cache.k, layer, batch.page_ids)  # [N, KVH]
+    k_pages = _gather_blocks(cache.k, blocks)  # [N, KVH, ps, hd]
+    v_pages = _gather_blocks(cache.v, blocks)
     qf = (q.reshape(B, KVH, G, hd) * hd**-0.5).astype(dtype)
     batch_dims = ((0, 1), (0, 1))
     scores = jax.lax.dot_general(qf[rows], k_pages, (((3,), (3,)), batch_dims), preferred_element_type=jnp.float32)
