@@ -38,7 +38,10 @@ class StepBatch:
 def single_sequence_batch(
     tokens: np.ndarray, context_len: int, pages: list[int], page_size: int, width: int | None = None
 ) -> StepBatch:
-    """A batch of one row feeding `tokens` after `context_len` cached ones (tests, simple decode)."""
+    """A batch of one row feeding `tokens` after `context_len` cached ones (tests, simple decode).
+
+    The row's pages come as a block table of `width` (default: all of `pages`), or, for a
+    decode step (one token), as a flat page list of that length, like the engine's decode."""
     tokens = np.asarray(tokens, np.int32).reshape(1, -1)
     T = tokens.shape[1]
     positions = context_len + np.arange(T, dtype=np.int32)
@@ -46,11 +49,21 @@ def single_sequence_batch(
     slots = pages_arr[positions // page_size] * page_size + positions % page_size
     table = np.zeros((1, width or max(1, len(pages))), np.int32)
     table[0, : len(pages)] = pages_arr
-    return StepBatch(
+    batch = StepBatch(
         tokens=tokens,
         positions=positions[None],
         slot_mapping=slots[None].astype(np.int32),
         block_tables=table,
         context_lens=np.array([context_len], np.int32),
         query_lens=np.array([T], np.int32),
+    )
+    if T > 1:
+        return batch
+    starts = np.arange(table.shape[1], dtype=np.int32) * page_size  # entries past the context: length 0
+    return dataclasses.replace(
+        batch,
+        block_tables=np.zeros((1, 0), np.int32),
+        page_ids=table[0],
+        page_rows=np.zeros(table.shape[1], np.int32),
+        page_lens=np.clip(context_len - starts, 0, page_size).astype(np.int32),
     )

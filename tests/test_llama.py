@@ -105,7 +105,7 @@ def test_ragged_decode_attention_equals_block_table_attention():
     L, num_pages, kvh, ps, hd, heads = 2, 40, 2, 4, 8, 4
     context = np.array([1, 9, 0, 16, 23], np.int32)  # row 2 is a padded row (no past tokens)
     B = len(context)
-    k, v = (rng.standard_normal((L, num_pages, kvh, ps, hd)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((L, num_pages, kvh, *dims)).astype(np.float32) for dims in ((hd, ps), (ps, hd)))
     cache = KVCache(jnp.asarray(k), jnp.asarray(v))
     pages = rng.permutation(np.arange(1, num_pages))
     counts = -(-context // ps)

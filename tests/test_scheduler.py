@@ -126,3 +126,19 @@ def test_finish_while_waiting_frees_nothing_twice():
     s.finish(q, "abort")
     assert not s.has_unfinished() and q.finish_reason == "abort"
     assert s.block_manager.num_free_pages == s.block_manager.num_usable_pages
+
+
+def test_bucket_lists_cover_every_shape_with_bounded_padding():
+    """Every decode page-list length and prefill token count has a bucket; page lists pad by
+    at most 1.5x (the half-octave ladder), everything else by at most 2x."""
+    from minivllm_jax.config import bucket_for
+
+    cfg = EngineConfig(max_num_seqs=16, max_model_len=300, page_size=16, max_num_batched_tokens=96)
+    for rows in cfg.decode_batch_buckets:
+        buckets = cfg.page_list_buckets(rows)
+        assert list(buckets) == sorted(set(buckets)) and buckets[-1] == rows * cfg.max_pages_per_seq
+        for total in range(rows // 2 + 1, buckets[-1] + 1):  # a rows bucket holds > rows/2 sequences
+            assert total <= bucket_for(total, buckets) <= max(16, 1.5 * total)
+    tokens = cfg.prefill_token_buckets
+    assert tokens[-1] == 96 and all(t <= bucket_for(t, tokens) <= max(16, 2 * t) for t in range(1, 97))
+    assert {s[3] for s in cfg.decode_shapes()} >= set(cfg.page_list_buckets(cfg.max_num_seqs))

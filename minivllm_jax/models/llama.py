@@ -134,8 +134,8 @@ def _linear(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
 
 
 def _block_index(pages: jax.Array, layer: jax.Array, page_ids: jax.Array) -> jax.Array:
-    """Index of each page's per-head `[page_size, hd]` block in the stacked cache
-    `[L, num_pages, kvh, page_size, hd]` flattened over (layer, page, head): `[..., kvh]`.
+    """Index of each page's per-head block in the stacked cache `[L, num_pages, kvh, *block]`
+    flattened over (layer, page, head): `[..., kvh]`.
 
     Folding layer, page and head into one index makes each read one simple gather of contiguous
     blocks: no copy of the layer, no transpose afterwards."""
@@ -144,16 +144,13 @@ def _block_index(pages: jax.Array, layer: jax.Array, page_ids: jax.Array) -> jax
 
 
 def _gather_blocks(pages: jax.Array, index: jax.Array) -> jax.Array:
-    """The `[page_size, hd]` blocks named by `index` (from `_block_index`): `[*index.shape, ps, hd]`."""
+    """The blocks (`[hd, ps]` of K, `[ps, hd]` of V) named by `index` (from `_block_index`)."""
     return pages.reshape(-1, *pages.shape[3:]).at[index].get(mode="promise_in_bounds")
 
 
 def _gather_pages(pages: jax.Array, layer: jax.Array, block_tables: jax.Array) -> jax.Array:
-    """This layer's pages of each row, kv-head-major: `[B, kvh, P * page_size, hd]`."""
-    B, P = block_tables.shape
-    _, _, kvh, page_size, hd = pages.shape
-    out = _gather_blocks(pages, _block_index(pages, layer, block_tables).swapaxes(1, 2))  # [B, kvh, P, ps, hd]
-    return out.reshape(B, kvh, P * page_size, hd)
+    """This layer's blocks of each row's pages, kv-head-major: `[B, kvh, P, *block]`."""
+    return _gather_blocks(pages, _block_index(pages, layer, block_tables).swapaxes(1, 2))
 
 
 def paged_attention(
@@ -173,10 +170,9 @@ def paged_attention(
     own new tokens (causally) are attended to. Plain JAX; a kernel can replace this function.
 
     Shaped for XLA on CPU: the query heads of one KV group are folded into the rows (`g*T` rows
-    per kv head) so each product is one bigger matmul; scores are computed as `K @ q^T` and
-    values as `p @ V` (both without transposing the gathered pages, which XLA's CPU dots are
-    slow at); past and new keys are scored separately and joined only in the small score
-    tensor, so the gathered pages are never concatenated with the new keys.
+    per kv head) so each product is one bigger matmul (`q @ K^T` against the transposed K
+    pages, then `p @ V`); past and new keys are scored separately and joined only in the small
+    score tensor, so the gathered pages are never concatenated with the new keys.
     """
     if batch.page_ids.shape[0]:
         return ragged_decode_attention(q, k_new, v_new, cache, layer, batch)
@@ -187,29 +183,29 @@ def paged_attention(
     S = P * cache.page_size
     dtype = cache.k.dtype
 
-    past_k = _gather_pages(cache.k, layer, batch.block_tables)  # [B, KVH, S, hd]
-    past_v = _gather_pages(cache.v, layer, batch.block_tables)
-    # Rows r = t * G + g of kv head k.
-    qf = q.reshape(B, T, KVH, G, hd).transpose(0, 2, 1, 3, 4).reshape(B, KVH, T * G, hd).astype(dtype)
+    past_k = _gather_pages(cache.k, layer, batch.block_tables)  # [B, KVH, P, hd, ps]
+    past_v = _gather_pages(cache.v, layer, batch.block_tables).reshape(B, KVH, S, hd)
+    # Rows r = t * G + g of kv head k, pre-scaled.
+    qf = q.reshape(B, T, KVH, G, hd).transpose(0, 2, 1, 3, 4).reshape(B, KVH, T * G, hd)
+    qf = (qf * hd**-0.5).astype(dtype)
     kn = k_new.transpose(0, 2, 1, 3).astype(dtype)  # [B, KVH, T, hd]
     vn = v_new.transpose(0, 2, 1, 3).astype(dtype)
 
-    dims = (((3,), (3,)), ((0, 1), (0, 1)))
-    s_past = jax.lax.dot_general(past_k, qf, dims, preferred_element_type=jnp.float32)  # [B, KVH, S, TG]
-    s_new = jax.lax.dot_general(kn, qf, dims, preferred_element_type=jnp.float32)  # [B, KVH, T, TG]
-    scores = jnp.concatenate([s_past, s_new], axis=2) * (hd**-0.5)  # [B, KVH, S+T, TG]
+    batch_dims = ((0, 1), (0, 1))
+    s_past = jax.lax.dot_general(qf, past_k, (((3,), (3,)), batch_dims), preferred_element_type=jnp.float32)
+    s_new = jax.lax.dot_general(qf, kn, (((3,), (3,)), batch_dims), preferred_element_type=jnp.float32)
+    scores = jnp.concatenate([s_past.reshape(B, KVH, T * G, S), s_new], axis=3)  # [B, KVH, TG, S+T]
 
     row_t = jnp.arange(T * G) // G  # the new token of each row
-    past_ok = jnp.arange(S)[None, :, None] < batch.context_lens[:, None, None]  # [B, S, 1]
-    new_ok = jnp.arange(T)[:, None] <= row_t[None, :]  # [T, TG]
+    past_ok = jnp.arange(S)[None, None, :] < batch.context_lens[:, None, None]  # [B, 1, S]
+    new_ok = jnp.arange(T)[None, :] <= row_t[:, None]  # [TG, T]
     mask = jnp.concatenate(
-        [jnp.broadcast_to(past_ok, (B, S, T * G)), jnp.broadcast_to(new_ok[None], (B, T, T * G))], axis=1
+        [jnp.broadcast_to(past_ok, (B, T * G, S)), jnp.broadcast_to(new_ok[None], (B, T * G, T))], axis=2
     )
     scores = jnp.where(mask[:, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=2).astype(dtype)
-    probs = probs.transpose(0, 1, 3, 2)  # [B, KVH, TG, S+T]
+    probs = jax.nn.softmax(scores, axis=3).astype(dtype)
 
-    pv = (((3,), (2,)), ((0, 1), (0, 1)))
+    pv = (((3,), (2,)), batch_dims)
     out = jax.lax.dot_general(probs[..., :S], past_v, pv, preferred_element_type=jnp.float32)
     out = out + jax.lax.dot_general(probs[..., S:], vn, pv, preferred_element_type=jnp.float32)
     out = out.astype(q.dtype).reshape(B, KVH, T, G, hd).transpose(0, 2, 1, 3, 4)
@@ -240,11 +236,11 @@ def ragged_decode_attention(
     rows = batch.page_rows
 
     blocks = _block_index(cache.k, layer, batch.page_ids)  # [N, KVH]
-    k_pages = _gather_blocks(cache.k, blocks)  # [N, KVH, ps, hd]
-    v_pages = _gather_blocks(cache.v, blocks)
+    k_pages = _gather_blocks(cache.k, blocks)  # [N, KVH, hd, ps]
+    v_pages = _gather_blocks(cache.v, blocks)  # [N, KVH, ps, hd]
     qf = (q.reshape(B, KVH, G, hd) * hd**-0.5).astype(dtype)
     batch_dims = ((0, 1), (0, 1))
-    scores = jax.lax.dot_general(qf[rows], k_pages, (((3,), (3,)), batch_dims), preferred_element_type=jnp.float32)
+    scores = jax.lax.dot_general(qf[rows], k_pages, (((3,), (2,)), batch_dims), preferred_element_type=jnp.float32)
     valid = jnp.arange(page_size)[None, :] < batch.page_lens[:, None]  # [N, ps]
     scores = jnp.where(valid[:, None, None, :], scores, -jnp.inf)  # [N, KVH, G, ps]
     s_new = jnp.sum(qf * k_new.reshape(B, KVH, 1, hd).astype(dtype), axis=-1, dtype=jnp.float32)  # [B, KVH, G]
