@@ -87,8 +87,10 @@ def summary() -> str:
     lines = ["| metric | minivllm-jax (XLA) | HF transformers (PyTorch) | ratio |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
     machine = tp.get("machine") or dec.get("machine") or {}
-    stamp = tp.get("timestamp") or dec.get("timestamp") or "not run yet"
-    lines.append(f"\nMeasured {stamp} on {machine.get('cpu', '?')}, {machine.get('cpu_count', '?')} cores, "
+    stamps = sorted(r["timestamp"] for r in (tp, bf, dec, lat, mem, roof) if r.get("timestamp"))
+    when = "not run yet" if not stamps else stamps[0] if stamps[0] == stamps[-1] else (
+        f"from {stamps[0]} to {stamps[-1]} (rows rerun with `--only` keep their own timestamps)")
+    lines.append(f"\nMeasured {when} on {machine.get('cpu', '?')}, {machine.get('cpu_count', '?')} cores, "
                  f"{machine.get('mem_gib', '?')} GiB (`python benchmarks/run_all.py`).")  # fmt: skip
     return "\n".join(lines) + "\n"
 
