@@ -103,8 +103,8 @@ def _ladder(start: int, stop: int) -> tuple[int, ...]:
 
     Half-octave steps where padding costs memory traffic that no matmul amortizes (decode
     page lists): a value pads by at most 50% instead of 100%, for about twice the programs."""
-    steps = {x * 3 // 2 for x in _doubling(start, stop) if x >= 2} | set(_doubling(start, stop))
-    return tuple(sorted(x for x in steps if x <= stop))
+    octaves = _doubling(start, stop)
+    return tuple(sorted({x for o in octaves for x in (o, o * 3 // 2) if x <= stop}))
 
 
 @dataclasses.dataclass(frozen=True)

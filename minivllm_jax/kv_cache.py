@@ -3,8 +3,8 @@
 Layout: K and V are stacked over layers and KV-head-major inside a page, so one (page, kv
 head) is a contiguous block and attention gathers whole blocks. V blocks are `[page_size,
 head_dim]`; K blocks are stored transposed, `[head_dim, page_size]`, so that scoring a page
-is a plain `q @ K_page` matmul: XLA's CPU dots are about twice as slow when the contracted
-dimension of the gathered operand is its minor one. Page 0 is a scratch page: padded slots of
+is a plain `q @ K_page` matmul (the page-score dot of a 64-row decode step measured about twice
+as fast on CPU as contracting the minor axis of `[page_size, head_dim]` blocks). Page 0 is a scratch page: padded slots of
 a bucket write there, so padding never touches a live sequence's pages, and the block manager
 never hands it out. A token's slot is `page * page_size + offset`."""
 
