@@ -116,3 +116,50 @@ def test_double_free_is_caught():
     a.pages = pages
     with pytest.raises(AssertionError):
         bm.free_pages(a)
+
+
+def test_digest_collision_cannot_serve_another_chains_page(monkeypatch):
+    """A crafted prompt whose page key collides with another request's must not read its KV:
+    a hit checks the stored parent digest and tokens, not only the key."""
+    import minivllm_jax.engine.block_manager as bm_module
+
+    monkeypatch.setattr(bm_module, "page_digest", lambda parent, tokens: b"collide")  # every key equal
+    bm = BlockManager(num_pages=16, page_size=4)
+    victim = seq([5, 6, 7, 8, 9, 10, 11, 12, 13])
+    bm.allocate(victim)
+    victim.num_computed_tokens = len(victim)
+    bm.commit(victim)
+    attacker = seq([1, 2, 3, 4, 9, 10, 11, 12, 13])  # different first page, same (colliding) key
+    bm.allocate(attacker)
+    assert attacker.num_cached_tokens == 0 and not set(attacker.pages) & set(victim.pages)
+    # A second page whose own tokens match but whose parent chain differs is refused too.
+    same_tail = seq([5, 6, 7, 99, 9, 10, 11, 12, 13])
+    bm.allocate(same_tail)
+    assert same_tail.num_cached_tokens == 0
+
+
+def test_page_digest_is_sha256_chained_over_parent():
+    from minivllm_jax.engine.block_manager import ROOT_DIGEST, page_digest
+
+    first = page_digest(ROOT_DIGEST, (1, 2, 3, 4))
+    assert len(first) == 32 and first != page_digest(ROOT_DIGEST, (1, 2, 3, 5))
+    assert page_digest(first, (9,)) != page_digest(page_digest(ROOT_DIGEST, (1, 2, 3, 5)), (9,))
+    assert page_digest(ROOT_DIGEST, (1, 2)) != page_digest(ROOT_DIGEST, (1 + (2 << 32),))  # fixed-width encoding
+
+
+def test_fork_shares_full_prompt_pages_by_refcount():
+    bm = BlockManager(num_pages=16, page_size=4)
+    parent = seq(range(10))  # 2 full pages + 2 tokens
+    bm.allocate(parent)
+    parent.num_computed_tokens = 10
+    bm.commit(parent)
+    child = seq(range(10))
+    bm.fork(parent, child, 9)
+    assert child.pages == parent.pages[:2] and child.num_computed_tokens == 8
+    assert [bm.refcount[p] for p in parent.pages] == [2, 2, 1]
+    assert bm.can_allocate(child)
+    bm.allocate(child)  # only the partial last page is new
+    assert child.pages[:2] == parent.pages[:2] and child.pages[2] not in parent.pages
+    bm.free_pages(parent)
+    bm.free_pages(child)
+    assert bm.num_free_pages == bm.num_usable_pages

@@ -142,3 +142,47 @@ def test_bucket_lists_cover_every_shape_with_bounded_padding():
     tokens = cfg.prefill_token_buckets
     assert tokens[-1] == 96 and all(t <= bucket_for(t, tokens) <= max(16, 2 * t) for t in range(1, 97))
     assert {s[3] for s in cfg.decode_shapes()} >= set(cfg.page_list_buckets(cfg.max_num_seqs))
+
+
+def test_admission_reserves_a_page_for_rows_admitted_in_the_same_step():
+    """`reserve` counts every running sequence, including those admitted earlier in this step,
+    so after admission each running sequence can still grow by a page."""
+    s = make(num_pages=5, max_num_batched_tokens=32)  # 4 usable pages of 4 tokens
+    r = request(3, max_tokens=8)
+    s.add(r)
+    fake_step(s)  # r: 4 tokens in 1 page
+    w1, w2 = request(4, first=20), request(4, first=40)  # 1 page each
+    s.add(w1)
+    s.add(w2)
+    batch = fake_step(s)
+    assert batch.seqs == (w1,)
+    assert s.block_manager.num_free_pages >= len(s.running)
+    run_all(s)
+
+
+def shared_prefix_hits(with_long_prompt: bool, scheduler_cls=Scheduler) -> int:
+    """Prefix-cache hits (tokens) of two requests reusing cached prefixes, optionally while a
+    long prompt is being chunked beside them."""
+    cfg = EngineConfig(page_size=4, num_pages=33, max_model_len=64, max_num_batched_tokens=16)
+    s = scheduler_cls(cfg, BlockManager(cfg.num_pages, cfg.page_size))
+    prefix_a, prefix_b = list(range(100, 116)), list(range(200, 216))  # 4 full pages each
+    for prefix in (prefix_a, prefix_b):  # warm the cache, then finish
+        s.add(Sequence("warm", prefix + [1, 2], SamplingParams(max_tokens=2)))
+        run_all(s)
+    if with_long_prompt:
+        s.add(Sequence("long", list(range(300, 360)), SamplingParams(max_tokens=2), arrival_time=0.0))
+        fake_step(s)  # the long prompt is now being chunked
+    a = Sequence("a", prefix_a + list(range(400, 430)), SamplingParams(max_tokens=2), arrival_time=1.0)
+    s.add(a)
+    run_all(s)
+    b = Sequence("b", prefix_b + [5, 6], SamplingParams(max_tokens=2), arrival_time=2.0)
+    s.add(b)
+    run_all(s)
+    return a.num_cached_tokens + b.num_cached_tokens
+
+
+def test_waiting_admission_beside_a_long_chunk_does_not_evict_the_prefix_cache():
+    """A waiting sequence that does not fit the step is not allocated and rolled back: that
+    rollback took fresh pages on every step of the chunk and evicted cached prefixes."""
+    assert shared_prefix_hits(False) == 32
+    assert shared_prefix_hits(True) == 32

@@ -1,21 +1,41 @@
 """`BlockManager`: KV pages, refcounts and the hash-chained prefix cache (host bookkeeping only).
 
-Page 0 is the scratch page and never handed out. A full page is identified by a hash chained
-over its parent's hash and its tokens, so equal prefixes map to equal pages. Freed pages keep
-their hash until reused (least recently freed first), so a finished or preempted request's
-prefix can still be hit later.
+Page 0 is the scratch page and never handed out. A full page is identified by a sha256 digest
+chained over its parent page's digest and its own tokens, so equal prefixes map to equal pages
+and a prompt cannot be crafted to land on another request's page (a weak key such as Python's
+`hash` can be collided on purpose: vLLM's CVE-2025-25183). A hit also checks the stored parent
+digest and tokens, so even a digest collision cannot serve a page from another chain. Freed
+pages keep their digest until reused (least recently freed first), so a finished or preempted
+request's prefix can still be hit later.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 from collections import OrderedDict
+
+import numpy as np
 
 from minivllm_jax.engine.sequence import Sequence
 from minivllm_jax.kv_cache import SCRATCH_PAGE
 
+ROOT_DIGEST = b""  # the "parent" of a sequence's first page
 
-def _page_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    return hash((parent, tokens))
+
+def page_digest(parent: bytes, tokens: tuple[int, ...]) -> bytes:
+    """sha256 over the parent page's digest and this page's token ids (fixed-width, so no two
+    token lists share an encoding)."""
+    return hashlib.sha256(parent + np.asarray(tokens, np.int64).tobytes()).digest()
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedPage:
+    """What a cached page holds: checked in full on every hit, not only its digest."""
+
+    digest: bytes
+    parent: bytes
+    tokens: tuple[int, ...]
 
 
 class BlockManager:
@@ -28,8 +48,8 @@ class BlockManager:
         self.refcount = [0] * num_pages
         # Free pages in reuse order; an OrderedDict so a prefix hit can pull one out in O(1).
         self.free: OrderedDict[int, None] = OrderedDict((p, None) for p in range(num_pages) if p != SCRATCH_PAGE)
-        self.hash_to_page: dict[int, int] = {}
-        self.page_key: dict[int, tuple[int, tuple[int, ...]]] = {}  # page -> (hash, tokens) when cached
+        self.digest_to_page: dict[bytes, int] = {}
+        self.cached: dict[int, CachedPage] = {}  # page -> what it holds, while it is in the cache
 
     @property
     def num_free_pages(self) -> int:
@@ -44,53 +64,80 @@ class BlockManager:
 
     # ---------------------------------------------------------------- prefix cache lookups
 
-    def _cached_prefix(self, token_ids: list[int]) -> tuple[list[int], list[int]]:
-        """Pages (and their hashes) holding the longest cached prefix, leaving a token to compute."""
+    def _page_tokens(self, token_ids: list[int], i: int) -> tuple[int, ...]:
+        return tuple(token_ids[i * self.page_size : (i + 1) * self.page_size])
+
+    def _cached_prefix(self, token_ids: list[int]) -> tuple[list[int], list[bytes]]:
+        """Pages (and their digests) holding the longest cached prefix, leaving a token to compute."""
         pages: list[int] = []
-        hashes: list[int] = []
+        digests: list[bytes] = []
         if not self.enable_prefix_caching:
-            return pages, hashes
-        parent = None
+            return pages, digests
+        parent = ROOT_DIGEST
         for i in range((len(token_ids) - 1) // self.page_size):
-            tokens = tuple(token_ids[i * self.page_size : (i + 1) * self.page_size])
-            h = _page_hash(parent, tokens)
-            page = self.hash_to_page.get(h)
-            if page is None or self.page_key[page][1] != tokens:
+            tokens = self._page_tokens(token_ids, i)
+            digest = page_digest(parent, tokens)
+            page = self.digest_to_page.get(digest)
+            if page is None or self.cached[page] != CachedPage(digest, parent, tokens):
                 break
             pages.append(page)
-            hashes.append(h)
-            parent = h
-        return pages, hashes
+            digests.append(digest)
+            parent = digest
+        return pages, digests
+
+    def computed_on_admission(self, seq: Sequence) -> int:
+        """Tokens that `allocate(seq)` would find computed (cache hit or a forked prompt)."""
+        if seq.pages:
+            return seq.num_computed_tokens
+        return len(self._cached_prefix(seq.token_ids)[0]) * self.page_size
+
+    def _uncache(self, page: int) -> None:
+        entry = self.cached.pop(page, None)
+        if entry is not None and self.digest_to_page.get(entry.digest) == page:
+            del self.digest_to_page[entry.digest]
 
     def _take_fresh_page(self) -> int:
         page, _ = self.free.popitem(last=False)
-        if page in self.page_key:  # evict its stale prefix-cache entry
-            h, _ = self.page_key.pop(page)
-            if self.hash_to_page.get(h) == page:
-                del self.hash_to_page[h]
+        self._uncache(page)  # its old contents are about to be overwritten
         self.refcount[page] = 1
         return page
 
     # ---------------------------------------------------------------- verbs
 
     def can_allocate(self, seq: Sequence, reserve: int = 0) -> bool:
+        if seq.pages:  # forked: only the pages past the shared prompt are new
+            return self.pages_for(len(seq)) - len(seq.pages) + reserve <= self.num_free_pages
         cached, _ = self._cached_prefix(seq.token_ids)
         needed = self.pages_for(len(seq)) - len(cached)
         free_after_hits = self.num_free_pages - sum(1 for p in cached if self.refcount[p] == 0)
         return needed + reserve <= free_after_hits
 
     def allocate(self, seq: Sequence) -> None:
-        """Give a waiting sequence pages for all its tokens, reusing cached prefix pages."""
-        assert not seq.pages, "allocate() on a sequence that already holds pages"
-        cached, hashes = self._cached_prefix(seq.token_ids)
-        for page in cached:
-            if self.refcount[page] == 0:
-                del self.free[page]
+        """Give a waiting sequence pages for all its tokens, reusing cached prefix pages (or the
+        pages it was forked with)."""
+        if not seq.pages:
+            cached, digests = self._cached_prefix(seq.token_ids)
+            for page in cached:
+                if self.refcount[page] == 0:
+                    del self.free[page]
+                self.refcount[page] += 1
+            seq.pages = cached
+            seq.page_hashes = digests
+            seq.num_computed_tokens = seq.num_cached_tokens = len(cached) * self.page_size
+        self.append(seq)
+
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> None:
+        """Share the parent's full pages covering its first `num_tokens` tokens with `child`
+        (by refcount, no copy). The child computes the rest itself into fresh pages, so a
+        shared page is never written: a full page is only ever read."""
+        assert not child.pages, "fork() into a sequence that already holds pages"
+        full = min(num_tokens // self.page_size, parent.num_computed_tokens // self.page_size)
+        child.pages = list(parent.pages[:full])
+        for page in child.pages:
             self.refcount[page] += 1
-        fresh = [self._take_fresh_page() for _ in range(self.pages_for(len(seq)) - len(cached))]
-        seq.pages = cached + fresh
-        seq.page_hashes = hashes
-        seq.num_computed_tokens = seq.num_cached_tokens = len(cached) * self.page_size
+        child.page_hashes = list(parent.page_hashes[:full])
+        child.num_computed_tokens = full * self.page_size
+        child.num_cached_tokens = parent.num_cached_tokens  # prefix-cache hits only, as the parent
 
     def can_append(self, seq: Sequence) -> bool:
         return self.pages_for(len(seq)) - len(seq.pages) <= self.num_free_pages
@@ -101,18 +148,19 @@ class BlockManager:
             seq.pages.append(self._take_fresh_page())
 
     def commit(self, seq: Sequence) -> None:
-        """Register the hashes of pages that became full and computed, so others can share them."""
+        """Register the digests of pages that became full and computed, so others can share them."""
         if not self.enable_prefix_caching:
             return
         token_ids = seq.token_ids
         for i in range(len(seq.page_hashes), seq.num_computed_tokens // self.page_size):
             page = seq.pages[i]
-            tokens = tuple(token_ids[i * self.page_size : (i + 1) * self.page_size])
-            h = _page_hash(seq.page_hashes[-1] if seq.page_hashes else None, tokens)
-            if h not in self.hash_to_page and page not in self.page_key:
-                self.hash_to_page[h] = page
-                self.page_key[page] = (h, tokens)
-            seq.page_hashes.append(h)
+            parent = seq.page_hashes[-1] if seq.page_hashes else ROOT_DIGEST
+            tokens = self._page_tokens(token_ids, i)
+            digest = page_digest(parent, tokens)
+            if digest not in self.digest_to_page and page not in self.cached:
+                self.digest_to_page[digest] = page
+                self.cached[page] = CachedPage(digest, parent, tokens)
+            seq.page_hashes.append(digest)
 
     def free_pages(self, seq: Sequence) -> None:
         """Return the sequence's pages (finish, abort or preemption); shared pages stay alive."""
@@ -124,3 +172,8 @@ class BlockManager:
         seq.pages = []
         seq.page_hashes = []
         seq.num_computed_tokens = 0
+
+    def clear_cache(self) -> None:
+        """Forget every cached page (the KV cache contents are gone, e.g. after a reset)."""
+        self.digest_to_page.clear()
+        self.cached.clear()

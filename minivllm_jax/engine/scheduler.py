@@ -63,6 +63,7 @@ class Scheduler:
         cfg, bm = self.config, self.block_manager
         rows: list[Sequence] = []
         chunks: list[int] = []
+        admitted = 0
         # Chunk continuations (already admitted) go first, then waiting ones by priority.
         candidates = [s for s in self.running if s.is_prefill]
         self.waiting.sort(key=lambda s: s.sort_key)
@@ -71,20 +72,22 @@ class Scheduler:
             if len(rows) == cfg.max_prefill_rows:
                 break
             admitting = seq.status == SequenceStatus.WAITING
+            if admitting and len(self.running) + admitted >= cfg.max_num_seqs:
+                break
+            # Check the row fits the step before taking any page: allocating and then rolling
+            # back would evict prefix-cache pages on every step a long chunk runs.
+            computed = bm.computed_on_admission(seq) if admitting else seq.num_computed_tokens
+            chunk = min(len(seq) - computed, cfg.max_num_batched_tokens)
+            width = bucket_for(max(chunks + [chunk]), cfg.prefill_token_buckets)
+            if rows and len(rows) + 1 > cfg.prefill_row_buckets(width)[-1]:
+                break
             if admitting:
-                if len(self.running) + sum(s.status == SequenceStatus.WAITING for s in rows) >= cfg.max_num_seqs:
-                    break
-                # Keep a page per running sequence so admission does not force instant preemption.
-                if not bm.can_allocate(seq, reserve=len(self.running)):
+                # Keep a page per running sequence (those admitted in this step too) so
+                # admission does not force an instant preemption.
+                if not bm.can_allocate(seq, reserve=len(self.running) + admitted):
                     break
                 bm.allocate(seq)
-            chunk = min(seq.num_uncomputed_tokens, cfg.max_num_batched_tokens)
-            width = bucket_for(max(chunks + [chunk]), cfg.prefill_token_buckets)
-            row_buckets = cfg.prefill_row_buckets(width)
-            if rows and len(rows) + 1 > row_buckets[-1]:
-                if admitting:
-                    bm.free_pages(seq)
-                break
+                admitted += 1
             rows.append(seq)
             chunks.append(chunk)
         if not rows:
@@ -104,7 +107,7 @@ class Scheduler:
                 continue  # preempted below while we were walking the list
             while not bm.can_append(seq):
                 victim = max((s for s in self.running if s.status == SequenceStatus.RUNNING), key=lambda s: s.sort_key)
-                self._preempt(victim)
+                self.preempt(victim)
                 if victim is seq:
                     break
             if seq.status == SequenceStatus.RUNNING:
@@ -114,7 +117,7 @@ class Scheduler:
             return None
         return ScheduledBatch(False, tuple(rows), tuple(1 for _ in rows))
 
-    def _preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence) -> None:
         """Free the sequence's pages and requeue it; it is recomputed from its tokens later."""
         self.block_manager.free_pages(seq)
         self.running.remove(seq)

@@ -44,11 +44,11 @@ class Sequence:
         self.output_token_ids: list[int] = []
         self.params = params
         self.priority = priority
-        self.seed = seed  # the row's PRNG seed: tokens depend only on (seed, step)
+        self.seed = seed  # the request's PRNG seed: tokens depend only on (seed, index, step)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = SequenceStatus.WAITING
         self.pages: list[int] = []
-        self.page_hashes: list[int] = []  # prefix-cache hash of each full, computed page
+        self.page_hashes: list[bytes] = []  # prefix-cache digest of each full, computed page
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache on admission
         self.logprobs: list[TokenLogprobs] = []
