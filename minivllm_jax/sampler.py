@@ -34,8 +34,9 @@ class SamplingArrays:
     top_k: jax.Array  # i32[B]  <= 0 or >= vocab: off
     top_p: jax.Array  # f32[B]  1 = off
     min_p: jax.Array  # f32[B]  0 = off
-    seeds: jax.Array  # u32[B, 2]  threefry key data of the row's seed
-    steps: jax.Array  # i32[B]  tokens the row generated so far; key = fold_in(seed, step)
+    seeds: jax.Array  # u32[B, 2]  threefry key data of the request's seed
+    sample_index: jax.Array  # i32[B]  which of the request's n samples the row is
+    steps: jax.Array  # i32[B]  tokens the row generated so far
     presence_penalty: jax.Array  # f32[B]
     frequency_penalty: jax.Array  # f32[B]
     repetition_penalty: jax.Array  # f32[B]
@@ -54,7 +55,8 @@ class Penalties:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SampleResult:
-    """Logprobs are under the penalized logits at temperature 1 (before top-k/p, min-p)."""
+    """Logprobs are the model's raw log-softmax (before penalties, temperature, top-k/p and
+    min-p), as OpenAI and vLLM report them by default."""
 
     tokens: jax.Array  # i32[B]
     logprobs: jax.Array  # f32[B]  of `tokens`; 0 in batches where no row wants logprobs
@@ -62,23 +64,28 @@ class SampleResult:
     top_logprobs: jax.Array  # f32[B, MAX_LOGPROBS]  descending; -inf past the vocab
 
 
-def make_sampling_arrays(rows: list[tuple[SamplingParams, int, int]], batch_size: int) -> SamplingArrays:
-    """Host-side (numpy) arrays for `(params, seed, step)` rows, padded to `batch_size` greedy rows."""
+SampleRow = tuple[SamplingParams, int, int, int]  # (params, request seed, sample index, step)
+
+
+def make_sampling_arrays(rows: list[SampleRow], batch_size: int) -> SamplingArrays:
+    """Host-side (numpy) arrays for `(params, seed, sample_index, step)` rows, padded to
+    `batch_size` greedy rows."""
     if len(rows) > batch_size:
         raise ValueError(f"{len(rows)} rows do not fit a batch of {batch_size}")
-    rows = list(rows) + [(SamplingParams(temperature=0.0), 0, 0)] * (batch_size - len(rows))
-    f32 = lambda name: np.array([getattr(p, name) for p, _, _ in rows], np.float32)
+    rows = list(rows) + [(SamplingParams(temperature=0.0), 0, 0, 0)] * (batch_size - len(rows))
+    f32 = lambda name: np.array([getattr(r[0], name) for r in rows], np.float32)
     return SamplingArrays(
         temperature=f32("temperature"),
-        top_k=np.array([p.top_k for p, _, _ in rows], np.int32),
+        top_k=np.array([r[0].top_k for r in rows], np.int32),
         top_p=f32("top_p"),
         min_p=f32("min_p"),
-        seeds=np.array([((s >> 32) & 0xFFFFFFFF, s & 0xFFFFFFFF) for _, s, _ in rows], np.uint32),
-        steps=np.array([n for _, _, n in rows], np.int32),
+        seeds=np.array([((s >> 32) & 0xFFFFFFFF, s & 0xFFFFFFFF) for _, s, _, _ in rows], np.uint32),
+        sample_index=np.array([i for _, _, i, _ in rows], np.int32),
+        steps=np.array([n for _, _, _, n in rows], np.int32),
         presence_penalty=f32("presence_penalty"),
         frequency_penalty=f32("frequency_penalty"),
         repetition_penalty=f32("repetition_penalty"),
-        want_logprobs=np.array([p.logprobs is not None for p, _, _ in rows], np.bool_),
+        want_logprobs=np.array([r[0].logprobs is not None for r in rows], np.bool_),
     )
 
 
@@ -183,34 +190,46 @@ def _categorical(x: jax.Array, m: jax.Array, t: jax.Array, cut: jax.Array, u: ja
     return c * CHUNK + pick(inner, u[:, 1])
 
 
+def row_keys(a: SamplingArrays) -> jax.Array:
+    """Each row's key: fold_in(fold_in(key(seed), sample_index), step). Sample i of a request
+    has its own stream, unrelated to any other seed's (`seed + i` would equal seed+1's sample 0)."""
+
+    def key(seed: jax.Array, index: jax.Array, step: jax.Array) -> jax.Array:
+        base = jax.random.wrap_key_data(seed, impl="threefry2x32")
+        return jax.random.fold_in(jax.random.fold_in(base, index), step)
+
+    return jax.vmap(key)(a.seeds, a.sample_index, a.steps)
+
+
 def _sample_random(x: jax.Array, m: jax.Array, a: SamplingArrays) -> jax.Array:
     """Temperature, top-k, top-p, min-p, then a draw keyed by (seed, step) only; greedy rows too."""
     t = jnp.where(a.temperature > 0, a.temperature, 1.0)
     needs_cut = jnp.any((a.temperature > 0) & (((a.top_k > 0) & (a.top_k < x.shape[1])) | (a.top_p < 1)))
     cut = lax.cond(needs_cut, lambda: _top_k_top_p_cut(x, m, t, a), lambda: jnp.full_like(m, -jnp.inf))
     cut = jnp.maximum(cut, m + t * jnp.log(a.min_p))  # min-p: p >= min_p * p_max; log(0) = -inf
-    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.wrap_key_data(s, impl="threefry2x32"), n))
-    u = jax.vmap(lambda key: jax.random.uniform(key, (2,)))(keys(a.seeds, a.steps))
+    u = jax.vmap(lambda key: jax.random.uniform(key, (2,)))(row_keys(a))
     greedy = (a.temperature <= 0)[:, None]  # keep only the max and draw u = 0: its first index
     return _categorical(x, m, t, jnp.where(greedy[:, 0], m, cut), jnp.where(greedy, 0.0, u))
 
 
 def sample(logits: jax.Array, arrays: SamplingArrays, penalties: Penalties | None = None) -> SampleResult:
-    """Next token per row; greedy rows (temperature 0) take the argmax of the penalized logits."""
-    x = logits.astype(jnp.float32)
-    if penalties is not None:
-        x = apply_penalties(x, arrays, penalties)
+    """Next token per row; greedy rows (temperature 0) take the argmax of the penalized logits.
+    Logprobs are reported under the raw logits (see `SampleResult`)."""
+    raw = logits.astype(jnp.float32)
+    x = raw if penalties is None else apply_penalties(raw, arrays, penalties)
     m = jnp.max(x, -1)
     greedy = lambda: _first_argmax(x)
     is_random = arrays.temperature > 0  # all-greedy batches take the cheaper argmax
     tokens = lax.cond(jnp.any(is_random), lambda: _sample_random(x, m, arrays), greedy)
 
     def with_logprobs() -> tuple[jax.Array, jax.Array, jax.Array]:
-        lse = m + jnp.log(jnp.sum(jnp.exp(x - m[:, None]), -1))
-        vals, ids = _top_k(x, min(MAX_LOGPROBS, x.shape[1]))
+        m_raw = m if penalties is None else jnp.max(raw, -1)
+        lse = m_raw + jnp.log(jnp.sum(jnp.exp(raw - m_raw[:, None]), -1))
+        vals, ids = _top_k(raw, min(MAX_LOGPROBS, raw.shape[1]))
         pad = ((0, 0), (0, MAX_LOGPROBS - ids.shape[1]))  # a vocab smaller than MAX_LOGPROBS
         top_lp = jnp.pad(vals - lse[:, None], pad, constant_values=-jnp.inf)
-        return jnp.take_along_axis(x, tokens[:, None], 1)[:, 0] - lse, jnp.pad(ids, pad, constant_values=-1), top_lp
+        chosen = jnp.take_along_axis(raw, tokens[:, None], 1)[:, 0] - lse
+        return chosen, jnp.pad(ids, pad, constant_values=-1), top_lp
 
     shape = (x.shape[0], MAX_LOGPROBS)
     without = lambda: (jnp.zeros(shape[:1]), jnp.full(shape, -1, jnp.int32), jnp.full(shape, -jnp.inf))

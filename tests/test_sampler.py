@@ -18,7 +18,9 @@ def logits(rows: int, vocab: int = V, seed: int = 0, scale: float = 3.0) -> np.n
     return (np.random.RandomState(seed).randn(rows, vocab) * scale).astype(np.float32)
 
 
-def draw(x: np.ndarray, rows: list[tuple[SP, int, int]], penalties: Penalties | None = None):
+def draw(x: np.ndarray, rows: list[tuple], penalties: Penalties | None = None):
+    """Rows are (params, seed, step) for sample 0 of a request, or (params, seed, index, step)."""
+    rows = [r if len(r) == 4 else (r[0], r[1], 0, r[2]) for r in rows]
     return sample_jit(jnp.asarray(x), make_sampling_arrays(rows, x.shape[0]), penalties)
 
 
@@ -148,7 +150,7 @@ def test_penalties_follow_hf_and_openai():
     x = np.array([[2.0, 1.5, -1.0, 0.5]], np.float32)
     counts = np.array([[3.0, 0.0, 1.0, 0.0]], np.float32)
     seen = np.array([[True, False, True, True]])
-    a = make_sampling_arrays([(SP(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25), 0, 0)], 1)
+    a = make_sampling_arrays([(SP(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25), 0, 0, 0)], 1)
     got = apply_penalties(jnp.asarray(x), a, Penalties(jnp.asarray(counts), jnp.asarray(seen)))
     want = [2.0 / 2 - 0.75 - 0.5, 1.5, -1.0 * 2 - 0.25 - 0.5, 0.5 / 2]
     np.testing.assert_allclose(np.asarray(got)[0], want, rtol=1e-6)
@@ -164,9 +166,33 @@ def test_repetition_penalty_flips_greedy_choice():
 
 
 def test_make_sampling_arrays_pads_with_greedy_rows():
-    a = make_sampling_arrays([(SP(temperature=0.5, top_k=3, logprobs=1), 2**40 + 5, 9)], 4)
+    a = make_sampling_arrays([(SP(temperature=0.5, top_k=3, logprobs=1), 2**40 + 5, 2, 9)], 4)
     assert a.temperature.tolist() == [0.5, 0, 0, 0] and a.top_k.tolist() == [3, -1, -1, -1]
     assert a.seeds[0].tolist() == [2**8, 5] and a.steps.tolist() == [9, 0, 0, 0]
+    assert a.sample_index.tolist() == [2, 0, 0, 0]
     assert a.want_logprobs.tolist() == [True, False, False, False]
     with pytest.raises(ValueError):
-        make_sampling_arrays([(SP(), 0, 0)] * 3, 2)
+        make_sampling_arrays([(SP(), 0, 0, 0)] * 3, 2)
+
+
+def test_sample_index_gets_its_own_stream_not_the_next_seed():
+    """Sample i of a request is keyed fold_in(key(seed), i): with seed s, sample 1 must not
+    replay seed s+1's sample 0 (the old `seed + i` scheme did exactly that)."""
+    x = np.zeros((64, 1000), np.float32)
+    sample1 = draw(x, [(SP(), s, 1, step) for s in range(8) for step in range(8)]).tokens
+    next_seed = draw(x, [(SP(), s + 1, 0, step) for s in range(8) for step in range(8)]).tokens
+    assert np.mean(np.asarray(sample1) == np.asarray(next_seed)) < 0.1
+    again = draw(x, [(SP(), s, 1, step) for s in range(8) for step in range(8)]).tokens
+    np.testing.assert_array_equal(sample1, again)  # still a pure function of (seed, index, step)
+
+
+def test_logprobs_are_raw_even_with_penalties():
+    """OpenAI/vLLM report the model's log-softmax; penalties change the choice, not the report."""
+    x = np.array([[3.0, 2.0, 0.0, -1.0]], np.float32)
+    pen = Penalties(jnp.asarray([[1.0, 0, 0, 0]], jnp.float32), jnp.asarray([[True, False, False, False]]))
+    out = draw(x, [(SP(temperature=0.0, repetition_penalty=2.0, presence_penalty=1.0, logprobs=4), 0, 0)], pen)
+    assert int(out.tokens[0]) == 1  # the penalty flipped the greedy choice...
+    ref = np.asarray(jax.nn.log_softmax(jnp.asarray(x), -1))[0]
+    np.testing.assert_allclose(float(out.logprobs[0]), ref[1], rtol=1e-6)  # ...but not its logprob
+    assert np.asarray(out.top_ids)[0, :4].tolist() == [0, 1, 2, 3]
+    np.testing.assert_allclose(np.asarray(out.top_logprobs)[0, :4], ref, rtol=1e-6)

@@ -93,6 +93,16 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ running
 
+    def reset_cache_if_lost(self) -> bool:
+        """Rebuild an empty KV cache if a failed step took the donated buffers with it (a
+        donated input is deleted even when the program fails); True if it was rebuilt, in
+        which case every page's contents are gone."""
+        if not any(leaf.is_deleted() for leaf in jax.tree.leaves(self.cache)):
+            return False
+        logger.warning("the KV cache buffers were lost with a failed step; rebuilding the cache")
+        self.cache = init_kv_cache(self.model_config, self.config.num_pages, self.config.page_size, self.dtype)
+        return True
+
     def run(self, batch: ScheduledBatch) -> StepResult:
         step_batch, rows = self._prepare(batch)
         program = self._step_program(
@@ -101,7 +111,8 @@ class ModelRunner:
         logits, self.cache = program(self.params, self.cache, step_batch)
 
         seqs = batch.seqs
-        arrays = make_sampling_arrays([(s.params, s.seed, len(s.output_token_ids)) for s in seqs], rows)
+        rows_params = [(s.params, s.seed, s.index, len(s.output_token_ids)) for s in seqs]
+        arrays = make_sampling_arrays(rows_params, rows)
         penalties = _penalties(seqs, rows, self.model_config.vocab_size) if any(s.params.uses_penalties for s in seqs) else None
         result: SampleResult = self._sample_program(rows, penalties is not None)(logits, arrays, penalties)
         tokens, logprobs, top_ids, top_logprobs = jax.device_get(
