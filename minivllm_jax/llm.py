@@ -135,6 +135,8 @@ class LLM:
                 for out in self.engine.step():
                     if out.request_id != request_id:
                         continue
+                    if out.error is not None:  # its step failed; the engine serves on
+                        raise RuntimeError(f"generation failed: {out.error}")
                     text = out.outputs[0].text
                     if len(text) > sent:
                         yield text[sent:]

