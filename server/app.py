@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Collection, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -21,11 +21,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minivllm_jax.sampling_params import SamplingParams
-from server.engine_loop import EngineStopped, RequestStream
+from server.engine_loop import EngineStopped, RequestFailed, RequestStream
 from server.middleware import GateMiddleware
 from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_json, parse_request
 from server.responses import ChatFormatter, CompletionFormatter, _Formatter, sse
-from server.state import LLMLike, ServerState
+from server.security import OriginPolicy, normalize_hosts
+from server.state import LLMLike, ServerState, stream_error
 from server.ws import serve_socket
 
 logger = logging.getLogger(__name__)
@@ -42,9 +43,15 @@ def create_app(
     max_queue: int = 256,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     on_load_error: Callable[[BaseException], None] | None = None,
+    allowed_hosts: Collection[str] | None = None,
+    allowed_origins: Collection[str] = (),
 ) -> FastAPI:
     """Build the app around an already-built `LLM` (ready at once) or a factory, which runs on
-    a background thread after start-up so `/health` answers 503 while it loads and warms up."""
+    a background thread after start-up so `/health` answers 503 while it loads and warms up.
+
+    `allowed_hosts`: Host names (port ignored) the server answers to, others get 421; None
+    turns the check off (the CLI passes the loopback names when bound to loopback).
+    `allowed_origins`: origins besides the server's own whose pages may open the WebSocket."""
     state = ServerState(model_name, api_key=api_key, max_queue=max_queue, max_body_bytes=max_body_bytes)
 
     @asynccontextmanager
@@ -62,7 +69,8 @@ def create_app(
 
     app = FastAPI(title="minivllm-jax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.minivllm = state
-    app.add_middleware(GateMiddleware, state=state)
+    origins = OriginPolicy(allowed_origins)  # here, not lazily in the middleware stack: bad ones fail now
+    app.add_middleware(GateMiddleware, state=state, allowed_hosts=normalize_hosts(allowed_hosts), origins=origins)
     _add_error_handlers(app)
 
     @app.get("/health")
@@ -191,8 +199,8 @@ async def _respond(
         return _EngineStreamResponse(stream, _sse_events(stream, fmt))
     try:
         final = await _unless_disconnected(request, _last_output(stream))
-    except EngineStopped as e:
-        raise APIError(503, str(e), type="service_unavailable", code="engine_unavailable") from None
+    except (EngineStopped, RequestFailed) as e:
+        raise stream_error(e) from None
     finally:
         stream.abort()
     if final is None:  # the client is gone; nobody will read this
@@ -210,8 +218,8 @@ async def _sse_events(stream: RequestStream, fmt: _Formatter) -> AsyncIterator[s
             chunks = fmt.chunks(out)
             if chunks:
                 yield "".join(sse(c) for c in chunks)
-    except EngineStopped as e:
-        yield sse(APIError(503, str(e), type="service_unavailable", code="engine_unavailable").body())
+    except (EngineStopped, RequestFailed) as e:
+        yield sse(stream_error(e).body())
     else:
         if fmt.include_usage:
             yield sse(fmt.usage_chunk(last, stream.prompt_tokens))

@@ -8,14 +8,53 @@ SIGTERM/SIGINT stop accepting connections, let in-flight requests finish for up 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import signal
 import sys
 import threading
 
+from server.security import origin_key
+
 API_KEY_ENV = "MINIVLLM_API_KEY"
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+def comma_list(text: str) -> list[str]:
+    """'a, b,,c' -> ['a', 'b', 'c'] (the form of --allowed-hosts and --allowed-origins). An
+    empty list is refused: as --allowed-hosts it would lock every client out."""
+    items = [part.strip() for part in text.split(",") if part.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("expected a comma-separated list, got nothing")
+    return items
+
+
+def origin_list(text: str) -> list[str]:
+    """--allowed-origins: each one a plain origin ('http://localhost:3000') or '*'."""
+    origins = comma_list(text)
+    bad = [o for o in origins if o != "*" and origin_key(o) is None]
+    if bad:
+        raise argparse.ArgumentTypeError(f"origins look like 'http://host:port' (or '*'), got {', '.join(bad)}")
+    return origins
+
+
+def allowed_hosts_for(bind_host: str, allowed: list[str] | None) -> list[str] | None:
+    """The Host names to accept (None: any). By default a loopback bind answers only to
+    loopback names, which closes DNS rebinding; any other bind checks nothing unless
+    --allowed-hosts says so (a LAN or proxy setup has names we cannot guess)."""
+    if allowed is not None:
+        return None if "*" in allowed else allowed
+    if _is_loopback(bind_host):
+        return sorted(LOOPBACK | {bind_host.strip("[]").lower()})
+    return None
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return host in LOOPBACK or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name other than localhost
+        return False
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV})")  # fmt: skip
+    p.add_argument("--allowed-hosts", type=comma_list, default=None, metavar="HOST,...",
+                   help="Host header names to answer, others get 421; '*' for any (default: the loopback "
+                        "names when bound to loopback, else no check)")  # fmt: skip
+    p.add_argument("--allowed-origins", type=origin_list, default=[], metavar="ORIGIN,...",
+                   help="origins such as http://localhost:3000 whose pages may open WS /v1/stream besides "
+                        "the server's own; '*' for any (default: none)")  # fmt: skip
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together (largest batch bucket)")
     p.add_argument("--max-model-len", type=int, default=2048, help="prompt + output tokens per sequence")
@@ -47,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("server")
-    if args.host not in LOOPBACK and not args.api_key:
+    if not _is_loopback(args.host) and not args.api_key:
         log.warning("binding %s without --api-key: anyone who can reach this port can use the model", args.host)
 
     import uvicorn
@@ -72,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(
         load_llm, model_name=args.model, api_key=args.api_key, max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes, on_load_error=on_load_error,
+        allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts), allowed_origins=args.allowed_origins,
     )  # fmt: skip
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",

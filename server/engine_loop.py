@@ -3,13 +3,21 @@
 The engine is not thread-safe, so exactly one thread touches it. Handlers send it commands
 (add, abort, stop) through a list guarded by a condition variable; the thread runs them
 between steps and sleeps on the condition when there is nothing to do (no polling). Each
-request's outputs go back to its own `asyncio.Queue` via `loop.call_soon_threadsafe`, so all
-HTTP and WebSocket requests share the engine's continuous batches.
+request's newest output goes back to its own `RequestStream` slot via
+`loop.call_soon_threadsafe`, so all HTTP and WebSocket requests share the engine's continuous
+batches.
+
+Faults: a failed device step fails only its batch (the engine returns their outputs with
+`error` set; those streams raise `RequestFailed`). An exception that escapes the engine (a
+host-side bug) fails every request in flight with `EngineStopped`, recovers the engine and
+serves again on the same thread, at most `max_restarts` times in `restart_window_s`; past that
+the loop stays down and `alive` is False.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import threading
@@ -26,6 +34,10 @@ logger = logging.getLogger(__name__)
 
 class EngineStopped(RuntimeError):
     """The engine loop is shutting down or died; the request cannot be served."""
+
+
+class RequestFailed(RuntimeError):
+    """The engine step that carried this request failed; the engine goes on serving others."""
 
 
 class QueueFull(RuntimeError):
@@ -47,15 +59,14 @@ class EngineStats:
     steps: int
 
 
-_ABORTED = object()  # queue sentinel: the consumer side aborted the request
-
-
 class RequestStream:
     """Async iterator over one request's cumulative `RequestOutput`s.
 
-    A slow consumer that falls behind gets only the newest output (all fields are cumulative).
-    `abort()` is idempotent and safe after the end; callers use it in `finally` so a client
-    that goes away frees its pages.
+    It holds one slot, not a queue: every field of an output is cumulative, so the newest one
+    replaces the last and a consumer that stops reading holds O(1) outputs however many steps
+    run. The final output (or the error that ends the stream) is the last thing put, so it is
+    delivered exactly once. `abort()` is idempotent and safe after the end; callers use it in
+    `finally` so a client that goes away frees its pages.
     """
 
     def __init__(self, owner: AsyncEngine, request_id: str, prompt_tokens: int, n: int, arrival: float) -> None:
@@ -64,14 +75,18 @@ class RequestStream:
         self.n = n
         self.aborted = False
         self._owner = owner
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._slot: RequestOutput | BaseException | None = None  # newest output, or the error ending it
+        self._ready = asyncio.Event()  # set while the slot holds something unread, or on abort
         self._closed = False
         self._arrival = arrival
         self._last_token_time: float | None = None
         self._tokens = 0
 
-    def _put(self, item: Any) -> None:
-        self._queue.put_nowait(item)
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        """Event-loop side: keep the newest output; an error is final and wins over any output."""
+        if not isinstance(self._slot, BaseException):
+            self._slot = item
+        self._ready.set()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -79,13 +94,14 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._closed:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        while isinstance(item, RequestOutput) and not item.finished and not self._queue.empty():
-            item = self._queue.get_nowait()
-        if item is _ABORTED:
+        await self._ready.wait()
+        if self.aborted:
             raise StopAsyncIteration
+        self._ready.clear()
+        item, self._slot = self._slot, None
+        assert item is not None, "the stream was woken with nothing to read"
         if isinstance(item, BaseException):
-            self._close(None)
+            self._close("error" if isinstance(item, RequestFailed) else None)
             raise item
         self._observe(item)
         if item.finished:
@@ -98,7 +114,7 @@ class RequestStream:
         self.aborted = True
         self._owner._submit(lambda: self._owner._abort_now(self.request_id))
         self._close("abort")
-        self._queue.put_nowait(_ABORTED)  # wake a consumer blocked in __anext__
+        self._ready.set()  # wake a consumer blocked in __anext__
 
     def _observe(self, out: RequestOutput) -> None:
         """TTFT once; then the gap per token of the longest choice (n choices advance together)."""
@@ -127,9 +143,20 @@ class RequestStream:
 class AsyncEngine:
     """Owns an `LLMEngine` on a daemon thread; `add()` returns a `RequestStream`."""
 
-    def __init__(self, engine: Any, *, max_queue: int = 256, metrics: ServerMetrics | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        max_queue: int = 256,
+        metrics: ServerMetrics | None = None,
+        max_restarts: int = 5,
+        restart_window_s: float = 60.0,
+    ) -> None:
         self.engine = engine
         self.max_queue = max_queue
+        self.max_restarts = max_restarts
+        self.restart_window_s = restart_window_s
+        self.restarts: collections.deque[float] = collections.deque()  # engine thread: recent restart times
         self.metrics = metrics or ServerMetrics()
         self.num_in_flight = 0  # event-loop side: admitted requests not yet closed
         self.error: BaseException | None = None
@@ -210,28 +237,66 @@ class AsyncEngine:
         self.engine.abort(request_id)
 
     def _run(self) -> None:
+        """The engine thread: serve until `stop()`; survive engine crashes within the budget."""
         try:
             while True:
-                with self._cond:
-                    while not (self._commands or self._stopping or self.engine.has_unfinished()):
-                        self._cond.wait()
-                    commands, self._commands = self._commands, []
-                    stopping = self._stopping
-                for command in commands:
-                    command()
-                if stopping:
-                    break
-                if self.engine.has_unfinished():
-                    outputs = self.engine.step()
-                    self._steps += 1
-                    for out in outputs:
-                        self._dispatch(out)
-                self.stats = self._snapshot()
-        except BaseException as e:  # an engine bug: fail every request rather than hang them
-            logger.exception("engine loop crashed")
+                try:
+                    self._serve()
+                    return  # stop() was called
+                except Exception as e:  # an engine bug: fail what is in flight, recover, serve again
+                    if not self._take_restart():
+                        raise  # `error` is set before any stream hears of it, so /health agrees
+                    self._fail_streams(EngineStopped(f"engine error: {e}"))
+                    logger.exception("engine loop crashed; restarting (%d of at most %d restarts in %.0f s)",
+                                     len(self.restarts), self.max_restarts, self.restart_window_s)  # fmt: skip
+                    self._recover()
+        except BaseException as e:  # out of restarts, recovery failed, or an interrupt: stay down
+            logger.exception("engine loop is down")
             self.error = e
         finally:
             self._fail_all(EngineStopped("the engine stopped" if self.error is None else f"engine error: {self.error}"))
+
+    def _serve(self) -> None:
+        """Run commands and steps until `stop()`; whatever the engine raises propagates."""
+        while True:
+            with self._cond:
+                while not (self._commands or self._stopping or self.engine.has_unfinished()):
+                    self._cond.wait()
+            self._run_commands()
+            if self._stopping:
+                return
+            if self.engine.has_unfinished():
+                outputs = self.engine.step()
+                self._steps += 1
+                for out in outputs:
+                    self._dispatch(out)
+            self.stats = self._snapshot()
+
+    def _run_commands(self) -> None:
+        """One at a time, so a command that raises loses no other: the rest run after the restart."""
+        while True:
+            with self._cond:
+                if not self._commands:
+                    return
+                command = self._commands.pop(0)
+            command()
+
+    def _take_restart(self) -> bool:
+        """Count a restart, unless `max_restarts` already happened within `restart_window_s`."""
+        now = time.monotonic()
+        while self.restarts and now - self.restarts[0] > self.restart_window_s:
+            self.restarts.popleft()
+        if len(self.restarts) >= self.max_restarts:
+            return False
+        self.restarts.append(now)
+        return True
+
+    def _recover(self) -> None:
+        """Make the engine servable after a crash left its state unknown."""
+        recover = getattr(self.engine, "recover", None)  # LLMEngine has it; test stand-ins may not
+        if recover is not None:
+            recover()
+        self.stats = self._snapshot()
 
     def _dispatch(self, out: RequestOutput) -> None:
         entry = self._streams.get(out.request_id)
@@ -239,17 +304,22 @@ class AsyncEngine:
             return
         if out.finished:
             del self._streams[out.request_id]
-        _call_soon(entry[0], entry[1]._put, out)
+        item = out if out.error is None else RequestFailed(f"the engine step serving this request failed: {out.error}")
+        _call_soon(entry[0], entry[1]._put, item)
 
-    def _fail_all(self, error: EngineStopped) -> None:
-        self._closing = True
+    def _fail_streams(self, error: EngineStopped) -> None:
+        """Abort every request that has a stream and end its stream with `error`."""
         for request_id, (loop, stream) in list(self._streams.items()):
             try:
                 self.engine.abort(request_id)
             except Exception:
-                logger.exception("abort of %s failed during shutdown", request_id)
+                logger.exception("abort of %s failed while failing its stream", request_id)
             _call_soon(loop, stream._put, error)
         self._streams.clear()
+
+    def _fail_all(self, error: EngineStopped) -> None:
+        self._closing = True
+        self._fail_streams(error)
         with self._cond:
             pending, self._commands = self._commands, []
             self._finished = True

@@ -18,6 +18,9 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 60.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 PREFIX = "minivllm_"
+# The method label takes only these values: a client choosing its own method (FOO, PROPFIND)
+# must not be able to create new series. "WS" is a WebSocket handshake.
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "WS"})
 
 
 class Histogram:
@@ -81,7 +84,8 @@ class ServerMetrics:
         self.finished: Counter[str] = Counter()
 
     def observe_http(self, method: str, route: str, status: int) -> None:
-        self.http_requests[(method, route, status)] += 1
+        """`route` must already be bounded (`middleware.route_label`); `method` is bounded here."""
+        self.http_requests[(method if method in METHODS else "other", route, status)] += 1
 
     def observe_finished(self, reason: str, e2e_seconds: float) -> None:
         self.finished[reason] += 1

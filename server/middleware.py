@@ -1,5 +1,9 @@
-"""`GateMiddleware` (plain ASGI, so streaming is untouched): the API key on every `/v1/*`
-path, HTTP or WebSocket, and a request counter by route and status for /metrics."""
+"""`GateMiddleware` (plain ASGI, so streaming is untouched): the checks every request passes
+before it reaches a handler, and a request counter by route and status for /metrics.
+
+In order: the Host header (421), a WebSocket's Origin (403), the API key on every `/v1/*`
+path (401), and a JSON Content-Type on every POST (415). See `server/security.py` for why.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import json
 from typing import Any
 
 from server.protocol import APIError
+from server.security import OriginPolicy, header, host_allowed, is_json
 from server.state import ServerState
 
 ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/stream")
@@ -21,17 +26,43 @@ def route_label(path: str) -> str:
 
 
 class GateMiddleware:
-    def __init__(self, app: Any, state: ServerState) -> None:
+    """`allowed_hosts`: Host names accepted, from `normalize_hosts` (None: any). `origins`: who
+    may open a WebSocket (default: clients without an Origin and the server's own pages)."""
+
+    def __init__(
+        self,
+        app: Any,
+        state: ServerState,
+        allowed_hosts: frozenset[str] | None = None,
+        origins: OriginPolicy | None = None,
+    ) -> None:
         self.app = app
         self.state = state
+        self.allowed_hosts = allowed_hosts
+        self.origins = origins or OriginPolicy()
 
     def _authorized(self, scope: dict[str, Any]) -> bool:
         key = self.state.api_key
         if key is None or not scope["path"].startswith("/v1"):
             return True
-        headers = dict(scope.get("headers") or [])
-        scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+        scheme, _, token = (header(scope, b"authorization") or "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+    def _refusal(self, scope: dict[str, Any]) -> APIError | None:
+        """The error that stops this request, or None to let it through."""
+        if not host_allowed(scope, self.allowed_hosts):
+            return APIError(421, "the Host header does not name this server (see --allowed-hosts)",
+                            code="invalid_host")  # fmt: skip
+        if scope["type"] == "websocket" and not self.origins.allows(scope):
+            return APIError(403, "WebSocket connections from this Origin are not allowed (see --allowed-origins)",
+                            code="origin_not_allowed")  # fmt: skip
+        if not self._authorized(scope):
+            return APIError(401, "missing or invalid API key; send 'Authorization: Bearer <key>'",
+                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+        if scope["type"] == "http" and scope["method"] == "POST" and not is_json(header(scope, b"content-type")):
+            return APIError(415, "request body must be sent with 'Content-Type: application/json'",
+                            code="unsupported_media_type")  # fmt: skip
+        return None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -50,26 +81,29 @@ class GateMiddleware:
             await send(message)
 
         try:
-            if self._authorized(scope):
+            refusal = self._refusal(scope)
+            if refusal is None:
                 await self.app(scope, receive, send_and_record)
             else:
-                await _deny(scope, receive, send_and_record)
+                await _deny(scope, receive, send_and_record, refusal)
         finally:
             method = scope.get("method", "WS")
             self.state.metrics.observe_http(method, route_label(scope["path"]), status["code"])
 
 
-async def _deny(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    err = APIError(401, "missing or invalid API key; send 'Authorization: Bearer <key>'", code="invalid_api_key")
+async def _deny(scope: dict[str, Any], receive: Any, send: Any, err: APIError) -> None:
+    """Answer `err` as JSON; a WebSocket handshake gets it as an HTTP response where the ASGI
+    server supports that, else a close with 1008 (policy violation)."""
     body = json.dumps(err.body()).encode()
-    headers = [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]
+    headers = [(b"content-type", b"application/json")]
+    headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in err.headers.items()]
     if scope["type"] == "http":
-        await send({"type": "http.response.start", "status": 401, "headers": headers})
+        await send({"type": "http.response.start", "status": err.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
         return
     await receive()  # websocket.connect
-    if "websocket.http.response" in scope.get("extensions", {}):
-        await send({"type": "websocket.http.response.start", "status": 401, "headers": headers})
+    if "websocket.http.response" in (scope.get("extensions") or {}):
+        await send({"type": "websocket.http.response.start", "status": err.status, "headers": headers})
         await send({"type": "websocket.http.response.body", "body": body})
     else:
         await send({"type": "websocket.close", "code": 1008})

@@ -17,6 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from minivllm_jax.sampling_params import SamplingParams
 
 MAX_N = 16  # choices per request: each one is a sequence in the engine
+# Every stop string is searched for in the new text after each token, so both are bounded.
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
 
 
 class APIError(Exception):
@@ -61,13 +65,13 @@ class _Sampling(_Strict):
     top_k: int = -1  # vLLM extension
     min_p: float = 0.0  # vLLM extension
     n: int = Field(1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = Field(None, max_length=16)
+    stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # vLLM extension
     ignore_eos: bool = False  # vLLM extension
-    stop_token_ids: list[int] | None = Field(None, max_length=64)
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -85,6 +89,15 @@ class _Sampling(_Strict):
             raise _unsupported("logit_bias")
         if self.stream_options is not None and not self.stream:
             raise _FieldError("stream_options", "stream_options is only allowed when stream is true")
+        return self
+
+    @model_validator(mode="after")
+    def _bounded_stop(self) -> "_Sampling":
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stops) > MAX_STOPS:
+            raise _FieldError("stop", f"stop: at most {MAX_STOPS} strings, got {len(stops)}")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise _FieldError("stop", f"stop: each string must be at most {MAX_STOP_CHARS} characters")
         return self
 
     def sampling_kwargs(self) -> dict[str, Any]:

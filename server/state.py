@@ -8,7 +8,7 @@ import time
 from typing import Any, Protocol
 
 from minivllm_jax.sampling_params import SamplingParams
-from server.engine_loop import AsyncEngine, EngineStopped, QueueFull, RequestStream
+from server.engine_loop import AsyncEngine, EngineStopped, QueueFull, RequestFailed, RequestStream
 from server.metrics import ServerMetrics
 from server.preprocess import Preprocessor, TokenTable
 from server.protocol import APIError, ChatMessage, invalid, param_from_message
@@ -16,6 +16,15 @@ from server.protocol import APIError, ChatMessage, invalid, param_from_message
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = "1"
+
+
+def stream_error(e: EngineStopped | RequestFailed) -> APIError:
+    """The error for a stream that ended early: a failed step is the server's fault (500; the
+    cause is in the server log, not sent), a stopped engine is unavailable (503)."""
+    if isinstance(e, RequestFailed):
+        return APIError(500, "the engine step serving this request failed", type="server_error",
+                        code="engine_step_failed")  # fmt: skip
+    return APIError(503, str(e), type="service_unavailable", code="engine_unavailable")
 
 
 class LLMLike(Protocol):

@@ -17,10 +17,10 @@ from typing import Any
 
 from fastapi import WebSocket
 
-from server.engine_loop import EngineStopped, RequestStream
+from server.engine_loop import EngineStopped, RequestFailed, RequestStream
 from server.protocol import APIError, StreamRequest, parse_json, parse_request
 from server.responses import ChoiceTracker, chat_logprobs, usage
-from server.state import ServerState
+from server.state import ServerState, stream_error
 
 logger = logging.getLogger(__name__)
 
@@ -126,9 +126,8 @@ async def _pump(websocket: WebSocket, state: ServerState, stream: RequestStream,
                 if top_k is not None and d.logprobs is not None and state.table is not None:
                     msg["logprobs"] = chat_logprobs(state.table, d.token_ids, d.logprobs, top_k)
                 await websocket.send_json(msg)
-    except EngineStopped as e:
-        err = APIError(503, str(e), type="service_unavailable", code="engine_unavailable")
-        await websocket.send_json(error_message(err))
+    except (EngineStopped, RequestFailed) as e:
+        await websocket.send_json(error_message(stream_error(e)))
         return
     reasons = [c.finish_reason or "abort" for c in last.outputs] if last is not None else ["abort"] * stream.n
     done: dict[str, Any] = {"type": "done", "id": stream.request_id, "finish_reason": reasons[0],

@@ -265,6 +265,7 @@ def test_abort_queue_full_bad_request_and_stop():
 
 
 def test_engine_crash_fails_requests_instead_of_hanging():
+    """A crash fails the requests in flight (never hangs them); the loop then restarts."""
     engine = FakeEngine()
     loop_engine = AsyncEngine(engine)
     engine.crash = True
@@ -276,7 +277,8 @@ def test_engine_crash_fails_requests_instead_of_hanging():
             await collect(stream)
 
     run(main())
-    assert not loop_engine.alive and engine.requests == {}
+    assert engine.requests == {}
+    assert loop_engine.alive and len(loop_engine.restarts) == 1
 
 
 # ---------------------------------------------------------------------- the app in-process
