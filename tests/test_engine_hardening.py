@@ -4,10 +4,12 @@ prompt's pages, per-sample seeds."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
 from minivllm_jax import LLM, SamplingParams
+from minivllm_jax.engine.engine import LLMEngine
 from tests.conftest import make_tiny_llama, save_tiny_tokenizer
 
 PAGE = 16
@@ -46,9 +48,8 @@ def test_server_preprocessor_follows_the_same_rule(llm):
         pre.close()
 
 
-def run_tracking_pages(llm: LLM, prompt: list[int], params: SamplingParams):
+def run_tracking_pages(engine: LLMEngine, prompt: list[int], params: SamplingParams):
     """Generate by stepping the engine by hand; returns (output, most pages in use at once)."""
-    engine = llm.engine
     rid = engine.add_request(prompt, params)
     peak, final = 0, None
     while engine.has_unfinished():
@@ -59,21 +60,25 @@ def run_tracking_pages(llm: LLM, prompt: list[int], params: SamplingParams):
     return final, peak
 
 
-def test_n_samples_prefill_the_prompt_once_and_share_its_pages(llm):
-    """n=4: pages in use = the prompt's full pages once + each sample's own pages, not 4x all;
-    every sample reads the shared pages right (top_k=1 makes each sample the greedy text)."""
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_n_samples_prefill_the_prompt_once_and_share_its_pages(llm, prefix_caching):
+    """n=4: pages in use = the prompt's full pages once + each sample's own pages, not 4x all,
+    also without the prefix cache (sharing is a fork, not a lucky cache hit); every sample
+    reads the shared pages right (top_k=1 makes each sample the greedy text)."""
+    e = llm.engine
+    config = dataclasses.replace(e.config, enable_prefix_caching=prefix_caching, max_num_batched_tokens=512)
+    engine = LLMEngine(e.model_config, config, e.runner.params, llm.tokenizer, eos_token_ids=e.eos_token_ids)
     prompt = [3 + (i * 7) % 120 for i in range(100)]  # 6 full pages + 4 tokens
     params = SamplingParams(temperature=1.0, top_k=1, n=4, max_tokens=20, ignore_eos=True)
-    prompt_tokens_before = llm.engine.num_prompt_tokens
-    out, peak = run_tracking_pages(llm, prompt, params)
+    out, peak = run_tracking_pages(engine, prompt, params)
     full = (len(prompt) - 1) // PAGE
     own = -(-(len(prompt) + 20) // PAGE) - full  # pages past the shared ones, per sample
     assert peak <= full + 4 * own
     # The prompt was computed once, plus under a page of tail per extra sample.
-    assert llm.engine.num_prompt_tokens - prompt_tokens_before <= len(prompt) + 3 * PAGE
+    assert engine.num_prompt_tokens <= len(prompt) + 3 * PAGE
     single = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
     assert [c.token_ids for c in out.outputs] == [single[0].outputs[0].token_ids] * 4
-    assert llm.engine.block_manager.num_free_pages == llm.engine.block_manager.num_usable_pages
+    assert engine.block_manager.num_free_pages == engine.block_manager.num_usable_pages
 
 
 def test_sample_seeds_are_folded_not_added(llm):
