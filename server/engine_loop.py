@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import logging
 import threading
 import time
@@ -27,7 +26,7 @@ from typing import Any
 
 from minivllm_jax.outputs import RequestOutput
 from minivllm_jax.sampling_params import SamplingParams
-from server.metrics import ServerMetrics
+from server.metrics import EngineStats, ServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -42,21 +41,6 @@ class RequestFailed(RuntimeError):
 
 class QueueFull(RuntimeError):
     """`max_queue` requests are already in flight; the client should retry later."""
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineStats:
-    """A snapshot the engine thread publishes after each iteration (read by /metrics)."""
-
-    running: int
-    waiting: int
-    free_pages: int
-    usable_pages: int
-    generated_tokens: int
-    prompt_tokens: int
-    compiles: int
-    preemptions: int
-    steps: int
 
 
 class RequestStream:

@@ -8,11 +8,8 @@ Everything here is touched from the event loop only (the engine thread publishes
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections import Counter
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from server.engine_loop import EngineStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 60.0)
@@ -21,6 +18,22 @@ PREFIX = "minivllm_"
 # The method label takes only these values: a client choosing its own method (FOO, PROPFIND)
 # must not be able to create new series. "WS" is a WebSocket handshake.
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "WS"})
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """A snapshot the engine thread publishes after each iteration (read by /metrics). It lives
+    here, not in engine_loop, so the loop depends on metrics and never the other way round."""
+
+    running: int
+    waiting: int
+    free_pages: int
+    usable_pages: int
+    generated_tokens: int
+    prompt_tokens: int
+    compiles: int
+    preemptions: int
+    steps: int
 
 
 class Histogram:
