@@ -38,6 +38,7 @@ SUITE: dict[str, list[str]] = {
                 "8", "16", "--server-args", "--max-num-seqs 16", "--out", str(RESULTS / "serving.json")],  # fmt: skip
     "memory": ["bench_memory.py", "--preset", "mixed", "--num-prompts", "32"],
     "ablations": ["bench_ablations.py", "--preset", "mixed", "--num-prompts", "24"],
+    "interference": ["bench_interference.py"],
 }
 
 
@@ -84,10 +85,15 @@ def summary() -> str:
     frac = point.get("fraction_of_bound")
     rows.append(("batch-1 engine decode, share of the bandwidth bound",
                  _fmt(None if frac is None else 100 * frac, 0) + "%", "", ""))  # fmt: skip
+    inter = _load("interference") or {}
+    med = inter.get("median") or {}
+    ratio = med.get("ratio_worst_gap_to_itl_p50")
+    gap = "n/a" if not med else f"{_fmt(ms(med, 'worst_gap_s'), 0)} ({_fmt(ratio)}x ITL p50)"
+    rows.append(("worst stream gap while a 1,500-token prompt prefills, ms (target <= 2x ITL p50)", gap, "", ""))
     lines = ["| metric | minivllm-jax (XLA) | HF transformers (PyTorch) | ratio |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
     machine = tp.get("machine") or dec.get("machine") or {}
-    stamps = sorted(r["timestamp"] for r in (tp, bf, dec, lat, mem, roof) if r.get("timestamp"))
+    stamps = sorted(r["timestamp"] for r in (tp, bf, dec, lat, mem, roof, inter) if r.get("timestamp"))
     when = "not run yet" if not stamps else stamps[0] if stamps[0] == stamps[-1] else (
         f"from {stamps[0]} to {stamps[-1]} (rows rerun with `--only` keep their own timestamps)")
     lines.append(f"\nMeasured {when} on {machine.get('cpu', '?')}, {machine.get('cpu_count', '?')} cores, "

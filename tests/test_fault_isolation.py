@@ -322,7 +322,8 @@ def test_unread_stream_holds_only_the_newest_output():
 
     held, newest, rest = run(main())
     loop_engine.stop()
-    assert held == 1 and len(newest.outputs[0].token_ids) >= 200
+    # One output held, and it is a recent one (the last step's hand-off to the event loop may be in flight).
+    assert held == 1 and len(newest.outputs[0].token_ids) >= 190
     final = rest[-1] if rest else newest
     assert final.finished and final.outputs[0].text == expected_text("a", 300)
     assert all(not out.finished for out in [newest, *rest][:-1])  # the final output came exactly once

@@ -1,0 +1,244 @@
+"""Prefill interference: how long a long prompt's arrival stalls the streams already decoding.
+
+Today a step is either a prefill or a decode, and the scheduler runs prefill chunks first: while
+a long prompt is prefilled (in `--max-num-batched-tokens` chunks) no running stream gets a token,
+so every stream sees one gap as long as the whole prefill. The ragged-step redesign mixes a
+prompt's chunk and the decodes in one step under one token budget; its target is a worst gap of
+at most 2x the streams' normal inter-token latency (ITL p50). This script measures that gap.
+
+LLMEngine is driven in-process (no HTTP). Phase 1: `--streams` greedy `ignore_eos` streams with
+64-token random prompts decode alone (their ITL). Phase 2: a `--long-prompt-tokens` random prompt
+(max_tokens 8) arrives while they keep decoding. Reported: the stream gaps that overlap its
+prefill (arrival -> first token: worst, p50, p99), its TTFT, worst_gap / ITL p50, and each engine
+step in that window (kind, rows, tokens, duration: `runner.run` is wrapped to time it). Phase 2
+runs `--repeats` times with fresh ids (no prefix-cache hits); medians are reported. `LLM(...)`
+compiles every bucket first and `num_compiles` must not change; pages are sized so nothing is
+preempted (both checked).
+
+    python benchmarks/bench_interference.py              # SmolLM2, 8 streams, 1,500-token prompt
+    python benchmarks/bench_interference.py --quick      # smoke test: 4 streams, 300 tokens, 1 repeat
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+from benchmarks.common import RESULTS, model_vocab_size, percentiles, save_plot, write_result  # noqa: E402
+
+STREAM_PROMPT_TOKENS, LONG_MAX_TOKENS, TARGET_RATIO = 64, 8, 2.0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m", help="alias, converted dir, HF folder or .gguf")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--streams", type=int, default=None, help="decoding streams (default 8; --quick 4)")
+    p.add_argument("--long-prompt-tokens", type=int, default=None, help="the long prompt (default 1500; --quick 300)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="prefill chunk (default 512; --quick 128)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default 16 (the server's); --quick 8")
+    p.add_argument("--max-model-len", type=int, default=None, help="default 2048; --quick 512")
+    p.add_argument("--warm-steps", type=int, default=None, help="phase-1 decode steps (default 40; --quick 8)")
+    p.add_argument("--tail-steps", type=int, default=4, help="steps recorded after the long prompt's first token")
+    p.add_argument("--repeats", type=int, default=None, help="phase-2 measurements (default 3; --quick 1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="smoke test: small shapes, one repeat")
+    p.add_argument("--out", default=str(RESULTS / "interference.json"), help="JSON path; the PNG goes beside it")
+    args = p.parse_args(argv)
+    defaults = dict(streams=(8, 4), long_prompt_tokens=(1500, 300), max_num_batched_tokens=(512, 128),
+                    max_num_seqs=(16, 8), max_model_len=(2048, 512), warm_steps=(40, 8), repeats=(3, 1))  # fmt: skip
+    for name, (full, quick) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    if args.streams + 1 > args.max_num_seqs:
+        p.error("--streams + 1 (the long prompt) must fit in --max-num-seqs")
+    return args
+
+
+class Recorder:
+    """Drives the engine step by step; stamps every stream token and times every runner step."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.tokens, self.steps = engine, {}, []
+        run = engine.runner.run
+
+        def timed(batch):
+            start = time.perf_counter()
+            result = run(batch)
+            kind = "prefill" if batch.is_prefill else "decode"
+            self.steps.append({"start": start, "end": time.perf_counter(), "kind": kind, "rows": len(batch.seqs),
+                               "tokens": sum(batch.num_new_tokens)})  # fmt: skip
+            return result
+
+        engine.runner.run = timed  # an instance patch; `close()` restores the class method
+
+    def close(self) -> None:
+        self.engine.runner.__dict__.pop("run", None)
+
+    def step(self) -> list:
+        outputs = self.engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            stamps = self.tokens.setdefault(out.request_id, [])
+            stamps += [now] * (len(out.outputs[0].token_ids) - len(stamps))
+        return outputs
+
+
+def gaps_within(stamps: list[float], lo: float, hi: float) -> list[float]:
+    """Gaps between consecutive tokens of one stream that overlap [lo, hi]."""
+    return [b - a for a, b in zip(stamps, stamps[1:]) if b > lo and a < hi]
+
+
+def git_state() -> dict:
+    """The commit measured and the engine files that differ from it (a baseline says what it measured)."""
+    run = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout  # noqa: E731
+    return {"commit": run("rev-parse", "HEAD").strip() or None,
+            "dirty": run("status", "--porcelain", "minivllm_jax").rstrip().splitlines()}  # fmt: skip
+
+
+def ms(x: float | None) -> str:
+    return "-" if x is None else f"{1e3 * x:.1f}"
+
+
+def long_prompt(rec: Recorder, streams: list[str], prompt: list[int], params, tail_steps: int) -> dict:
+    """Submit one long prompt while the streams decode; step until it has finished (recording
+    `tail_steps` steps past its first token at least); return the stall it caused."""
+    arrival = time.perf_counter()
+    rid = rec.engine.add_request(prompt, params)
+    while not rec.tokens.get(rid):
+        rec.step()
+    first, done, n = rec.tokens[rid][0], None, 0
+    while done is None or n < tail_steps:
+        done = done or next((o for o in rec.step() if o.request_id == rid and o.finished), None)
+        n += 1
+    gaps = [g for s in streams for g in gaps_within(rec.tokens[s], arrival, first)]
+    steps = [{"kind": st["kind"], "rows": st["rows"], "tokens": st["tokens"], "duration_s": st["end"] - st["start"]}
+             for st in rec.steps if arrival <= st["start"] < first]  # fmt: skip
+    return {"arrival": arrival, "first_token": first, "ttft_s": first - arrival, "worst_gap_s": max(gaps),
+            "gaps_s": percentiles(gaps), "steps_during_prefill": steps,
+            "num_prefill_steps": sum(st["kind"] == "prefill" for st in steps),
+            "num_decode_steps": sum(st["kind"] == "decode" for st in steps),
+            "long_finished": done.outputs[0].finish_reason, "long_output_tokens": len(done.outputs[0].token_ids),
+            "long_cached_tokens": done.num_cached_tokens}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    from minivllm_jax import LLM, SamplingParams
+
+    args = parse_args(argv)
+    rng = np.random.default_rng(args.seed)
+    vocab_hi = min(10_000, model_vocab_size(args.model) or 10_000)
+    num_pages = (args.streams + 1) * -(-args.max_model_len // 16) + 1  # every sequence at full length fits
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+              max_num_batched_tokens=args.max_num_batched_tokens, num_pages=num_pages, use_tqdm=sys.stderr.isatty())
+    engine, cfg = llm.engine, llm.engine.config
+    greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)  # noqa: E731
+    streams = [engine.add_request(rng.integers(100, vocab_hi, STREAM_PROMPT_TOKENS).tolist(),
+                                  greedy(cfg.max_model_len - STREAM_PROMPT_TOKENS)) for _ in range(args.streams)]
+    rec = Recorder(engine)
+    while min(len(rec.tokens.get(s, [])) for s in streams) < 4:  # prefilled, then a few untimed decodes
+        rec.step()
+    compiles_before = engine.num_compiles
+
+    t0 = time.perf_counter()  # phase 1: the streams alone
+    for _ in range(args.warm_steps):
+        rec.step()
+    t1 = time.perf_counter()
+    itl = [g for s in streams for g in gaps_within(rec.tokens[s], t0, t1)]
+    decode_steps = [st["end"] - st["start"] for st in rec.steps if st["start"] >= t0 and st["end"] <= t1]
+    phase1 = {"itl_s": {**percentiles(itl), "max": max(itl)}, "decode_step_s": percentiles(decode_steps)}
+    p50 = phase1["itl_s"]["p50"]
+    print(f"phase 1: ITL p50 {ms(p50)} ms, p99 {ms(phase1['itl_s']['p99'])} ms, max {ms(max(itl))} ms", flush=True)
+
+    repeats, spans = [], []  # phase 2: a long prompt arrives (fresh ids each time: no prefix-cache hit)
+    for r in range(args.repeats):
+        rep = long_prompt(rec, streams, rng.integers(100, vocab_hi, args.long_prompt_tokens).tolist(),
+                          greedy(LONG_MAX_TOKENS), args.tail_steps)  # fmt: skip
+        spans.append((rep.pop("arrival") - t0, rep.pop("first_token") - t0))
+        rep = {"repeat": r, **rep, "ratio_worst_gap_to_itl_p50": rep["worst_gap_s"] / p50}
+        repeats.append(rep)
+        kinds = " ".join(f"{st['kind']}({st['rows']}x, {st['tokens']} tok) {ms(st['duration_s'])}"
+                         for st in rep["steps_during_prefill"])  # fmt: skip
+        print(f"repeat {r}: TTFT {ms(rep['ttft_s'])} ms, worst gap {ms(rep['worst_gap_s'])} ms = "
+              f"{rep['ratio_worst_gap_to_itl_p50']:.1f}x ITL p50; steps (ms): {kinds}", flush=True)  # fmt: skip
+
+    alive = sum(s in engine.requests for s in streams)
+    for s in streams:
+        engine.abort(s)
+    rec.close()
+    med = lambda f: statistics.median(map(f, repeats))  # noqa: E731
+    median = {"ttft_s": med(lambda r: r["ttft_s"]), "worst_gap_s": med(lambda r: r["worst_gap_s"]),
+              "gap_p50_s": med(lambda r: r["gaps_s"]["p50"]), "gap_p99_s": med(lambda r: r["gaps_s"]["p99"]),
+              "ratio_worst_gap_to_itl_p50": med(lambda r: r["ratio_worst_gap_to_itl_p50"])}  # fmt: skip
+    result = {
+        "benchmark": "interference", "model": args.model, "dtype": args.dtype,
+        "scenario": {"streams": args.streams, "stream_prompt_tokens": STREAM_PROMPT_TOKENS,
+                     "long_prompt_tokens": args.long_prompt_tokens, "long_max_tokens": LONG_MAX_TOKENS,
+                     "warm_steps": args.warm_steps, "tail_steps": args.tail_steps, "repeats": args.repeats,
+                     "seed": args.seed, "sampling": "greedy, ignore_eos"},  # fmt: skip
+        "engine": {"max_num_seqs": cfg.max_num_seqs, "max_model_len": cfg.max_model_len, "page_size": cfg.page_size,
+                   "num_pages": cfg.num_pages, "max_num_batched_tokens": cfg.max_num_batched_tokens},  # fmt: skip
+        "git": git_state(), "warmup_s": llm.warmup_seconds, "num_compiles": engine.num_compiles,
+        "compiles_during_timed": engine.num_compiles - compiles_before,
+        "num_preemptions": engine.scheduler.num_preemptions, "streams_outlasted": alive == len(streams),
+        "phase1": phase1, "median": median, "repeats": repeats,
+        "target_ratio": TARGET_RATIO, "meets_target": median["ratio_worst_gap_to_itl_p50"] <= TARGET_RATIO,
+        "timeline": {"streams_s": [[round(t - t0, 5) for t in rec.tokens[s] if t >= t0] for s in streams],
+                     "prefill_spans_s": spans},
+    }  # fmt: skip
+    print(f"median: TTFT {ms(median['ttft_s'])} ms, worst gap {ms(median['worst_gap_s'])} ms = "
+          f"{median['ratio_worst_gap_to_itl_p50']:.1f}x ITL p50 (target <= {TARGET_RATIO:g}x)")  # fmt: skip
+    write_result(result, args.out)
+    plot(result, args.out)
+    if result["compiles_during_timed"] or result["num_preemptions"] or not result["streams_outlasted"]:
+        print("error: compiles, preemptions or a finished stream during the timed run", file=sys.stderr)
+        return 1
+    return 0
+
+
+def plot(result: dict, out: str) -> Path:
+    """Top: each stream's token arrivals over time. Bottom: each token's gap to the previous one."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(12, 6.4), height_ratios=[1, 1.3])
+    streams = result["timeline"]["streams_s"]
+    for i, ts in enumerate(streams):
+        top.plot(ts, [i] * len(ts), "|", markersize=8)
+        bottom.plot(ts[1:], [1e3 * (b - a) for a, b in zip(ts, ts[1:])], ".", markersize=4)
+    p50 = 1e3 * result["phase1"]["itl_s"]["p50"]
+    bottom.axhline(p50, color="k", lw=0.8, label=f"phase-1 ITL p50 {p50:.0f} ms")
+    bottom.axhline(2 * p50, color="k", ls="--", lw=0.8, label="target: 2x p50")
+    for j, (a, b) in enumerate(result["timeline"]["prefill_spans_s"]):
+        for ax in (top, bottom):
+            label = "long prompt: arrival -> first token" if j == 0 and ax is bottom else None
+            ax.axvspan(a, b, color="tab:red", alpha=0.15, label=label)
+    top.set_ylabel("stream")
+    top.set_yticks(range(len(streams)))
+    bottom.set_yscale("log")
+    bottom.set_ylabel("gap to previous token (ms)")
+    bottom.set_xlabel("time since phase 1 started (s)")
+    bottom.legend(fontsize=8, loc="upper left")
+    top.grid(alpha=0.3)
+    bottom.grid(alpha=0.3)
+    s, m = result["scenario"], result["median"]
+    top.set_title(f"{Path(result['model']).name}: {s['streams']} streams, a {s['long_prompt_tokens']}-token prompt "
+                  f"arrives (chunk {result['engine']['max_num_batched_tokens']}); median worst gap "
+                  f"{1e3 * m['worst_gap_s']:.0f} ms = {m['ratio_worst_gap_to_itl_p50']:.1f}x ITL p50, "
+                  f"TTFT {1e3 * m['ttft_s']:.0f} ms", fontsize=10)  # fmt: skip
+    return save_plot(fig, out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
