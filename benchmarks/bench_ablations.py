@@ -77,7 +77,7 @@ def registry(a: argparse.Namespace) -> list[Ablation]:
         Ablation("paged-same-kv", f"paged (page {a.page_size}) limited to {budget}",
                  lambda b: b.run(num_pages=1 + a.kv_budget_seqs * b.max_model_len // a.page_size)),
         Ablation("contiguous", f"one max_model_len page per sequence, {budget}", contiguous),
-        Ablation("bucket-padding", "baseline's padded slots per step kind (tokens, rows, attended pages)",
+        Ablation("bucket-padding", "baseline's padded slots per step kind (tokens, sequences)",
                  lambda b: b.run()),
         Ablation("prefix-caching-on", f"prompts share their first {a.shared_prefix_len} tokens; cache on",
                  lambda b: b.run(workload=b.shared_prefix)),
@@ -85,7 +85,7 @@ def registry(a: argparse.Namespace) -> list[Ablation]:
                  lambda b: b.run(workload=b.shared_prefix, enable_prefix_caching=False)),
     ]  # fmt: skip
     rows += [
-        Ablation(f"chunked-prefill-{t}", f"max_num_batched_tokens={t} (prefill chunk and step token budget)",
+        Ablation(f"chunked-prefill-{t}", f"max_num_batched_tokens={t} (step token budget: decodes + prompt chunks)",
                  lambda b, t=t: b.run(max_num_batched_tokens=t))
         for t in a.chunk_sizes
     ]  # fmt: skip
@@ -229,7 +229,9 @@ def contiguous(b: Bench) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- engine plumbing (benchmark-side hooks)
 
-SCHEDULER_KNOBS = ("num_pages", "max_num_seqs", "max_num_batched_tokens", "max_prefill_rows", "enable_prefix_caching")
+SCHEDULER_KNOBS = ("num_pages", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
+                   "target_tpot_ms", "target_ttft_ms", "max_batch_wait_ms")  # fmt: skip
+COMPILED_LIMITS = ("num_pages", "max_num_seqs", "max_num_batched_tokens")  # buckets were compiled up to these
 
 
 def _scheduler_config(engine, **knobs: Any):
@@ -238,7 +240,7 @@ def _scheduler_config(engine, **knobs: Any):
     for name, value in knobs.items():
         if name not in SCHEDULER_KNOBS:
             raise ValueError(f"{name} is not a scheduler knob ({', '.join(SCHEDULER_KNOBS)})")
-        if name != "enable_prefix_caching" and value > getattr(base, name):
+        if name in COMPILED_LIMITS and value > getattr(base, name):
             raise ValueError(f"{name}={value} exceeds the compiled engine's {getattr(base, name)}")
     return dataclasses.replace(base, **knobs)
 

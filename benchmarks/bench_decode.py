@@ -43,7 +43,7 @@ def bench_ours(model: str, prompt_ids: list[int], tokens: int, reps: int) -> dic
     from minivllm_jax.checkpoint import load_converted
     from minivllm_jax.greedy import greedy_stream
     from minivllm_jax.kv_cache import init_kv_cache
-    from minivllm_jax.models.llama import forward_jit
+    from minivllm_jax.step import forward_jit
 
     cfg, _, params = load_converted(resolve_model(model))
     # Compile times: lower+compile each program once before any call with that shape.

@@ -1,10 +1,10 @@
 """Prefill interference: how long a long prompt's arrival stalls the streams already decoding.
 
-Today a step is either a prefill or a decode, and the scheduler runs prefill chunks first: while
-a long prompt is prefilled (in `--max-num-batched-tokens` chunks) no running stream gets a token,
-so every stream sees one gap as long as the whole prefill. The ragged-step redesign mixes a
-prompt's chunk and the decodes in one step under one token budget; its target is a worst gap of
-at most 2x the streams' normal inter-token latency (ITL p50). This script measures that gap.
+Before the ragged step, a step was either a prefill or a decode and prefill chunks went first:
+while a long prompt was prefilled no running stream got a token, so every stream saw one gap as
+long as the whole prefill. Now every step carries the running decodes and a prompt chunk sized
+by the SLO-aware budget (`target_tpot_ms`, auto by default); the target is a worst gap of at
+most 2x the streams' normal inter-token latency (ITL p50). This script measures that gap.
 
 LLMEngine is driven in-process (no HTTP). Phase 1: `--streams` greedy `ignore_eos` streams with
 64-token random prompts decode alone (their ITL). Phase 2: a `--long-prompt-tokens` random prompt
@@ -44,7 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--streams", type=int, default=None, help="decoding streams (default 8; --quick 4)")
     p.add_argument("--long-prompt-tokens", type=int, default=None, help="the long prompt (default 1500; --quick 300)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="prefill chunk (default 512; --quick 128)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="step token budget (default 512; --quick 128)")
+    p.add_argument("--target-tpot-ms", type=float, default=None, help="the engine's TPOT target (default: auto)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="default 16 (the server's); --quick 8")
     p.add_argument("--max-model-len", type=int, default=None, help="default 2048; --quick 512")
     p.add_argument("--warm-steps", type=int, default=None, help="phase-1 decode steps (default 40; --quick 8)")
@@ -74,9 +75,9 @@ class Recorder:
         def timed(batch):
             start = time.perf_counter()
             result = run(batch)
-            kind = "prefill" if batch.is_prefill else "decode"
+            kind = "mixed" if batch.num_decodes < len(batch.seqs) else "decode"  # mixed: has prompt tokens
             self.steps.append({"start": start, "end": time.perf_counter(), "kind": kind, "rows": len(batch.seqs),
-                               "tokens": sum(batch.num_new_tokens)})  # fmt: skip
+                               "decodes": batch.num_decodes, "tokens": batch.num_tokens})  # fmt: skip
             return result
 
         engine.runner.run = timed  # an instance patch; `close()` restores the class method
@@ -121,11 +122,11 @@ def long_prompt(rec: Recorder, streams: list[str], prompt: list[int], params, ta
         done = done or next((o for o in rec.step() if o.request_id == rid and o.finished), None)
         n += 1
     gaps = [g for s in streams for g in gaps_within(rec.tokens[s], arrival, first)]
-    steps = [{"kind": st["kind"], "rows": st["rows"], "tokens": st["tokens"], "duration_s": st["end"] - st["start"]}
-             for st in rec.steps if arrival <= st["start"] < first]  # fmt: skip
+    steps = [{"kind": st["kind"], "rows": st["rows"], "decodes": st["decodes"], "tokens": st["tokens"],
+              "duration_s": st["end"] - st["start"]} for st in rec.steps if arrival <= st["start"] < first]  # fmt: skip
     return {"arrival": arrival, "first_token": first, "ttft_s": first - arrival, "worst_gap_s": max(gaps),
             "gaps_s": percentiles(gaps), "steps_during_prefill": steps,
-            "num_prefill_steps": sum(st["kind"] == "prefill" for st in steps),
+            "num_prompt_steps": sum(st["kind"] in ("prefill", "mixed") for st in steps),
             "num_decode_steps": sum(st["kind"] == "decode" for st in steps),
             "long_finished": done.outputs[0].finish_reason, "long_output_tokens": len(done.outputs[0].token_ids),
             "long_cached_tokens": done.num_cached_tokens}  # fmt: skip
@@ -139,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     vocab_hi = min(10_000, model_vocab_size(args.model) or 10_000)
     num_pages = (args.streams + 1) * -(-args.max_model_len // 16) + 1  # every sequence at full length fits
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-              max_num_batched_tokens=args.max_num_batched_tokens, num_pages=num_pages, use_tqdm=sys.stderr.isatty())
+              max_num_batched_tokens=args.max_num_batched_tokens, num_pages=num_pages, use_tqdm=sys.stderr.isatty(),
+              target_tpot_ms=args.target_tpot_ms)
     engine, cfg = llm.engine, llm.engine.config
     greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)  # noqa: E731
     streams = [engine.add_request(rng.integers(100, vocab_hi, STREAM_PROMPT_TOKENS).tolist(),
@@ -186,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
                      "warm_steps": args.warm_steps, "tail_steps": args.tail_steps, "repeats": args.repeats,
                      "seed": args.seed, "sampling": "greedy, ignore_eos"},  # fmt: skip
         "engine": {"max_num_seqs": cfg.max_num_seqs, "max_model_len": cfg.max_model_len, "page_size": cfg.page_size,
-                   "num_pages": cfg.num_pages, "max_num_batched_tokens": cfg.max_num_batched_tokens},  # fmt: skip
+                   "num_pages": cfg.num_pages, "max_num_batched_tokens": cfg.max_num_batched_tokens,
+                   "target_tpot_ms": cfg.target_tpot_ms},  # fmt: skip
         "git": git_state(), "warmup_s": llm.warmup_seconds, "num_compiles": engine.num_compiles,
         "compiles_during_timed": engine.num_compiles - compiles_before,
         "num_preemptions": engine.scheduler.num_preemptions, "streams_outlasted": alive == len(streams),

@@ -181,7 +181,7 @@ def measure_prefill(params: Any, cfg: Any, length: int, reps: int, seed: int) ->
 
     from minivllm_jax.batch import single_sequence_batch
     from minivllm_jax.kv_cache import init_kv_cache
-    from minivllm_jax.models.llama import forward_jit
+    from minivllm_jax.step import forward_jit
 
     page = 16
     pages = list(range(1, -(-length // page) + 1))

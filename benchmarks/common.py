@@ -347,47 +347,45 @@ def run_requests(engine, prompts: list[list[int]], params: list, on_step=None, t
 
 
 class PaddingCounter:
-    """Counts real vs padded work of every step by wrapping `runner._prepare` (an instance patch).
+    """Counts real vs padded work of every step by wrapping `runner.prepare` (an instance patch).
 
-    Bucketing pads a step to (rows, tokens) and the pages attention reads (a prefill block table,
-    a decode page list) to a bucket; the waste is what the bucket computes beyond the real work. `uninstall()` restores the runner.
+    A ragged step pads its token count and its sequence count to a bucket; the waste is what
+    the bucket computes beyond the real tokens and sequences (attention walks only real pages,
+    see `minivllm_jax.attention`). Steps with prompt tokens count as "mixed", the others as
+    "decode". `uninstall()` restores the runner.
     """
 
     def __init__(self, runner) -> None:
         self.runner = runner
         self.reset()
-        prepare = runner._prepare
+        prepare = runner.prepare
 
         def counted(batch):
-            step_batch, rows = prepare(batch)
+            step_batch = prepare(batch)
             self.record(batch, step_batch)
-            return step_batch, rows
+            return step_batch
 
-        runner._prepare = counted
+        runner.prepare = counted
 
     def uninstall(self) -> None:
-        self.runner.__dict__.pop("_prepare", None)
+        self.runner.__dict__.pop("prepare", None)
 
     def reset(self) -> None:
-        zero = {"steps": 0, "tokens": 0, "token_slots": 0, "rows": 0, "row_slots": 0, "pages": 0, "page_slots": 0}
-        self.counts = {"prefill": dict(zero), "decode": dict(zero)}
+        zero = {"steps": 0, "tokens": 0, "token_slots": 0, "rows": 0, "row_slots": 0, "pages": 0}
+        self.counts = {"mixed": dict(zero), "decode": dict(zero)}
 
     def record(self, batch, step_batch) -> None:
-        c = self.counts["prefill" if batch.is_prefill else "decode"]
-        rows, width = step_batch.tokens.shape
+        c = self.counts["mixed" if batch.num_decodes < len(batch.seqs) else "decode"]
         ps = self.runner.config.page_size
         c["steps"] += 1
-        c["tokens"] += sum(batch.num_new_tokens)
-        c["token_slots"] += rows * width
+        c["tokens"] += batch.num_tokens
+        c["token_slots"] += step_batch.num_tokens
         c["rows"] += len(batch.seqs)
-        c["row_slots"] += rows
+        c["row_slots"] += step_batch.num_seqs
         c["pages"] += sum(-(-s.num_computed_tokens // ps) for s in batch.seqs)
-        # Pages attention reads: a block table pads every row to its width; a decode step's flat
-        # page list pads only the total (see StepBatch).
-        c["page_slots"] += rows * step_batch.block_tables.shape[1] + step_batch.page_ids.shape[0]
 
     def summary(self) -> dict[str, Any]:
-        """Per step kind: counts and % padded token slots, rows and attended pages."""
+        """Per step kind: counts and % padded token slots and sequence rows."""
 
         def pct(used: int, slots: int) -> float | None:
             return round(100.0 * (1 - used / slots), 2) if slots else None
@@ -398,7 +396,6 @@ class PaddingCounter:
                 **c,
                 "padded_token_pct": pct(c["tokens"], c["token_slots"]),
                 "padded_row_pct": pct(c["rows"], c["row_slots"]),
-                "padded_pages_pct": pct(c["pages"], c["page_slots"]),
             }
         total = sum(c["tokens"] for c in self.counts.values())
         slots = sum(c["token_slots"] for c in self.counts.values())

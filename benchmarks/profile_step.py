@@ -1,62 +1,41 @@
-"""Time compile and one model step of `llama.forward` for a list of (B, T, P) shapes.
+"""Where the time of one ragged step goes, for a list of step shapes.
 
-Random weights at SmolLM2-135M size (fp32 by default), a random paged cache and random
-block tables (rows read different pages, as in serving). Prints one table row per shape:
-compile seconds, median ms/step over `--reps` steps, and tokens/s (B*T per step).
+Random weights at SmolLM2-135M size (fp32 by default) and a random paged cache. A shape
+`B:T:C` is B sequences feeding T new tokens each after C cached tokens (a decode: T = 1), laid
+out as one flat ragged step in its bucket, on pages scattered over the cache as in serving;
+`+` joins groups into one mixed step, e.g. `8:1:1500+1:64:0` is 8 decodes at 1,500 cached
+tokens and a fresh 64-token prompt chunk. For each shape it times (median of `--reps`):
+- `step`: the engine's program (model + penalties + sampling, `minivllm_jax.step.engine_step`);
+- `forward`: the model alone (logits of each sequence's last token);
+- `no attention`: the model with attention replaced by zeros (an implementation registered
+  here only), so `forward - no attention` is the attention and `step - forward` the sampler.
 
-Shape `B:T:P` means B rows of T new tokens each over P pages per block table. The context
-before the step is `P*page_size - T` tokens (0 if negative), so a decode shape `64:1:8` attends
-to 127 cached tokens plus its new one and a prefill shape `1:128:8` starts from an empty row
-whose block table covers the pages its 128 new tokens are written to.
-
-    python benchmarks/profile_step.py                       # the default decode + prefill sweep
-    python benchmarks/profile_step.py --shapes 1:1:8 64:1:48 --reps 5
-    python benchmarks/profile_step.py --quick               # tiny model, seconds (smoke test)
-    python benchmarks/profile_step.py --impl /tmp/old_llama.py   # profile another llama.py
+    python benchmarks/profile_step.py                      # decode, prompt and mixed shapes
+    python benchmarks/profile_step.py --shapes 64:1:1500 --reps 5
+    python benchmarks/profile_step.py --quick              # tiny model, seconds (smoke test)
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
-import sys
 import time
 
-DEFAULT_SHAPES = [
-    "1:1:8", "1:1:32", "1:1:48",
-    "8:1:8", "8:1:32", "8:1:48",
-    "32:1:8", "32:1:32", "32:1:48",
-    "64:1:8", "64:1:32", "64:1:48",
-    "1:128:8", "1:256:16", "1:512:32", "4:128:8",
-]  # fmt: skip
-QUICK_SHAPES = ["1:1:4", "4:1:4", "2:16:2"]
+DEFAULT_SHAPES = ["1:1:512", "8:1:1500", "64:1:64", "64:1:375", "64:1:1500", "1:512:0", "1:512:1024",
+                  "8:1:1500+1:40:0", "8:1:1500+1:120:1000"]  # fmt: skip
+QUICK_SHAPES = ["1:1:8", "4:1:8+1:6:0", "1:16:8"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", nargs="+", default=None, help="B:T:P triples (default: decode+prefill sweep)")
+    p.add_argument("--shapes", nargs="+", default=None, help="B:T:C groups joined by + (default: a sweep)")
     p.add_argument("--quick", action="store_true", help="tiny model and tiny shapes (smoke test)")
     p.add_argument("--reps", type=int, default=5, help="timed steps per shape (median reported)")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-pages", type=int, default=2048, help="cap on cache pages (rows may share pages)")
+    p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--impl", default=None, help="path of another llama.py-like module to profile instead")
-    p.add_argument("--layer-loop", default=None, help="passed as forward(..., layer_loop=...) when given")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
-
-
-def load_impl(path: str | None):
-    if path is None:
-        from minivllm_jax.models import llama
-
-        return llama
-    spec = importlib.util.spec_from_file_location("llama_impl", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["llama_impl"] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def smollm2_config():
@@ -79,25 +58,19 @@ def tiny_config():
     )  # fmt: skip
 
 
-def make_batch(rng, B: int, T: int, P: int, page_size: int, num_pages: int):
-    import numpy as np
+def parse_shape(text: str) -> list[tuple[int, int, int]]:
+    return [tuple(int(x) for x in group.split(":")) for group in text.split("+")]
 
-    from minivllm_jax.batch import StepBatch
 
-    ctx = max(0, P * page_size - T)
-    need = -(-(ctx + T) // page_size)
-    pages = rng.randint(1, num_pages, size=(B, max(P, need))).astype(np.int32)
-    pos = ctx + np.arange(T, dtype=np.int32)
-    positions = np.tile(pos[None], (B, 1))
-    slots = np.take_along_axis(pages, np.tile((pos // page_size)[None], (B, 1)), axis=1) * page_size + pos % page_size
-    return StepBatch(
-        tokens=rng.randint(0, 100, size=(B, T)).astype(np.int32),
-        positions=positions,
-        slot_mapping=slots.astype(np.int32),
-        block_tables=np.ascontiguousarray(pages[:, :P]),
-        context_lens=np.full((B,), ctx, np.int32),
-        query_lens=np.full((B,), T, np.int32),
-    )
+def make_chunks(rng, groups: list[tuple[int, int, int]], page_size: int, num_pages: int) -> list:
+    from minivllm_jax.batch import Chunk
+
+    chunks = []
+    for B, T, C in groups:
+        for _ in range(B):
+            pages = rng.randint(1, num_pages, size=-(-(C + T) // page_size)).tolist()
+            chunks.append(Chunk(rng.randint(0, 100, size=T).tolist(), C, pages))
+    return chunks
 
 
 def main(argv=None) -> None:
@@ -107,44 +80,72 @@ def main(argv=None) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    llama = load_impl(args.impl)
-    init_cache = getattr(llama, "init_kv_cache", None)
-    if init_cache is None:
-        from minivllm_jax.kv_cache import init_kv_cache as init_cache
+    from minivllm_jax import attention
+    from minivllm_jax.batch import build_step_batch
+    from minivllm_jax.config import EngineConfig, bucket_for
+    from minivllm_jax.kv_cache import init_kv_cache
+    from minivllm_jax.models.llama import forward, init_params
+    from minivllm_jax.sampler import make_sampling_arrays
+    from minivllm_jax.sampling_params import SamplingParams
+    from minivllm_jax.step import PenaltyRows, engine_step, init_penalty_state
 
     cfg = tiny_config() if args.quick else smollm2_config()
-    shapes = [tuple(int(x) for x in s.split(":")) for s in (args.shapes or (QUICK_SHAPES if args.quick else DEFAULT_SHAPES))]
+    shapes = args.shapes or (QUICK_SHAPES if args.quick else DEFAULT_SHAPES)
+    groups = [parse_shape(s) for s in shapes]
+    max_ctx = max(C + T for g in groups for _, T, C in g)
+    engine = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=max_ctx + 1, page_size=args.page_size)
     dtype = jnp.dtype(args.dtype)
-    params = llama.init_params(cfg, jax.random.PRNGKey(args.seed), dtype=dtype)
-    need_pages = max(B * max(P, -(-(max(0, P * args.page_size - T) + T) // args.page_size)) for B, T, P in shapes) + 1
-    num_pages = max(2, min(need_pages, args.max_pages))
-    cache = init_cache(cfg, num_pages, args.page_size, dtype)
+    params = init_params(cfg, jax.random.PRNGKey(args.seed), dtype=dtype)
+    num_pages = max(2, min(4096, max(sum(B * -(-(C + T) // args.page_size) for B, T, C in g) for g in groups) + 1))
+    cache = init_kv_cache(cfg, num_pages, args.page_size, dtype)
     cache = jax.tree.map(lambda a: jax.random.normal(jax.random.PRNGKey(1), a.shape, a.dtype), cache)
+    penalty_state = init_penalty_state(args.max_num_seqs, cfg.vocab_size)
     rng = np.random.RandomState(args.seed)
-    kwargs = {} if args.layer_loop is None else {"layer_loop": args.layer_loop}
-    fwd = jax.jit(
-        llama.forward, static_argnames=("cfg", "all_logits", *kwargs), donate_argnames=("cache",)
-    )
+    attention.ATTENTION["none"] = lambda q, k, v, cache, layer, batch: jnp.zeros_like(q)
 
-    print(f"model {'tiny' if args.quick else 'SmolLM2-135M'} {args.dtype}, page_size {args.page_size}, "
-          f"{num_pages} pages, impl {args.impl or 'minivllm_jax.models.llama'} {kwargs or ''}")  # fmt: skip
-    print(f"{'B':>4} {'T':>5} {'P':>4} {'ctx':>5} {'compile s':>10} {'ms/step':>9} {'tok/s':>9}")
-    for B, T, P in shapes:
-        batch = make_batch(rng, B, T, P, args.page_size, num_pages)
+    step_fn = jax.jit(engine_step, static_argnames=("cfg", "attention"), donate_argnames=("cache", "penalty_state"))
+    fwd = jax.jit(forward, static_argnames=("cfg", "attention", "all_logits"), donate_argnames=("cache",))
+
+    print(f"model {'tiny' if args.quick else 'SmolLM2-135M'} {args.dtype}, page_size {args.page_size}, {num_pages} pages")
+    print(f"{'shape':>22} {'T':>4} {'S':>3} {'compile s':>9} {'step ms':>8} {'forward':>8} {'no attn':>8} "
+          f"{'attention':>9} {'sampler':>8} {'tok/s':>8}")  # fmt: skip
+    for text, group in zip(shapes, groups):
+        chunks = make_chunks(rng, group, args.page_size, num_pages)
+        tokens = sum(len(c.token_ids) for c in chunks)
+        T = bucket_for(tokens, engine.token_buckets)
+        S = bucket_for(len(chunks), engine.seq_buckets(T))
+        batch = build_step_batch(chunks, args.page_size, T, S, engine.num_listed_pages(S))
+        sampling = make_sampling_arrays([(SamplingParams(temperature=0.8, top_p=0.9), 1, 0, 0)] * len(chunks), S)
+        rows = PenaltyRows(np.full(S, args.max_num_seqs, np.int32), np.zeros(S, np.int32), np.bool_(False))
+
+        def timed(run) -> float:
+            run()
+            times = []
+            for _ in range(args.reps):
+                t0 = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - t0)
+            return 1e3 * float(np.median(times))
+
         t0 = time.perf_counter()
-        step = fwd.lower(params, cache, batch, cfg=cfg, **kwargs).compile()
+        program = step_fn.lower(params, cache, penalty_state, batch, sampling, rows, cfg=cfg).compile()
         compile_s = time.perf_counter() - t0
-        logits, cache = step(params, cache, batch)
-        logits.block_until_ready()
-        times = []
-        for _ in range(args.reps):
-            t0 = time.perf_counter()
-            logits, cache = step(params, cache, batch)
+
+        def run_step() -> None:
+            nonlocal cache, penalty_state
+            result, cache, penalty_state = program(params, cache, penalty_state, batch, sampling, rows)
+            result.tokens.block_until_ready()
+
+        def run_forward(impl: str) -> None:
+            nonlocal cache
+            logits, cache = fwd(params, cache, batch, cfg, impl)
             logits.block_until_ready()
-            times.append(time.perf_counter() - t0)
-        ms = 1e3 * float(np.median(times))
-        ctx = max(0, P * args.page_size - T)
-        print(f"{B:>4} {T:>5} {P:>4} {ctx:>5} {compile_s:>10.2f} {ms:>9.1f} {B * T / ms * 1e3:>9.1f}", flush=True)
+
+        step_ms = timed(run_step)
+        fwd_ms = timed(lambda: run_forward("reference"))
+        bare_ms = timed(lambda: run_forward("none"))
+        print(f"{text:>22} {T:>4} {S:>3} {compile_s:>9.2f} {step_ms:>8.1f} {fwd_ms:>8.1f} {bare_ms:>8.1f} "
+              f"{fwd_ms - bare_ms:>9.1f} {step_ms - fwd_ms:>8.1f} {tokens / step_ms * 1e3:>8.1f}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -34,8 +34,8 @@ SUITE: dict[str, list[str]] = {
     "roofline": ["bench_roofline.py"],
     "latency": ["bench_latency.py", "--preset", "chat", "--num-prompts", "16", "--concurrency", "1", "2", "4", "8",
                 "16", "32"],  # fmt: skip
-    "serving": ["load_test.py", "--launch", "--preset", "chat", "--requests", "48", "--concurrency-sweep", "1", "4",
-                "8", "16", "--server-args", "--max-num-seqs 16", "--out", str(RESULTS / "serving.json")],  # fmt: skip
+    "serving": ["load_test.py", "--launch", "--preset", "chat", "--requests", "48", "--concurrency-sweep", "1", "2", "4",
+                "8", "16", "32", "--server-args", "--max-num-seqs 16", "--out", str(RESULTS / "serving.json")],  # fmt: skip
     "memory": ["bench_memory.py", "--preset", "mixed", "--num-prompts", "32"],
     "ablations": ["bench_ablations.py", "--preset", "mixed", "--num-prompts", "24"],
     "interference": ["bench_interference.py"],

@@ -107,70 +107,86 @@ def _ladder(start: int, stop: int) -> tuple[int, ...]:
     return tuple(sorted({x for o in octaves for x in (o, o * 3 // 2) if x <= stop}))
 
 
+SMALL_SEQ_BUCKET = 16  # steps of many tokens but few sequences (one long prompt chunk and a few decodes)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Engine knobs (separate from the model math). Every step shape comes from the buckets here."""
+    """Engine knobs (separate from the model math). Every step shape comes from the buckets here.
 
-    max_num_seqs: int = 64  # rows in a decode step
+    Scheduling policy (see the README's "Scheduling" section for the benchmark behind each):
+    - `max_num_batched_tokens`: hard cap on the tokens of one step (decodes + prompt chunks).
+    - `target_tpot_ms`: while some streaming request decodes, the prompt tokens added to a step
+      are chosen so the step's measured time stays under this; `None` = auto: about
+      `AUTO_TPOT_FACTOR` times the time of a decode-only step of the same decodes. Offline
+      requests (`LLM.generate`) have no TPOT to protect and always get the full budget.
+    - `target_ttft_ms`: a prompt that has waited this long gets the full budget anyway.
+    - `max_batch_wait_ms`: hold new admissions up to this long to gather a bigger batch.
+    - `attention`: which implementation of the ragged attention contract runs
+      (`minivllm_jax.attention.ATTENTION`).
+    """
+
+    max_num_seqs: int = 64  # sequences in one step (and running at once)
     max_model_len: int = 2048  # prompt + output tokens of one sequence
     page_size: int = 16
     num_pages: int = 1024  # including the scratch page
-    max_num_batched_tokens: int = 512  # padded tokens in one prefill step (also the chunk size)
-    max_prefill_rows: int = 4
+    max_num_batched_tokens: int = 512  # tokens in one step: decodes first, then prompt chunks
     enable_prefix_caching: bool = True
+    target_tpot_ms: float | None = None
+    target_ttft_ms: float | None = None
+    max_batch_wait_ms: float = 0.0
+    attention: str = "reference"
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_model_len", "page_size", "max_num_batched_tokens", "max_prefill_rows"):
+        for name in ("max_num_seqs", "max_model_len", "page_size", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is the scratch page), got {self.num_pages}")
         if self.max_num_batched_tokens < 16:
             raise ValueError(f"max_num_batched_tokens must be >= 16, got {self.max_num_batched_tokens}")
+        for name in ("target_tpot_ms", "target_ttft_ms"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 or None, got {value}")
+        if not self.max_batch_wait_ms >= 0:
+            raise ValueError(f"max_batch_wait_ms must be >= 0, got {self.max_batch_wait_ms}")
 
     @property
     def max_pages_per_seq(self) -> int:
         return -(-self.max_model_len // self.page_size)
 
     @property
-    def decode_batch_buckets(self) -> tuple[int, ...]:
-        return _doubling(1, self.max_num_seqs)
+    def token_buckets(self) -> tuple[int, ...]:
+        """Token counts of a step. 1, 2, 4, then up to `max_num_seqs` (where decode-only steps
+        live) half-octave steps, so a decode batch pads by at most 50%; above it doublings, since those steps carry
+        prompt work and the scheduler fills their bucket with prompt tokens. Each bucket is a
+        compiled program, so fewer is a faster start-up."""
+        decode_cap = min(self.max_num_seqs, self.max_num_batched_tokens)
+        small = _doubling(1, min(4, decode_cap))  # 3 rows cost what 4 do: matvecs are memory bound
+        buckets = set(small) | set(_ladder(small[-1], decode_cap)) | set(_doubling(decode_cap, self.max_num_batched_tokens))
+        return tuple(sorted(b for b in buckets if b <= self.max_num_batched_tokens))
 
-    def page_list_buckets(self, rows: int) -> tuple[int, ...]:
-        """Lengths of the flat page list of a decode step with `rows` rows (a `_ladder` from 16).
+    def seq_buckets(self, num_tokens: int) -> tuple[int, ...]:
+        """Sequence counts of a step of `num_tokens` tokens: as many as fit, and a small one
+        (the LM head and the sampler run per sequence, so a long chunk with a few decodes
+        should not pay for 64 rows)."""
+        full = min(num_tokens, self.max_num_seqs)
+        return tuple(sorted({full, min(full, SMALL_SEQ_BUCKET)}))
 
-        A batch in this rows bucket has more than rows/2 sequences, each with at least one
-        cached page, so shorter lists are never needed."""
-        cap = rows * self.max_pages_per_seq
-        return tuple(n for n in _ladder(min(16, cap), cap) if n > rows // 2)
+    def num_listed_pages(self, num_seqs: int) -> int:
+        """Length of the flat page list of a step of `num_seqs` sequences: room for all of
+        their pages. Work follows the real count (see `minivllm_jax.attention`), not this."""
+        return num_seqs * self.max_pages_per_seq
 
-    @property
-    def prefill_page_buckets(self) -> tuple[int, ...]:
-        """Prefill rows mostly have no cached past (width 1: only the scratch page); a chunk
-        continuation or a prefix-cache hit takes the full width. Two widths keep warm-up short."""
-        return (1, self.max_pages_per_seq) if self.max_pages_per_seq > 1 else (1,)
+    def step_shapes(self) -> list[tuple[int, int]]:
+        """(tokens, sequences) of every step program."""
+        return [(t, s) for t in self.token_buckets for s in self.seq_buckets(t)]
 
-    @property
-    def prefill_token_buckets(self) -> tuple[int, ...]:
-        return _doubling(min(16, self.max_num_batched_tokens), self.max_num_batched_tokens)
 
-    def prefill_row_buckets(self, tokens: int) -> tuple[int, ...]:
-        """Rows of a prefill step of `tokens` columns: 1, or several short prompts together."""
-        rows = _doubling(1, self.max_prefill_rows)
-        return tuple(r for r in rows if r == 1 or r * tokens <= self.max_num_batched_tokens)
-
-    def prefill_shapes(self) -> list[tuple[int, int, int, int]]:
-        """(rows, tokens, block-table width, page-list length) of every prefill program."""
-        return [
-            (rows, tokens, pages, 0)
-            for tokens in self.prefill_token_buckets
-            for rows in self.prefill_row_buckets(tokens)
-            for pages in self.prefill_page_buckets
-        ]
-
-    def decode_shapes(self) -> list[tuple[int, int, int, int]]:
-        """Decode programs: no block table, a flat page list instead (see `StepBatch`)."""
-        return [(rows, 1, 0, n) for rows in self.decode_batch_buckets for n in self.page_list_buckets(rows)]
+# Auto TPOT target: 2x a decode-only step is the ceiling; aim lower, since step times are
+# estimates and a stream sees the slowest of its steps.
+AUTO_TPOT_FACTOR = 1.5
 
 
 def bucket_for(value: int, buckets: tuple[int, ...]) -> int:

@@ -15,7 +15,8 @@ import numpy as np
 from minivllm_jax.batch import single_sequence_batch
 from minivllm_jax.config import ModelConfig
 from minivllm_jax.kv_cache import init_kv_cache
-from minivllm_jax.models.llama import Params, forward_jit
+from minivllm_jax.models.llama import Params
+from minivllm_jax.step import forward_jit
 
 
 def greedy_stream(

@@ -56,6 +56,10 @@ class LLM:
         num_pages: int | None = None,
         max_num_batched_tokens: int = 512,
         enable_prefix_caching: bool = True,
+        target_tpot_ms: float | None = None,
+        target_ttft_ms: float | None = None,
+        max_batch_wait_ms: float = 0.0,
+        attention: str = "reference",
         quantization: str | None = None,
         seed: int = 0,
         warmup: bool = True,
@@ -85,6 +89,10 @@ class LLM:
             num_pages=num_pages,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching,
+            target_tpot_ms=target_tpot_ms,
+            target_ttft_ms=target_ttft_ms,
+            max_batch_wait_ms=max_batch_wait_ms,
+            attention=attention,
         )
         eos = _eos_ids(cfg, model_dir, self.tokenizer)
         self.engine = LLMEngine(cfg, config, params, self.tokenizer, eos_token_ids=eos, seed=seed)
@@ -100,7 +108,10 @@ class LLM:
         priority: Sequence[int] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run all prompts to completion together; outputs come back in input order."""
+        """Run all prompts to completion together; outputs come back in input order.
+
+        This is offline work: nobody reads tokens as they come, so the scheduler gives prompt
+        chunks the whole token budget (no TPOT to protect) and only finished outputs are built."""
         prompts = _as_prompt_list(prompts)
         params = sampling_params or SamplingParams()
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
@@ -112,7 +123,7 @@ class LLM:
         ids: list[str] = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params_list)):
-                ids.append(self.engine.add_request(prompt, p, priority=priority[i] if priority else 0))
+                ids.append(self.engine.add_request(prompt, p, priority=priority[i] if priority else 0, streaming=False))
         except Exception:
             for request_id in ids:  # all or nothing: don't leave half a batch queued
                 self.engine.abort(request_id)
@@ -120,7 +131,7 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
             while len(finished) < len(ids):
-                for out in self.engine.step():
+                for out in self.engine.step(only_finished=True):
                     if out.finished:
                         finished[out.request_id] = out
                         bar.update(1)

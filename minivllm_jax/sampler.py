@@ -217,13 +217,19 @@ def sample(logits: jax.Array, arrays: SamplingArrays, penalties: Penalties | Non
     Logprobs are reported under the raw logits (see `SampleResult`)."""
     raw = logits.astype(jnp.float32)
     x = raw if penalties is None else apply_penalties(raw, arrays, penalties)
+    return sample_penalized(x, raw, arrays)
+
+
+def sample_penalized(x: jax.Array, raw: jax.Array, arrays: SamplingArrays) -> SampleResult:
+    """`sample` for logits `x` that already carry the penalties; `raw` (float32, the model's
+    own logits) gives the logprobs."""
     m = jnp.max(x, -1)
     greedy = lambda: _first_argmax(x)
     is_random = arrays.temperature > 0  # all-greedy batches take the cheaper argmax
     tokens = lax.cond(jnp.any(is_random), lambda: _sample_random(x, m, arrays), greedy)
 
     def with_logprobs() -> tuple[jax.Array, jax.Array, jax.Array]:
-        m_raw = m if penalties is None else jnp.max(raw, -1)
+        m_raw = jnp.max(raw, -1)
         lse = m_raw + jnp.log(jnp.sum(jnp.exp(raw - m_raw[:, None]), -1))
         vals, ids = _top_k(raw, min(MAX_LOGPROBS, raw.shape[1]))
         pad = ((0, 0), (0, MAX_LOGPROBS - ids.shape[1]))  # a vocab smaller than MAX_LOGPROBS

@@ -78,7 +78,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=2048, help="prompt + output tokens per sequence")
     p.add_argument("--num-pages", type=int, default=None, help="KV cache pages (default: sized from free memory)")
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens in one prefill step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="hard cap on the tokens of one step (decodes + prompt chunks)")  # fmt: skip
+    p.add_argument("--target-tpot-ms", type=float, default=None,
+                   help="limit prompt work added to steps with streams decoding so each step stays under this "
+                        "(default: auto, about 2x a decode-only step)")  # fmt: skip
+    p.add_argument("--target-ttft-ms", type=float, default=None,
+                   help="a prompt waiting this long gets the whole token budget (default: off)")
+    p.add_argument("--max-batch-wait-ms", type=float, default=0.0,
+                   help="hold new admissions up to this long to gather a bigger batch (default: 0, run now)")
+    p.add_argument("--attention", default="reference", help="attention implementation (see minivllm_jax.attention)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-queue", type=int, default=256, help="requests in flight before new ones get 429")
@@ -106,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
             page_size=args.page_size, num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
             enable_prefix_caching=not args.no_prefix_caching, seed=args.seed, use_tqdm=sys.stderr.isatty(),
+            target_tpot_ms=args.target_tpot_ms, target_ttft_ms=args.target_ttft_ms,
+            max_batch_wait_ms=args.max_batch_wait_ms, attention=args.attention,
         )  # fmt: skip
 
     load_errors: list[BaseException] = []

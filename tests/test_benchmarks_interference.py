@@ -32,9 +32,12 @@ def test_interference_quick(tiny_model_with_tokenizer, tmp_path):
         assert rep["ratio_worst_gap_to_itl_p50"] > 0
         assert rep["long_finished"] == "length" and rep["long_output_tokens"] == r["scenario"]["long_max_tokens"]
         assert rep["long_cached_tokens"] == 0
-        # 300 tokens in 128-token chunks: three prefill steps before the first token.
-        assert rep["num_prefill_steps"] == 3
-        assert all(st["duration_s"] > 0 and st["kind"] in ("prefill", "decode") for st in rep["steps_during_prefill"])
+        # Every step of the 300-token prefill also carries the 4 streams' decodes (the ragged
+        # step), and the chunks add up to the prompt.
+        steps = rep["steps_during_prefill"]
+        assert rep["num_prompt_steps"] >= 3 and rep["num_decode_steps"] == 0
+        assert all(st["duration_s"] > 0 and st["kind"] == "mixed" and st["decodes"] == 4 for st in steps)
+        assert sum(st["tokens"] - st["decodes"] for st in steps) == 300
     assert len(r["timeline"]["streams_s"]) == r["scenario"]["streams"] == 4
     assert len(r["timeline"]["prefill_spans_s"]) == 1
     for key in ("ttft_s", "worst_gap_s", "gap_p50_s", "gap_p99_s", "ratio_worst_gap_to_itl_p50"):

@@ -33,7 +33,8 @@ from minivllm_jax.batch import single_sequence_batch
 from minivllm_jax.checkpoint import load_converted
 from minivllm_jax.config import ModelConfig, UnsupportedModelError
 from minivllm_jax.kv_cache import init_kv_cache
-from minivllm_jax.models.llama import forward_jit, hf_weight_map
+from minivllm_jax.models.llama import hf_weight_map
+from minivllm_jax.step import forward_jit
 from tests.conftest import make_tiny_llama, save_tiny_tokenizer
 
 IDS = [1, 5, 9, 77, 3, 12, 127, 64, 2, 40, 41, 42]
@@ -80,7 +81,7 @@ def get(tree, path):
 def jax_logits(cfg: ModelConfig, params, ids=IDS) -> np.ndarray:
     batch = single_sequence_batch(np.array(ids), 0, [1, 2, 3, 4, 5], 4)
     logits, _ = forward_jit(params, init_kv_cache(cfg, 8, 4, jnp.float32), batch, cfg, all_logits=True)
-    return np.asarray(logits[0])
+    return np.asarray(logits)
 
 
 def hf_logits(model, ids=IDS) -> np.ndarray:

@@ -12,7 +12,7 @@ from minivllm_jax.batch import single_sequence_batch
 from minivllm_jax.config import ModelConfig
 from minivllm_jax.greedy import greedy_generate
 from minivllm_jax.kv_cache import init_kv_cache
-from minivllm_jax.models.llama import forward_jit
+from minivllm_jax.step import forward_jit
 from tests.conftest import make_tiny_llama
 
 LLAMA3_ROPE = {
@@ -56,7 +56,7 @@ def test_full_sequence_logits_match_hf(variant):
     cache = init_kv_cache(cfg, num_pages=12, page_size=4, dtype=jnp.float32)
     batch = single_sequence_batch(ids, 0, list(range(1, 11)), page_size=4)
     logits, _ = forward_jit(params, cache, batch, cfg, all_logits=True)
-    np.testing.assert_allclose(np.asarray(logits[0]), ref, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.asarray(logits), ref, atol=1e-4, rtol=0)
 
 
 def test_incremental_decode_matches_full_forward(variant):
@@ -91,41 +91,3 @@ def test_scratch_page_is_untouched_by_real_tokens(variant):
     _, cache = forward_jit(params, cache, single_sequence_batch(np.arange(3, 10), 0, [2, 3], 4), cfg)
     assert float(jnp.abs(cache.k[:, 0]).max()) == 0.0
     assert float(jnp.abs(cache.k[:, 2]).max()) > 0.0
-
-
-def test_ragged_decode_attention_equals_block_table_attention():
-    """The flat page list (decode steps) and the padded block table give the same attention."""
-    import jax
-
-    from minivllm_jax.batch import StepBatch
-    from minivllm_jax.kv_cache import KVCache
-    from minivllm_jax.models.llama import paged_attention
-
-    rng = np.random.default_rng(0)
-    L, num_pages, kvh, ps, hd, heads = 2, 40, 2, 4, 8, 4
-    context = np.array([1, 9, 0, 16, 23], np.int32)  # row 2 is a padded row (no past tokens)
-    B = len(context)
-    k, v = (rng.standard_normal((L, num_pages, kvh, *dims)).astype(np.float32) for dims in ((hd, ps), (ps, hd)))
-    cache = KVCache(jnp.asarray(k), jnp.asarray(v))
-    pages = rng.permutation(np.arange(1, num_pages))
-    counts = -(-context // ps)
-    table = np.zeros((B, counts.max() + 2), np.int32)  # wider than needed, as a bucket would be
-    ids, owners, lens, used = [], [], [], 0
-    for b, n in enumerate(counts):
-        table[b, :n] = pages[used : used + n]
-        ids += list(pages[used : used + n])
-        owners += [b] * n
-        lens += [min(ps, context[b] - j * ps) for j in range(n)]
-        used += n
-    pad = 3  # list padding: scratch page, length 0, owned by the last row
-    ids, owners, lens = (np.array(x + [fill] * pad, np.int32) for x, fill in ((ids, 0), (owners, B - 1), (lens, 0)))
-    q = jnp.asarray(rng.standard_normal((B, 1, heads, hd)), jnp.float32)
-    k_new, v_new = (jnp.asarray(rng.standard_normal((B, 1, kvh, hd)), jnp.float32) for _ in range(2))
-    zeros = np.zeros((B, 1), np.int32)
-    common = dict(tokens=zeros, positions=zeros, slot_mapping=zeros, context_lens=context, query_lens=np.ones(B, np.int32))
-    tabled = StepBatch(block_tables=table, **common)
-    listed = StepBatch(block_tables=np.zeros((B, 0), np.int32), page_ids=ids, page_rows=owners, page_lens=lens, **common)
-    for layer in range(L):
-        want = jax.jit(paged_attention)(q, k_new, v_new, cache, jnp.int32(layer), tabled)
-        got = jax.jit(paged_attention)(q, k_new, v_new, cache, jnp.int32(layer), listed)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)

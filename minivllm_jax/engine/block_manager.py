@@ -151,8 +151,11 @@ class BlockManager:
         """Register the digests of pages that became full and computed, so others can share them."""
         if not self.enable_prefix_caching:
             return
+        first = len(seq.page_hashes)
+        if first >= seq.num_computed_tokens // self.page_size:
+            return  # no page became full: the common decode step
         token_ids = seq.token_ids
-        for i in range(len(seq.page_hashes), seq.num_computed_tokens // self.page_size):
+        for i in range(first, seq.num_computed_tokens // self.page_size):
             page = seq.pages[i]
             parent = seq.page_hashes[-1] if seq.page_hashes else ROOT_DIGEST
             tokens = self._page_tokens(token_ids, i)

@@ -108,8 +108,12 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        streaming: bool = True,
     ) -> str:
-        """Validate and queue a request; returns its id. Raises ValueError on bad input."""
+        """Validate and queue a request; returns its id. Raises ValueError on bad input.
+
+        `streaming=False` marks offline work (`LLM.generate`): no client reads its tokens as
+        they come, so the scheduler does not hold prompt work back to protect its TPOT."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         request_id = str(next(self._request_counter)) if request_id is None else request_id
@@ -132,7 +136,7 @@ class LLMEngine:
         seqs, detoks = [], []
         for i in range(params.n):
             seqs.append(Sequence(request_id, ids, params, index=i, priority=priority, seed=seed,
-                                 arrival_time=arrival))  # fmt: skip
+                                 arrival_time=arrival, streaming=streaming))  # fmt: skip
             detoks.append(IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop))
         request = _Request(request_id, text, ids, params, seqs, detoks, RequestMetrics(arrival), held=seqs[1:])
         self.requests[request_id] = request
@@ -154,13 +158,16 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ stepping
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, only_finished: bool = False) -> list[RequestOutput]:
         """Run one scheduled batch; return the outputs of requests that changed (finished ones
-        are removed from the engine after this)."""
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return []
+        are removed from the engine after this), or of those that finished only."""
         now = time.monotonic()
+        batch = self.scheduler.schedule(now)
+        if batch is None:
+            opens = self.scheduler.next_admission_time()
+            if opens is not None:  # admissions are held to gather a batch: wait, do not spin
+                time.sleep(min(max(opens - now, 0.0), 0.005))
+            return []
         for seq in batch.seqs:
             metrics = self.requests[seq.request_id].metrics
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
@@ -169,13 +176,20 @@ class LLMEngine:
         except Exception as e:  # a device step failed: fail this batch only and keep serving
             logger.exception("step over %d sequences failed; failing their requests", len(batch.seqs))
             return self._fail_batch(batch, f"{type(e).__name__}: {e}")
-        return self._process(batch, result)
+        self.scheduler.costs.observe(batch.num_tokens, time.monotonic() - now)
+        return self._process(batch, result, only_finished)
 
     def _fail_batch(self, batch: ScheduledBatch, error: str) -> list[RequestOutput]:
-        """Finish every request with a sequence in `batch` (all its samples) with finish_reason
-        "error"; if the failed step took the KV cache with it, everyone else is recomputed."""
+        """Finish the failed step's suspects (all samples of each) with finish_reason "error".
+
+        Every step carries the running decodes, so blaming the whole step would let one bad
+        prompt end every stream. The suspects are the requests that brought prompt work into
+        the step; its decodes did not advance and simply run again next step (should a
+        decode-only step fail, all of its requests are the suspects). If the failed step took
+        the KV cache with it, everyone left is recomputed."""
         now = time.monotonic()
-        failed = [self.requests.pop(rid) for rid in dict.fromkeys(seq.request_id for seq in batch.seqs)]
+        suspects = batch.seqs[batch.num_decodes :] or batch.seqs
+        failed = [self.requests.pop(rid) for rid in dict.fromkeys(seq.request_id for seq in suspects)]
         outputs = []
         for request in failed:
             for seq, detok in zip(request.seqs, request.detokenizers):
@@ -210,14 +224,14 @@ class LLMEngine:
         if self.runner.reset_cache_if_lost():
             self.block_manager.clear_cache()
 
-    def _process(self, batch: ScheduledBatch, result: StepResult) -> list[RequestOutput]:
+    def _process(self, batch: ScheduledBatch, result: StepResult, only_finished: bool = False) -> list[RequestOutput]:
         now = time.monotonic()
         changed: dict[str, _Request] = {}
         for i, seq in enumerate(batch.seqs):
             samples = batch.samples_next_token(i)
             seq.num_computed_tokens += batch.num_new_tokens[i]
             self.block_manager.commit(seq)
-            if batch.is_prefill:
+            if i >= batch.num_decodes:
                 self.num_prompt_tokens += batch.num_new_tokens[i]
             request = self.requests[seq.request_id]
             if request.held and seq.num_computed_tokens >= len(request.prompt_token_ids):
@@ -239,7 +253,8 @@ class LLMEngine:
             changed[request.request_id] = request
         outputs = []
         for request in changed.values():
-            outputs.append(self._output(request))
+            if request.finished or not only_finished:
+                outputs.append(self._output(request))
             if request.finished:
                 request.metrics.finished_time = now
                 del self.requests[request.request_id]

@@ -1,8 +1,10 @@
-"""`ModelRunner`: pads a `ScheduledBatch` into its bucket and runs the precompiled programs.
+"""`ModelRunner`: lays a `ScheduledBatch` out as a flat ragged `StepBatch` in its bucket and
+runs the precompiled step programs.
 
 Every program is compiled ahead of time (`jit(...).lower(...).compile()`) for one bucket
 shape and kept in a dict keyed by that shape, so a shape outside the warm-up set is visible
-(`num_compiles` grows) rather than a silent recompile. The KV cache is donated to each step.
+(`num_compiles` grows) rather than a silent recompile. A step program is the model and the
+sampler together (`minivllm_jax.step`); the KV cache and the penalty state are donated to it.
 """
 
 from __future__ import annotations
@@ -17,26 +19,26 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from minivllm_jax.batch import StepBatch
+from minivllm_jax.batch import Chunk, StepBatch, build_step_batch
 from minivllm_jax.config import EngineConfig, ModelConfig, bucket_for
 from minivllm_jax.engine.scheduler import ScheduledBatch
-from minivllm_jax.kv_cache import SCRATCH_PAGE, init_kv_cache
-from minivllm_jax.models.llama import Params, forward_jit
-from minivllm_jax.sampler import Penalties, SampleResult, SamplingArrays, make_sampling_arrays, sample
+from minivllm_jax.engine.sequence import Sequence
+from minivllm_jax.kv_cache import init_kv_cache
+from minivllm_jax.models.llama import Params
+from minivllm_jax.sampler import make_sampling_arrays
+from minivllm_jax.step import PenaltyRows, engine_step_jit, init_penalty_state, load_penalty_row_jit
 
 logger = logging.getLogger(__name__)
-
-_sample = jax.jit(sample)
 
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
-    """Host copies of one step's sampled tokens (rows beyond the real batch are dropped)."""
+    """Host copies of one step's sampled tokens, one per scheduled sequence (padding dropped)."""
 
     tokens: np.ndarray  # int32[n]
-    logprobs: np.ndarray  # float32[n]
-    top_ids: np.ndarray  # int32[n, MAX_LOGPROBS]
-    top_logprobs: np.ndarray  # float32[n, MAX_LOGPROBS]
+    logprobs: np.ndarray  # float32[n]  (zeros when no sequence asked for logprobs)
+    top_ids: np.ndarray | None  # int32[S, MAX_LOGPROBS]; None when no sequence asked for logprobs
+    top_logprobs: np.ndarray | None  # float32[S, MAX_LOGPROBS]
 
 
 class ModelRunner:
@@ -46,6 +48,7 @@ class ModelRunner:
         self.params = params
         self.dtype = jax.tree.leaves(params)[0].dtype
         self.cache = init_kv_cache(model_config, config.num_pages, config.page_size, self.dtype)
+        self.penalty_state = init_penalty_state(config.max_num_seqs, model_config.vocab_size)
         self._programs: dict[tuple, Any] = {}
         self.num_compiles = 0
         self.compile_seconds = 0.0
@@ -65,132 +68,103 @@ class ModelRunner:
                 logger.warning("compiled %s after warm-up; a bucket is missing from the warm-up set", key)
         return program
 
-    def _step_program(self, rows: int, tokens: int, pages: int, listed: int) -> Any:
-        batch = _abstract_batch(rows, tokens, pages, listed)
-        key = ("step", rows, tokens, pages, listed)
-        return self._program(key, forward_jit, self.params, self.cache, batch, cfg=self.model_config)
+    def _step_program(self, num_tokens: int, num_seqs: int) -> Any:
+        batch = _abstract(_empty_batch(self.config, num_tokens, num_seqs))
+        sampling = _abstract(make_sampling_arrays([], num_seqs))
+        penalty_rows = _abstract(PenaltyRows(np.zeros(num_seqs, np.int32), np.zeros(num_seqs, np.int32), np.bool_(False)))
+        return self._program(("step", num_tokens, num_seqs), engine_step_jit, self.params, self.cache,
+                             self.penalty_state, batch, sampling, penalty_rows, cfg=self.model_config,
+                             attention=self.config.attention)  # fmt: skip
 
-    def _sample_program(self, rows: int, penalties: bool) -> Any:
-        logits = jax.ShapeDtypeStruct((rows, self.model_config.vocab_size), jnp.float32)
-        arrays = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), make_sampling_arrays([], rows))
-        pen = _abstract_penalties(rows, self.model_config.vocab_size) if penalties else None
-        return self._program(("sample", rows, penalties), _sample, logits, arrays, pen)
+    def _load_penalty_program(self) -> Any:
+        i32 = jax.ShapeDtypeStruct((), jnp.int32)
+        tokens = jax.ShapeDtypeStruct((self.config.max_model_len,), jnp.int32)
+        return self._program(("load_penalty_row",), load_penalty_row_jit, self.penalty_state, i32, tokens, i32, i32)
 
     def warmup(self, progress: bool = True) -> float:
         """Compile every bucket shape now; any failure propagates (never swallowed)."""
         start = time.perf_counter()
-        cfg = self.config
-        steps = cfg.prefill_shapes() + cfg.decode_shapes()
-        sample_rows = sorted({shape[0] for shape in steps})
-        jobs = [("step", s) for s in steps] + [("sample", (r, p)) for r in sample_rows for p in (False, True)]
-        for kind, shape in tqdm(jobs, desc="warm-up: compiling buckets", disable=not progress):
-            if kind == "step":
-                self._step_program(*shape)
-            else:
-                self._sample_program(*shape)
+        for shape in tqdm(self.config.step_shapes(), desc="warm-up: compiling buckets", disable=not progress):
+            self._step_program(*shape)
+        self._load_penalty_program()
         self._warm = True
         return time.perf_counter() - start
 
     # ------------------------------------------------------------------ running
 
     def reset_cache_if_lost(self) -> bool:
-        """Rebuild an empty KV cache if a failed step took the donated buffers with it (a
-        donated input is deleted even when the program fails); True if it was rebuilt, in
-        which case every page's contents are gone."""
-        if not any(leaf.is_deleted() for leaf in jax.tree.leaves(self.cache)):
+        """Rebuild an empty KV cache (and penalty state) if a failed step took the donated
+        buffers with it (a donated input is deleted even when the program fails); True if it
+        was rebuilt, in which case every page's contents and every slot's history are gone."""
+        leaves = jax.tree.leaves((self.cache, self.penalty_state))
+        if not any(leaf.is_deleted() for leaf in leaves):
             return False
         logger.warning("the KV cache buffers were lost with a failed step; rebuilding the cache")
         self.cache = init_kv_cache(self.model_config, self.config.num_pages, self.config.page_size, self.dtype)
+        self.penalty_state = init_penalty_state(self.config.max_num_seqs, self.model_config.vocab_size)
         return True
 
     def run(self, batch: ScheduledBatch) -> StepResult:
-        step_batch, rows = self._prepare(batch)
-        program = self._step_program(
-            *step_batch.tokens.shape, step_batch.block_tables.shape[1], step_batch.page_ids.shape[0]
-        )
-        logits, self.cache = program(self.params, self.cache, step_batch)
-
+        """One step: model and sampling in one program; only the sampled tokens come back."""
+        step_batch = self.prepare(batch)
         seqs = batch.seqs
-        rows_params = [(s.params, s.seed, s.index, len(s.output_token_ids)) for s in seqs]
-        arrays = make_sampling_arrays(rows_params, rows)
-        penalties = _penalties(seqs, rows, self.model_config.vocab_size) if any(s.params.uses_penalties for s in seqs) else None
-        result: SampleResult = self._sample_program(rows, penalties is not None)(logits, arrays, penalties)
-        tokens, logprobs, top_ids, top_logprobs = jax.device_get(
-            (result.tokens, result.logprobs, result.top_ids, result.top_logprobs)
+        num_seqs = step_batch.num_seqs
+        self._load_new_penalty_rows(seqs)
+        sampling = make_sampling_arrays([(s.params, s.seed, s.index, len(s.output_token_ids)) for s in seqs], num_seqs)
+        program = self._step_program(step_batch.num_tokens, num_seqs)
+        result, self.cache, self.penalty_state = program(
+            self.params, self.cache, self.penalty_state, step_batch, sampling, self._penalty_rows(seqs, num_seqs)
         )
+        if any(s.params.logprobs is not None for s in seqs):
+            tokens, logprobs, top_ids, top_logprobs = jax.device_get(
+                (result.tokens, result.logprobs, result.top_ids, result.top_logprobs)
+            )
+        else:  # the logprob arrays are placeholders: leave them on the device
+            tokens, logprobs = jax.device_get((result.tokens, result.logprobs))
+            top_ids = top_logprobs = None
         n = len(seqs)
-        return StepResult(tokens[:n], logprobs[:n], top_ids[:n], top_logprobs[:n])
+        return StepResult(tokens[:n], logprobs[:n], top_ids, top_logprobs)
 
-    def _prepare(self, batch: ScheduledBatch) -> tuple[StepBatch, int]:
-        cfg, ps = self.config, self.config.page_size
-        n = len(batch.seqs)
-        context = [s.num_computed_tokens for s in batch.seqs]
-        past_pages = [-(-c // ps) for c in context]
-        if batch.is_prefill:
-            width = bucket_for(max(batch.num_new_tokens), cfg.prefill_token_buckets)
-            rows = bucket_for(n, cfg.prefill_row_buckets(width))
-            table_width = bucket_for(max(max(past_pages), 1), cfg.prefill_page_buckets)
-        else:  # decode lists its pages flat instead of a table (see StepBatch)
-            width = 1
-            rows = bucket_for(n, cfg.decode_batch_buckets)
-            table_width = 0
+    def prepare(self, batch: ScheduledBatch) -> StepBatch:
+        """The flat host arrays of the step, in the smallest bucket that holds it."""
+        cfg = self.config
+        num_tokens = bucket_for(batch.num_tokens, cfg.token_buckets)
+        num_seqs = bucket_for(len(batch.seqs), cfg.seq_buckets(num_tokens))
+        chunks = [
+            Chunk(seq.tokens_between(seq.num_computed_tokens, seq.num_computed_tokens + q), seq.num_computed_tokens, seq.pages)
+            for seq, q in zip(batch.seqs, batch.num_new_tokens)
+        ]
+        return build_step_batch(chunks, cfg.page_size, num_tokens, num_seqs, cfg.num_listed_pages(num_seqs))
 
-        tokens = np.zeros((rows, width), np.int32)
-        positions = np.zeros((rows, width), np.int32)
-        slots = np.full((rows, width), SCRATCH_PAGE * ps, np.int32)  # padding writes the scratch page
-        tables = np.full((rows, table_width), SCRATCH_PAGE, np.int32)
-        for i, (seq, c, q) in enumerate(zip(batch.seqs, context, batch.num_new_tokens)):
-            pos = np.arange(c, c + q, dtype=np.int32)
-            pages = np.asarray(seq.pages, np.int32)
-            tokens[i, :q] = seq.token_ids[c : c + q]
-            positions[i, :q] = pos
-            slots[i, :q] = pages[pos // ps] * ps + pos % ps
-            k = min(table_width, past_pages[i])
-            tables[i, :k] = pages[:k]
-        context_lens = np.zeros(rows, np.int32)
-        query_lens = np.zeros(rows, np.int32)
-        context_lens[:n] = context
-        query_lens[:n] = batch.num_new_tokens
-        step = StepBatch(tokens, positions, slots, tables, context_lens, query_lens)
-        if not batch.is_prefill:
-            step = dataclasses.replace(step, **_page_list(batch.seqs, context, past_pages, rows, cfg))
-        return step, rows
+    def _penalty_rows(self, seqs: tuple[Sequence, ...], num_seqs: int) -> PenaltyRows:
+        scratch = self.penalty_state.scratch_slot
+        slots = np.full(num_seqs, scratch, np.int32)
+        prompt_lens = np.zeros(num_seqs, np.int32)
+        for i, seq in enumerate(seqs):
+            slots[i] = scratch if seq.penalty_slot is None else seq.penalty_slot
+            prompt_lens[i] = len(seq.prompt_token_ids)
+        return PenaltyRows(slots, prompt_lens, np.bool_(any(s.penalty_slot is not None for s in seqs)))
 
-
-def _page_list(seqs, context: list[int], past_pages: list[int], rows: int, cfg: EngineConfig) -> dict[str, np.ndarray]:
-    """The decode step's flat page list: every row's cached pages in row order, padded to a bucket
-    with scratch-page entries of length 0 owned by the last row (keeps `page_rows` sorted)."""
-    ps, total = cfg.page_size, sum(past_pages)
-    length = bucket_for(max(total, 1), cfg.page_list_buckets(rows))
-    ids = np.full(length, SCRATCH_PAGE, np.int32)
-    owners = np.full(length, rows - 1, np.int32)
-    lens = np.zeros(length, np.int32)
-    counts = np.asarray(past_pages)
-    ids[:total] = np.concatenate([np.asarray(s.pages[:k], np.int32) for s, k in zip(seqs, past_pages)])
-    owners[:total] = np.repeat(np.arange(len(seqs), dtype=np.int32), counts)
-    first = np.repeat(np.cumsum(counts) - counts, counts)  # list index of each row's first page
-    lens[:total] = np.minimum(ps, np.repeat(np.asarray(context), counts) - (np.arange(total) - first) * ps)
-    return {"page_ids": ids, "page_rows": owners, "page_lens": lens}
+    def _load_new_penalty_rows(self, seqs: tuple[Sequence, ...]) -> None:
+        """A sequence that just got a penalty slot: load the tokens it will not feed itself
+        (cached or forked prompt pages, or all of them after a preemption)."""
+        for seq in seqs:
+            if seq.penalty_slot is None or seq.penalty_loaded:
+                continue
+            tokens = np.zeros(self.config.max_model_len, np.int32)
+            known = seq.num_computed_tokens
+            tokens[:known] = seq.token_ids[:known]
+            self.penalty_state = self._load_penalty_program()(
+                self.penalty_state, np.int32(seq.penalty_slot), tokens, np.int32(known),
+                np.int32(len(seq.prompt_token_ids)),
+            )  # fmt: skip
+            seq.penalty_loaded = True
 
 
-def _abstract_batch(rows: int, tokens: int, pages: int, listed: int) -> StepBatch:
-    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
-    return StepBatch(i32(rows, tokens), i32(rows, tokens), i32(rows, tokens), i32(rows, pages), i32(rows), i32(rows),
-                     i32(listed), i32(listed), i32(listed))  # fmt: skip
+
+def _empty_batch(config: EngineConfig, num_tokens: int, num_seqs: int) -> StepBatch:
+    return build_step_batch([], config.page_size, num_tokens, num_seqs, config.num_listed_pages(num_seqs))
 
 
-def _abstract_penalties(rows: int, vocab: int) -> Penalties:
-    return Penalties(
-        output_counts=jax.ShapeDtypeStruct((rows, vocab), jnp.float32),
-        prompt_mask=jax.ShapeDtypeStruct((rows, vocab), jnp.bool_),
-    )
-
-
-def _penalties(seqs: tuple, rows: int, vocab: int) -> Penalties:
-    counts = np.zeros((rows, vocab), np.float32)
-    seen = np.zeros((rows, vocab), np.bool_)
-    for i, seq in enumerate(seqs):
-        if seq.output_token_ids:
-            counts[i] = np.bincount(seq.output_token_ids, minlength=vocab)[:vocab]
-        seen[i, seq.token_ids] = True
-    return Penalties(output_counts=counts, prompt_mask=seen)
+def _abstract(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), tree)

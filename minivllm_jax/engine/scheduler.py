@@ -1,31 +1,73 @@
-"""`Scheduler`: continuous batching over waiting and running sequences (prefill first).
+"""`Scheduler`: continuous batching into one kind of step under a token budget.
 
-Each call to `schedule()` returns one `ScheduledBatch` as plain data: either a prefill step
-(up to `max_prefill_rows` prompts, or chunks of long ones, within the token budget) or a
-decode step over every running sequence. Under page pressure the lowest-priority, newest
-running sequence is preempted: its pages are freed and it goes back to waiting, to be
-recomputed later (its prefix may still be in the prefix cache). Nothing is ever dropped.
+Every call to `schedule()` fills one ragged step: running decodes first (one token each,
+most urgent first), then prompt chunks (partially prefilled sequences, then waiting ones by
+priority) with what is left. While streaming requests decode, the prompt tokens added to a
+step are limited so the step stays within the TPOT target (`StepCosts`); offline work gets
+the whole budget. Under page pressure the lowest-priority, newest running sequence is
+preempted: its pages are freed and it waits to be recomputed (its prefix may still be
+cached). Nothing is ever dropped.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 
-from minivllm_jax.config import EngineConfig, bucket_for
+from minivllm_jax.config import AUTO_TPOT_FACTOR, EngineConfig, bucket_for
 from minivllm_jax.engine.block_manager import BlockManager
 from minivllm_jax.engine.sequence import Sequence, SequenceStatus
+
+MIN_PROMPT_CHUNK = 16  # prompt tokens a step may always add: waiting prompts always progress
 
 
 @dataclasses.dataclass(frozen=True)
 class ScheduledBatch:
-    is_prefill: bool
-    seqs: tuple[Sequence, ...]
-    num_new_tokens: tuple[int, ...]  # tokens each row feeds this step
+    seqs: tuple[Sequence, ...]  # decodes first, then prompt chunks
+    num_new_tokens: tuple[int, ...]  # tokens each sequence feeds this step
+    num_decodes: int
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
 
     def samples_next_token(self, i: int) -> bool:
-        """A prefill chunk that stops short of the sequence's end samples nothing."""
+        """A prompt chunk that stops short of the sequence's end samples nothing."""
         seq = self.seqs[i]
         return seq.num_computed_tokens + self.num_new_tokens[i] == len(seq)
+
+
+class StepCosts:
+    """Measured seconds of a step per token bucket (exponential moving average)."""
+
+    def __init__(self, buckets: tuple[int, ...], smoothing: float = 0.3) -> None:
+        self.buckets = buckets
+        self.smoothing = smoothing
+        self.seconds: dict[int, float] = {}
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        bucket = bucket_for(num_tokens, self.buckets)
+        old = self.seconds.get(bucket)
+        self.seconds[bucket] = seconds if old is None else old + self.smoothing * (seconds - old)
+
+    def estimate(self, bucket: int) -> float | None:
+        """Measured seconds of `bucket`, else those of the largest measured bucket below it
+        scaled by the token ratio (an overestimate where steps are memory bound: it errs
+        towards protecting the streams, and the next measurement corrects it)."""
+        if bucket in self.seconds:
+            return self.seconds[bucket]
+        below = [b for b in self.seconds if b < bucket]
+        return self.seconds[max(below)] * bucket / max(below) if below else None
+
+    def largest_within(self, num_tokens: int, limit_s: float) -> int:
+        """The largest bucket >= `num_tokens`'s own whose estimated step time is within `limit_s`
+        (at least `num_tokens`' own bucket)."""
+        best = bucket_for(num_tokens, self.buckets)
+        for b in self.buckets:
+            estimate = self.estimate(b)
+            if b > best and estimate is not None and estimate <= limit_s:
+                best = b
+        return best
 
 
 class Scheduler:
@@ -35,6 +77,9 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.costs = StepCosts(config.token_buckets)
+        # Rows of the device penalty state; a running sequence that uses penalties holds one.
+        self.free_penalty_slots = list(range(config.max_num_seqs))
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -49,62 +94,45 @@ class Scheduler:
         seq.finish_reason = seq.finish_reason or reason
         seq.stop_reason = stop_reason if seq.stop_reason is None else seq.stop_reason
         self.block_manager.free_pages(seq)
+        self._release_penalty_slot(seq)
         if seq in self.running:
             self.running.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
 
+    def preempt(self, seq: Sequence) -> None:
+        """Free the sequence's pages and requeue it; it is recomputed from its tokens later."""
+        self.block_manager.free_pages(seq)
+        self._release_penalty_slot(seq)
+        self.running.remove(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.append(seq)
+
+    def _take_penalty_slot(self, seq: Sequence) -> None:
+        if seq.params.uses_penalties:
+            seq.penalty_slot, seq.penalty_loaded = self.free_penalty_slots.pop(), False
+
+    def _release_penalty_slot(self, seq: Sequence) -> None:
+        if seq.penalty_slot is not None:
+            self.free_penalty_slots.append(seq.penalty_slot)
+            seq.penalty_slot = None
+
     # ------------------------------------------------------------------ scheduling
 
-    def schedule(self) -> ScheduledBatch | None:
-        return self._schedule_prefill() or self._schedule_decode()
-
-    def _schedule_prefill(self) -> ScheduledBatch | None:
+    def schedule(self, now: float | None = None) -> ScheduledBatch | None:
+        now = time.monotonic() if now is None else now
         cfg, bm = self.config, self.block_manager
-        rows: list[Sequence] = []
+        seqs: list[Sequence] = []
         chunks: list[int] = []
-        admitted = 0
-        # Chunk continuations (already admitted) go first, then waiting ones by priority.
-        candidates = [s for s in self.running if s.is_prefill]
-        self.waiting.sort(key=lambda s: s.sort_key)
-        candidates += self.waiting
-        for seq in candidates:
-            if len(rows) == cfg.max_prefill_rows:
-                break
-            admitting = seq.status == SequenceStatus.WAITING
-            if admitting and len(self.running) + admitted >= cfg.max_num_seqs:
-                break
-            # Check the row fits the step before taking any page: allocating and then rolling
-            # back would evict prefix-cache pages on every step a long chunk runs.
-            computed = bm.computed_on_admission(seq) if admitting else seq.num_computed_tokens
-            chunk = min(len(seq) - computed, cfg.max_num_batched_tokens)
-            width = bucket_for(max(chunks + [chunk]), cfg.prefill_token_buckets)
-            if rows and len(rows) + 1 > cfg.prefill_row_buckets(width)[-1]:
-                break
-            if admitting:
-                # Keep a page per running sequence (those admitted in this step too) so
-                # admission does not force an instant preemption.
-                if not bm.can_allocate(seq, reserve=len(self.running) + admitted):
-                    break
-                bm.allocate(seq)
-                admitted += 1
-            rows.append(seq)
-            chunks.append(chunk)
-        if not rows:
-            return None
-        for seq in rows:
-            if seq.status == SequenceStatus.WAITING:
-                self.waiting.remove(seq)
-                seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
-        return ScheduledBatch(True, tuple(rows), tuple(chunks))
 
-    def _schedule_decode(self) -> ScheduledBatch | None:
-        bm = self.block_manager
-        rows: list[Sequence] = []
+        # 1. Decodes, most urgent first; make page room by preempting the least urgent.
         for seq in sorted(self.running, key=lambda s: s.sort_key):
-            if seq.status != SequenceStatus.RUNNING:
-                continue  # preempted below while we were walking the list
+            if len(seqs) == cfg.max_num_batched_tokens:
+                break
+            if seq.status != SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
+                continue  # preempted below while we walked the list, or a prompt chunk
             while not bm.can_append(seq):
                 victim = max((s for s in self.running if s.status == SequenceStatus.RUNNING), key=lambda s: s.sort_key)
                 self.preempt(victim)
@@ -112,16 +140,85 @@ class Scheduler:
                     break
             if seq.status == SequenceStatus.RUNNING:
                 bm.append(seq)
-                rows.append(seq)
-        if not rows:
-            return None
-        return ScheduledBatch(False, tuple(rows), tuple(1 for _ in rows))
+                seqs.append(seq)
+                chunks.append(1)
+        num_decodes = len(seqs)
 
-    def preempt(self, seq: Sequence) -> None:
-        """Free the sequence's pages and requeue it; it is recomputed from its tokens later."""
-        self.block_manager.free_pages(seq)
-        self.running.remove(seq)
-        seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.append(seq)
+        # 2. Prompt chunks: partially prefilled sequences, then admissions by priority.
+        budget = self._prompt_budget(seqs, now)
+        candidates = sorted((s for s in self.running if s.is_prefill), key=lambda s: s.sort_key)
+        self.waiting.sort(key=lambda s: s.sort_key)
+        if self._admissions_open(budget, now):
+            candidates += self.waiting
+        admitted = 0
+        for seq in candidates:
+            if budget <= 0 or len(seqs) == cfg.max_num_seqs:
+                break
+            admitting = seq.status == SequenceStatus.WAITING
+            if admitting:
+                if len(self.running) + admitted >= cfg.max_num_seqs:
+                    break
+                # Keep a page per running sequence (and those admitted in this step) so that
+                # admission does not force an instant preemption.
+                if not bm.can_allocate(seq, reserve=len(self.running) + admitted):
+                    break
+                bm.allocate(seq)
+                admitted += 1
+            chunk = min(seq.num_uncomputed_tokens, budget)
+            seqs.append(seq)
+            chunks.append(chunk)
+            budget -= chunk
+        if not seqs:
+            return None
+        for seq in seqs[num_decodes:]:
+            if seq.status == SequenceStatus.WAITING:
+                self.waiting.remove(seq)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                self._take_penalty_slot(seq)
+        return ScheduledBatch(tuple(seqs), tuple(chunks), num_decodes)
+
+    def _prompt_budget(self, decodes: list[Sequence], now: float) -> int:
+        """Prompt tokens this step may add after `decodes`.
+
+        The whole budget unless a streaming request is decoding; then as many as keep the step
+        within the TPOT target (`target_tpot_ms`, or auto: `AUTO_TPOT_FACTOR` x the measured
+        decode-only step of this many decodes), filling the chosen token bucket exactly. A
+        prompt that waited past `target_ttft_ms` lifts the limit."""
+        cfg = self.config
+        left = cfg.max_num_batched_tokens - len(decodes)
+        if left <= MIN_PROMPT_CHUNK or not any(s.streaming for s in decodes):
+            return left
+        if cfg.target_ttft_ms is not None:
+            # Prompts still before their first token (a preempted sequence had its TTFT already).
+            first_tokens = (s.arrival_time for s in self.waiting + self.running if s.is_prefill and not s.output_token_ids)
+            oldest = min(first_tokens, default=now)
+            if (now - oldest) * 1000 >= cfg.target_ttft_ms:
+                return left
+        if cfg.target_tpot_ms is not None:
+            limit = cfg.target_tpot_ms / 1000
+        else:
+            decode_only = self.costs.seconds.get(bucket_for(len(decodes), self.costs.buckets))
+            if decode_only is None:
+                return min(left, MIN_PROMPT_CHUNK)  # not measured yet: a small chunk, and learn
+            limit = AUTO_TPOT_FACTOR * decode_only
+        tokens = self.costs.largest_within(len(decodes) + MIN_PROMPT_CHUNK, limit)
+        return min(left, tokens - len(decodes))
+
+    def _admissions_open(self, budget: int, now: float) -> bool:
+        """`max_batch_wait_ms`: admit once the oldest waiting prompt has waited that long, or
+        the waiting prompts would fill the step or the running set anyway."""
+        wait = self.config.max_batch_wait_ms
+        if wait <= 0 or not self.waiting:
+            return True
+        if (now - min(s.arrival_time for s in self.waiting)) * 1000 >= wait:
+            return True
+        if len(self.running) + len(self.waiting) >= self.config.max_num_seqs:
+            return True
+        return sum(s.num_uncomputed_tokens for s in self.waiting) >= budget
+
+    def next_admission_time(self) -> float | None:
+        """When held admissions open at the latest (monotonic seconds), if any are held."""
+        if self.config.max_batch_wait_ms <= 0 or not self.waiting:
+            return None
+        return min(s.arrival_time for s in self.waiting) + self.config.max_batch_wait_ms / 1000

@@ -36,6 +36,7 @@ class Sequence:
         priority: int = 0,
         seed: int = 0,
         arrival_time: float | None = None,
+        streaming: bool = True,
     ) -> None:
         self.seq_id = next(_seq_counter)
         self.request_id = request_id
@@ -46,6 +47,7 @@ class Sequence:
         self.priority = priority
         self.seed = seed  # the request's PRNG seed: tokens depend only on (seed, index, step)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.streaming = streaming  # a client reads tokens as they come: its TPOT matters
         self.status = SequenceStatus.WAITING
         self.pages: list[int] = []
         self.page_hashes: list[bytes] = []  # prefix-cache digest of each full, computed page
@@ -56,6 +58,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        self.penalty_slot: int | None = None  # row of the device penalty state, while running
+        self.penalty_loaded = False  # that row holds this sequence's history
 
     def __len__(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -66,6 +70,13 @@ class Sequence:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        """`token_ids[start:end]` without building the whole list (a decode reads one token)."""
+        n = len(self.prompt_token_ids)
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - n)]
 
     @property
     def num_uncomputed_tokens(self) -> int:

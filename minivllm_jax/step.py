@@ -1,0 +1,113 @@
+"""Every jit boundary of the engine: the step (model forward and sampling in one program), the
+model-only forward (greedy loop, parity tests) and the penalty-row loader.
+
+`engine_step(params, cache, penalty_state, batch, sampling, penalty_rows)` runs the model over
+the paged cache, keeps each penalty-using sequence's token history up to date on the device,
+and samples every row's next token, returning only the small `SampleResult` arrays (the
+`[rows, vocab]` logits never leave the program). The cache and the penalty state are donated:
+the caller threads the returned ones into the next step. One compiled program per bucket
+(token count, sequence count); every per-request value is an array, so nothing recompiles
+when requests change. Static arguments: the model config and the attention implementation's
+name (`minivllm_jax.attention.ATTENTION`).
+
+Penalty state: row `s` of `PenaltyState` belongs to the sequence the scheduler gave slot `s`
+(the last row is scratch: rows without penalties and padding write there). A step marks the
+tokens it feeds; tokens at positions past the prompt also count as output. Tokens a sequence
+did not feed itself (a prefix-cache hit, a forked prompt, a resumed sequence) are loaded once
+by `load_penalty_row` when it gets its slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from minivllm_jax.batch import StepBatch, token_sequences
+from minivllm_jax.config import ModelConfig
+from minivllm_jax.kv_cache import KVCache
+from minivllm_jax.models.llama import Params, forward
+from minivllm_jax.sampler import Penalties, SampleResult, SamplingArrays, apply_penalties, sample_penalized
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PenaltyState:
+    """Per-slot token history for repetition/presence/frequency penalties (device resident)."""
+
+    output_counts: jax.Array  # f32[slots + 1, V]  occurrences of each token in the output
+    seen: jax.Array  # bool[slots + 1, V]  token in the prompt or the output
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.seen.shape[0] - 1
+
+
+def init_penalty_state(slots: int, vocab: int) -> PenaltyState:
+    return PenaltyState(jnp.zeros((slots + 1, vocab), jnp.float32), jnp.zeros((slots + 1, vocab), jnp.bool_))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PenaltyRows:
+    """Which penalty slot each sequence of the step uses (the scratch slot when it has none)."""
+
+    slots: jax.Array  # i32[S]
+    prompt_lens: jax.Array  # i32[S]  positions from here on are output tokens
+    any_penalties: jax.Array  # bool[]  some row uses penalties: gather its history for the sampler
+
+
+def _mark_fed_tokens(state: PenaltyState, batch: StepBatch, rows: PenaltyRows) -> PenaltyState:
+    """Add this step's new tokens to their sequences' history (padding goes to the scratch row)."""
+    seq, valid = token_sequences(batch)
+    slot = jnp.where(valid, rows.slots[seq], state.scratch_slot)
+    is_output = valid & (batch.positions >= rows.prompt_lens[seq])
+    seen = state.seen.at[slot, batch.tokens].set(True, mode="drop")
+    counts = state.output_counts.at[slot, batch.tokens].add(is_output.astype(jnp.float32), mode="drop")
+    return PenaltyState(counts, seen)
+
+
+def engine_step(
+    params: Params,
+    cache: KVCache,
+    penalty_state: PenaltyState,
+    batch: StepBatch,
+    sampling: SamplingArrays,
+    penalty_rows: PenaltyRows,
+    *,
+    cfg: ModelConfig,
+    attention: str = "reference",
+) -> tuple[SampleResult, KVCache, PenaltyState]:
+    logits, cache = forward(params, cache, batch, cfg, attention)
+    penalty_state = _mark_fed_tokens(penalty_state, batch, penalty_rows)
+    slots = penalty_rows.slots
+
+    def penalized() -> jax.Array:  # gathers [B, V] of history: only when some row needs it
+        history = Penalties(penalty_state.output_counts[slots], penalty_state.seen[slots])
+        return apply_penalties(logits, sampling, history)
+
+    x = lax.cond(penalty_rows.any_penalties, penalized, lambda: logits)
+    return sample_penalized(x, logits, sampling), cache, penalty_state
+
+
+engine_step_jit = jax.jit(engine_step, static_argnames=("cfg", "attention"), donate_argnames=("cache", "penalty_state"))
+forward_jit = jax.jit(forward, static_argnames=("cfg", "attention", "all_logits"), donate_argnames=("cache",))
+
+
+def load_penalty_row(
+    state: PenaltyState, slot: jax.Array, token_ids: jax.Array, num_tokens: jax.Array, prompt_len: jax.Array
+) -> PenaltyState:
+    """Reset `slot` to the history of `token_ids[:num_tokens]` (a sequence's tokens that are
+    already in the cache when it gets the slot); `token_ids` is padded to a fixed length."""
+    pos = jnp.arange(token_ids.shape[0])
+    valid = pos < num_tokens
+    vocab = state.seen.shape[1]
+    ids = jnp.where(valid, token_ids, 0)
+    seen = jnp.zeros((vocab,), jnp.bool_).at[ids].max(valid)
+    counts = jnp.zeros((vocab,), jnp.float32).at[ids].add((valid & (pos >= prompt_len)).astype(jnp.float32))
+    return PenaltyState(state.output_counts.at[slot].set(counts), state.seen.at[slot].set(seen))
+
+
+load_penalty_row_jit = jax.jit(load_penalty_row, donate_argnames=("state",))

@@ -1,0 +1,66 @@
+"""The ragged paged attention reference against a plain per-token softmax in numpy, over a step
+that mixes every kind of sequence: decodes with and without cached context, fresh prompts,
+prompt chunks after cached context (several query tiles and page spans), and padding."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from minivllm_jax.attention import ATTENTION, get_attention
+from minivllm_jax.batch import Chunk, build_step_batch
+from minivllm_jax.kv_cache import KVCache
+
+L, NUM_PAGES, KVH, G, HD, PS = 2, 96, 2, 3, 16, 4
+# (cached tokens, new tokens) per sequence: decodes, a fresh prompt, chunks after context
+# (the 70-token chunk spans two query tiles; 140 cached tokens span two page groups).
+SPECS = [(5, 1), (0, 1), (17, 1), (0, 7), (9, 30), (3, 1), (140, 70), (0, 2), (64, 1)]
+
+
+def naive_attention(q, k_new, v_new, k_cache, v_cache, layer, specs, chunks):
+    out = np.zeros_like(q)
+    t = 0
+    for (context, n), chunk in zip(specs, chunks):
+        pages = np.asarray(chunk.pages)
+        k_past = np.concatenate([k_cache[layer, p].transpose(0, 2, 1) for p in pages], axis=1)[:, :context]
+        v_past = np.concatenate([v_cache[layer, p] for p in pages], axis=1)[:, :context]
+        for i in range(n):
+            keys = np.concatenate([k_past, k_new[t : t + i + 1].transpose(1, 0, 2)], axis=1)  # [KVH, c+i+1, hd]
+            values = np.concatenate([v_past, v_new[t : t + i + 1].transpose(1, 0, 2)], axis=1)
+            for h in range(KVH * G):
+                s = keys[h // G] @ q[t + i, h] / np.sqrt(HD)
+                p = np.exp(s - s.max())
+                out[t + i, h] = (p / p.sum()) @ values[h // G]
+        t += n
+    return out
+
+
+@pytest.mark.parametrize("impl", sorted(ATTENTION))
+def test_ragged_attention_matches_per_token_softmax(impl):
+    rng = np.random.default_rng(0)
+    k_cache = rng.standard_normal((L, NUM_PAGES, KVH, HD, PS)).astype(np.float32)
+    v_cache = rng.standard_normal((L, NUM_PAGES, KVH, PS, HD)).astype(np.float32)
+    cache = KVCache(jnp.asarray(k_cache), jnp.asarray(v_cache))
+    free = list(rng.permutation(np.arange(1, NUM_PAGES)))
+    chunks = []
+    for context, n in SPECS:
+        pages = [int(free.pop()) for _ in range(-(-(context + n) // PS))]
+        chunks.append(Chunk(rng.integers(0, 10, n).tolist(), context, pages))
+    num_tokens = sum(n for _, n in SPECS) + 5  # padding tokens and padded sequences too
+    batch = build_step_batch(chunks, PS, num_tokens, len(SPECS) + 3, 120)
+    q = rng.standard_normal((num_tokens, KVH * G, HD)).astype(np.float32)
+    k_new, v_new = (rng.standard_normal((num_tokens, KVH, HD)).astype(np.float32) for _ in range(2))
+    attend = jax.jit(get_attention(impl))
+    real = sum(n for _, n in SPECS)
+    for layer in range(L):
+        got = np.asarray(attend(q, k_new, v_new, cache, jnp.int32(layer), batch))
+        want = naive_attention(q, k_new, v_new, k_cache, v_cache, layer, SPECS, chunks)
+        np.testing.assert_allclose(got[:real], want[:real], atol=2e-5, rtol=1e-5)
+        assert not np.any(got[real:])  # padding tokens give zeros
+
+
+def test_unknown_attention_implementation_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown attention implementation 'flash'; available: reference"):
+        get_attention("flash")
