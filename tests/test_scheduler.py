@@ -93,7 +93,7 @@ def test_prompts_then_decodes_and_pages_return():
 
 def test_new_request_joins_running_decodes_in_the_same_step():
     s = make()
-    a = request(5, max_tokens=8, streaming=False)  # offline: no TPOT limit on the prompt work beside it
+    a = request(5, max_tokens=8)
     s.add(a)
     fake_step(s)
     fake_step(s)
@@ -340,16 +340,16 @@ def test_a_prompt_always_progresses_by_at_least_min_prompt_chunk():
     s, _, _ = slo_scheduler(costs={})
     assert s.schedule(now=100.0).num_new_tokens == (1, 1, 1, 1, MIN_PROMPT_CHUNK)
     # Every step with a prompt chunk is too slow: the chunk still fills the bucket of
-    # 4 decodes + MIN_PROMPT_CHUNK.
-    floor = bucket_for(4 + MIN_PROMPT_CHUNK, s.config.token_buckets) - 4
-    s, _, _ = slo_scheduler(costs={4: 0.1, 8: 0.5, 12: 0.6})
-    assert s.schedule(now=100.0).num_new_tokens == (1, 1, 1, 1, floor)
+    # 4 decodes + MIN_PROMPT_CHUNK (24 tokens).
+    s, _, _ = slo_scheduler(costs={4: 0.1, 8: 0.5})
+    assert s.schedule(now=100.0).num_new_tokens == (1, 1, 1, 1, 20)
     s, _, _ = slo_scheduler(target_tpot_ms=0.001)
-    assert s.schedule(now=100.0).num_new_tokens == (1, 1, 1, 1, floor)
-    # With a 32-token budget the limit (0.15 s) allows 12 tokens, 8 after the decodes.
+    assert s.schedule(now=100.0).num_new_tokens == (1, 1, 1, 1, 20)
+    # With a 32-token budget only 16 tokens (0.19 s) fit 0.2 s, 12 after the decodes: the
+    # progress floor wins.
     s, _, _ = slo_scheduler(costs={4: 0.1, 8: 0.12, 12: 0.15, 16: 0.19, 24: 0.3, 32: 0.4}, max_num_batched_tokens=32)
     batch = s.schedule(now=100.0)
-    assert batch.num_new_tokens == (1, 1, 1, 1, 8) and batch.num_new_tokens[-1] >= MIN_PROMPT_CHUNK
+    assert batch.num_new_tokens == (1, 1, 1, 1, 20) and batch.num_new_tokens[-1] >= MIN_PROMPT_CHUNK
 
 
 @pytest.mark.parametrize("target_tpot_ms", [None, 50.0])
@@ -360,8 +360,7 @@ def test_many_streaming_decodes_near_the_token_budget(target_tpot_ms):
     q = request(40, first=1000, arrival=100.0)
     s.add(q)
     batch = fake_step(s, now=100.0)
-    assert batch.seqs[:20] == tuple(decodes) and batch.num_decodes == 20
-    assert MIN_PROMPT_CHUNK <= batch.num_tokens - 20 <= 12
+    assert batch.seqs[:20] == tuple(decodes) and batch.num_decodes == 20 and batch.num_tokens == 32  # the rest: prompt
 
 
 # ---------------------------------------------------------------- admission hold
@@ -395,7 +394,7 @@ def test_max_batch_wait_admits_early_when_the_step_would_be_full():
 
 def test_max_batch_wait_does_not_hold_running_decodes():
     s = make(max_batch_wait_ms=50)
-    a = request(5, max_tokens=8, arrival=100.0, streaming=False)
+    a = request(5, max_tokens=8, arrival=100.0)
     s.add(a)
     fake_step(s, now=100.06)
     b = request(5, first=40, arrival=100.07)

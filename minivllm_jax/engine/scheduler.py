@@ -18,9 +18,7 @@ from minivllm_jax.config import AUTO_TPOT_FACTOR, EngineConfig, bucket_for
 from minivllm_jax.engine.block_manager import BlockManager
 from minivllm_jax.engine.sequence import Sequence, SequenceStatus
 
-# Prompt tokens a step may always add, so waiting prompts always progress. Small: the SLO-aware
-# budget, not this floor, should decide how much prompt work rides along with the streams.
-MIN_PROMPT_CHUNK = 4
+MIN_PROMPT_CHUNK = 16  # prompt tokens a step may always add: waiting prompts always progress
 
 
 @dataclasses.dataclass(frozen=True)
