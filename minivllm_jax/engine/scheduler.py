@@ -208,10 +208,8 @@ class Scheduler:
     def _admissions_open(self, budget: int, now: float) -> bool:
         """`max_batch_wait_ms`: admit once the oldest waiting prompt has waited that long, or
         the waiting prompts would fill the step or the running set anyway."""
-        wait = self.config.max_batch_wait_ms
-        if wait <= 0 or not self.waiting:
-            return True
-        if (now - min(s.arrival_time for s in self.waiting)) * 1000 >= wait:
+        opens = self.next_admission_time()
+        if opens is None or now >= opens:
             return True
         if len(self.running) + len(self.waiting) >= self.config.max_num_seqs:
             return True
