@@ -84,7 +84,7 @@ def main(argv=None) -> None:
     from minivllm_jax.batch import build_step_batch
     from minivllm_jax.config import EngineConfig, bucket_for
     from minivllm_jax.kv_cache import init_kv_cache
-    from minivllm_jax.models.llama import forward, init_params
+    from minivllm_jax.models.llama import forward, init_params, unstack_layers
     from minivllm_jax.sampler import make_sampling_arrays
     from minivllm_jax.sampling_params import SamplingParams
     from minivllm_jax.step import PenaltyRows, engine_step, init_penalty_state
@@ -95,7 +95,7 @@ def main(argv=None) -> None:
     max_ctx = max(C + T for g in groups for _, T, C in g)
     engine = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=max_ctx + 1, page_size=args.page_size)
     dtype = jnp.dtype(args.dtype)
-    params = init_params(cfg, jax.random.PRNGKey(args.seed), dtype=dtype)
+    params = unstack_layers(init_params(cfg, jax.random.PRNGKey(args.seed), dtype=dtype))  # as the runner holds them
     num_pages = max(2, min(4096, max(sum(B * -(-(C + T) // args.page_size) for B, T, C in g) for g in groups) + 1))
     cache = init_kv_cache(cfg, num_pages, args.page_size, dtype)
     cache = jax.tree.map(lambda a: jax.random.normal(jax.random.PRNGKey(1), a.shape, a.dtype), cache)

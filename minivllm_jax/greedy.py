@@ -15,7 +15,7 @@ import numpy as np
 from minivllm_jax.batch import single_sequence_batch
 from minivllm_jax.config import ModelConfig
 from minivllm_jax.kv_cache import init_kv_cache
-from minivllm_jax.models.llama import Params
+from minivllm_jax.models.llama import Params, unstack_layers
 from minivllm_jax.step import forward_jit
 
 
@@ -27,9 +27,11 @@ def greedy_stream(
     stop_ids: Sequence[int] = (),
     page_size: int = 16,
 ) -> Iterator[int]:
-    """Yield greedy tokens one by one until `max_new_tokens` or a token in `stop_ids`."""
+    """Yield greedy tokens one by one until `max_new_tokens` or a token in `stop_ids`. Pass
+    `unstack_layers(params)` when calling this often: stacked params are unstacked per call."""
     if not prompt_ids:
         raise ValueError("prompt_ids must not be empty")
+    params = unstack_layers(params)
     total = len(prompt_ids) + max_new_tokens
     num_seq_pages = -(-total // page_size)
     pages = list(range(1, num_seq_pages + 1))

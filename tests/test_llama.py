@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from minivllm_jax.batch import single_sequence_batch
 from minivllm_jax.config import ModelConfig
 from minivllm_jax.greedy import greedy_generate
 from minivllm_jax.kv_cache import init_kv_cache
+from minivllm_jax.models.llama import init_params, unstack_layers
 from minivllm_jax.step import forward_jit
 from tests.conftest import make_tiny_llama
 
@@ -55,8 +57,32 @@ def test_full_sequence_logits_match_hf(variant):
         ref = hf(torch.tensor(ids[None])).logits[0].numpy()
     cache = init_kv_cache(cfg, num_pages=12, page_size=4, dtype=jnp.float32)
     batch = single_sequence_batch(ids, 0, list(range(1, 11)), page_size=4)
-    logits, _ = forward_jit(params, cache, batch, cfg, all_logits=True)
-    np.testing.assert_allclose(np.asarray(logits), ref, atol=1e-4, rtol=0)
+    for layout in (params, unstack_layers(params)):  # as stored, and as the runner holds them
+        logits, cache = forward_jit(layout, cache, batch, cfg, all_logits=True)
+        np.testing.assert_allclose(np.asarray(logits), ref, atol=1e-4, rtol=0)
+
+
+def test_per_layer_params_are_read_in_place():
+    """The layer loop must not slice weights out of a stacked array: XLA copies such a slice on
+    every step (about half of a batch-1 decode step on this CPU)."""
+    cfg = ModelConfig(vocab_size=128, hidden_size=48, intermediate_size=80, num_layers=3, num_heads=4,
+                      num_kv_heads=2, head_dim=12, rms_norm_eps=1e-5, rope_theta=1e4,
+                      max_position_embeddings=64, tie_word_embeddings=True)  # fmt: skip
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    serving = unstack_layers(params)
+    assert len(serving["layers"]) == cfg.num_layers and unstack_layers(serving) is serving
+    cache = init_kv_cache(cfg, num_pages=4, page_size=4, dtype=jnp.float32)
+    batch = single_sequence_batch(np.arange(3, 6), 0, [1], 4)
+    mlp_kernels = {"f32[48,80]", "f32[80,48]"}  # shapes nothing else in the step has
+
+    def weight_copies(p) -> int:  # instructions that compute a weight-shaped array
+        hlo = forward_jit.lower(p, cache, batch, cfg).compile().as_text()
+        ops = [line.split(" = ", 1)[1].split(" ", 1) for line in hlo.splitlines() if " = " in line]
+        copies = ("fusion(", "slice(", "dynamic-slice(", "copy(")
+        return sum(shape.split("{")[0] in mlp_kernels and rest.startswith(copies) for shape, rest in ops)
+
+    assert weight_copies(params) > 0  # the check sees the copies the stacked layout makes
+    assert weight_copies(serving) == 0
 
 
 def test_incremental_decode_matches_full_forward(variant):

@@ -24,7 +24,7 @@ from minivllm_jax.config import EngineConfig, ModelConfig, bucket_for
 from minivllm_jax.engine.scheduler import ScheduledBatch
 from minivllm_jax.engine.sequence import Sequence
 from minivllm_jax.kv_cache import init_kv_cache
-from minivllm_jax.models.llama import Params
+from minivllm_jax.models.llama import Params, unstack_layers
 from minivllm_jax.sampler import make_sampling_arrays
 from minivllm_jax.step import PenaltyRows, engine_step_jit, init_penalty_state, load_penalty_row_jit
 
@@ -45,7 +45,7 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, config: EngineConfig, params: Params) -> None:
         self.model_config = model_config
         self.config = config
-        self.params = params
+        self.params = unstack_layers(params)  # the layout the step reads without copying weights
         self.dtype = jax.tree.leaves(params)[0].dtype
         self.cache = init_kv_cache(model_config, config.num_pages, config.page_size, self.dtype)
         self.penalty_state = init_penalty_state(config.max_num_seqs, model_config.vocab_size)
