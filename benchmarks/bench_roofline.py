@@ -223,17 +223,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from convert import resolve_model
     from minivllm_jax.checkpoint import load_converted
+    from minivllm_jax.models.llama import unstack_layers
 
     bandwidth = measure_bandwidth(args.array_mb, args.reps)
     matmul = measure_matmul_peak(args.matmul_n, args.reps)
-    bw = max(bandwidth.values())  # the best we saw is the ceiling; anything slower is ours to fix
-    peak = max(matmul.values())
     print(f"bandwidth {bandwidth}; matmul {matmul}")
 
     cfg, _, params = load_converted(resolve_model(args.model, dtype=args.dtype, progress=False), args.dtype)
     counts = param_counts(params, cfg)
-    decode_bound = bw * 1e9 / counts["decode_bytes_per_token"]
-    prefill_bound = peak * 1e9 / (2 * counts["non_embedding_params"])
+    params = unstack_layers(params)  # the layout the engine serves from (no per-step weight copies)
 
     vocab = model_vocab_size(args.model) or cfg.vocab_size
     prompt = np.random.default_rng(args.seed).integers(min(100, vocab - 1), min(10000, vocab), args.prompt_len).tolist()
@@ -242,6 +240,14 @@ def main(argv: list[str] | None = None) -> int:
     del params
     jax.clear_caches()
     engine = measure_engine(args.model, args.dtype, prompt, args.tokens, args.reps)
+    # The machine's speed drifts within minutes: probe the bandwidth again after the decode runs
+    # and take the best probe as the ceiling, so a slow spell cannot flatter the fraction.
+    bandwidth_after = measure_bandwidth(args.array_mb, args.reps)
+    print(f"bandwidth after the decode runs {bandwidth_after}")
+    bw = max(*bandwidth.values(), *bandwidth_after.values())  # the best we saw is the ceiling
+    peak = max(matmul.values())
+    decode_bound = bw * 1e9 / counts["decode_bytes_per_token"]
+    prefill_bound = peak * 1e9 / (2 * counts["non_embedding_params"])
 
     # Roofline points: achieved FLOP/s and FLOPs per byte of weights read.
     def decode_point(tok_s: float) -> dict[str, float]:
@@ -273,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         "prefill_len": args.prefill_len,
         "reps": args.reps,
         "bandwidth_gb_s": bandwidth,
+        "bandwidth_after_decode_gb_s": bandwidth_after,
         "matmul_gflop_s": matmul,
         "bound_bandwidth_gb_s": bw,
         "bound_peak_gflop_s": peak,

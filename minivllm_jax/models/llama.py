@@ -17,7 +17,8 @@ Kernels are `[in, out]` (HF's `[out, in]` transposed). Numerics follow HF's mode
 RMSNorm in float32 then cast back before the weight, rotate-half RoPE, softmax in float32.
 
 That stacked tree is how weights are stored and converted. `forward` reads them per layer:
-`unstack_layers(params)` turns "layers" into a tuple of per-layer trees, once, at load. Inside
+`unstack_layers(params)` turns "layers" into a tuple of per-layer trees (q/k/v and gate/up
+merged), once, at load. Inside
 the layer loop each layer's matmuls run in that layer's branch of a `lax.switch`, which reads
 its weights in place; slicing layer `i` out of a stacked array inside the loop makes XLA copy
 every weight once per step (measured here: about half of a batch-1 decode step).
@@ -100,15 +101,27 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.float32, scal
     )
 
 
+_MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
 def unstack_layers(params: Params) -> Params:
-    """`params` with "layers" as a tuple of per-layer trees, the layout `forward` reads (see the
-    module docstring). Already unstacked params come back as they are. The stacked arrays are
-    copied: drop them afterwards so the weights are held once."""
+    """`params` in the layout `forward` reads: "layers" a tuple of per-layer trees (see the
+    module docstring), with the projections that read the same input merged into one matmul
+    ("qkv_proj", "gate_up_proj": one bigger batch-1 dot ran about 1.3x faster here than two or
+    three small ones). Already unstacked params come back as they are. The weights are copied:
+    drop the stacked params afterwards so they are held once."""
     layers = params["layers"]
     if not isinstance(layers, dict):
         return params
-    num_layers = jax.tree.leaves(layers)[0].shape[0]
-    return {**params, "layers": tuple(jax.tree.map(lambda a: a[i], layers) for i in range(num_layers))}
+
+    def layer(i: int) -> Params:
+        lp = dict(jax.tree.map(lambda a: a[i], layers))
+        for name, parts in _MERGED.items():
+            projections = [lp.pop(part) for part in parts]
+            lp[name] = {key: jnp.concatenate([p[key] for p in projections], axis=-1) for key in projections[0]}
+        return lp
+
+    return {**params, "layers": tuple(layer(i) for i in range(jax.tree.leaves(layers)[0].shape[0]))}
 
 
 # ----------------------------------------------------------------------------------------- math
@@ -154,18 +167,18 @@ def _linear(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
 
 
 def _attention_inputs(cfg: ModelConfig, lp: Params, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    T = x.shape[0]
-    h = rms_norm(x, lp["input_layernorm"], cfg.rms_norm_eps)
-    q = _linear(h, lp["q_proj"]).reshape(T, cfg.num_heads, cfg.head_dim)
-    k = _linear(h, lp["k_proj"]).reshape(T, cfg.num_kv_heads, cfg.head_dim)
-    v = _linear(h, lp["v_proj"]).reshape(T, cfg.num_kv_heads, cfg.head_dim)
-    return q, k, v
+    T, q_dim, kv_dim = x.shape[0], cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    qkv = _linear(rms_norm(x, lp["input_layernorm"], cfg.rms_norm_eps), lp["qkv_proj"])
+    q, k, v = jnp.split(qkv, [q_dim, q_dim + kv_dim], axis=-1)
+    return (q.reshape(T, cfg.num_heads, cfg.head_dim), k.reshape(T, cfg.num_kv_heads, cfg.head_dim),
+            v.reshape(T, cfg.num_kv_heads, cfg.head_dim))  # fmt: skip
 
 
 def _attention_output_and_mlp(cfg: ModelConfig, lp: Params, x: jax.Array, attn: jax.Array) -> jax.Array:
     x = x + _linear(attn, lp["o_proj"])
     h = rms_norm(x, lp["post_attention_layernorm"], cfg.rms_norm_eps)
-    return x + _linear(jax.nn.silu(_linear(h, lp["gate_proj"])) * _linear(h, lp["up_proj"]), lp["down_proj"])
+    gate, up = jnp.split(_linear(h, lp["gate_up_proj"]), 2, axis=-1)
+    return x + _linear(jax.nn.silu(gate) * up, lp["down_proj"])
 
 
 def _with_layer(layers: Sequence[Params], layer: jax.Array, fn, *args):
