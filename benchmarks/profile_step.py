@@ -85,10 +85,12 @@ def main(argv=None) -> None:
     from minivllm_jax.config import EngineConfig, bucket_for
     from minivllm_jax.kv_cache import init_kv_cache
     from minivllm_jax.models.llama import forward, init_params, unstack_layers
+    from minivllm_jax.runtime import keep_freed_memory
     from minivllm_jax.sampler import make_sampling_arrays
     from minivllm_jax.sampling_params import SamplingParams
     from minivllm_jax.step import PenaltyRows, engine_step, init_penalty_state
 
+    keep_freed_memory()  # the allocator set-up `LLM` does: without it each step's temporaries fault in afresh
     cfg = tiny_config() if args.quick else smollm2_config()
     shapes = args.shapes or (QUICK_SHAPES if args.quick else DEFAULT_SHAPES)
     groups = [parse_shape(s) for s in shapes]
