@@ -19,7 +19,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, as the other scripts
 
 DEFAULT_SHAPES = ["1:1:512", "8:1:1500", "64:1:64", "64:1:375", "64:1:1500", "1:512:0", "1:512:1024",
                   "8:1:1500+1:40:0", "8:1:1500+1:120:1000"]  # fmt: skip
