@@ -18,10 +18,10 @@ RMSNorm in float32 then cast back before the weight, rotate-half RoPE, softmax i
 
 That stacked tree is how weights are stored and converted. `forward` reads them per layer:
 `unstack_layers(params)` turns "layers" into a tuple of per-layer trees (q/k/v and gate/up
-merged), once, at load. Inside
-the layer loop each layer's matmuls run in that layer's branch of a `lax.switch`, which reads
-its weights in place; slicing layer `i` out of a stacked array inside the loop makes XLA copy
-every weight once per step (measured here: about half of a batch-1 decode step).
+merged), once, at load. Inside the layer loop each layer's matmuls run in that layer's branch
+of a `lax.switch`, which reads its weights in place; slicing layer `i` out of a stacked array
+inside the loop makes XLA copy every weight once per step (measured here: about half of a
+batch-1 decode step).
 """
 
 from __future__ import annotations
