@@ -79,6 +79,8 @@ def registry(a: argparse.Namespace) -> list[Ablation]:
         Ablation("contiguous", f"one max_model_len page per sequence, {budget}", contiguous),
         Ablation("bucket-padding", "baseline's padded slots per step kind (tokens, sequences)",
                  lambda b: b.run()),
+        Ablation("sync-scheduling", "each step's tokens read before the next step is scheduled (async off)",
+                 lambda b: b.run(async_scheduling=False)),
         Ablation("prefix-caching-on", f"prompts share their first {a.shared_prefix_len} tokens; cache on",
                  lambda b: b.run(workload=b.shared_prefix)),
         Ablation("prefix-caching-off", f"prompts share their first {a.shared_prefix_len} tokens; cache off",
@@ -230,7 +232,7 @@ def contiguous(b: Bench) -> dict[str, Any]:
 # ---------------------------------------------------------------- engine plumbing (benchmark-side hooks)
 
 SCHEDULER_KNOBS = ("num_pages", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
-                   "target_tpot_ms", "target_ttft_ms", "max_batch_wait_ms")  # fmt: skip
+                   "target_tpot_ms", "target_ttft_ms", "max_batch_wait_ms", "async_scheduling")  # fmt: skip
 COMPILED_LIMITS = ("num_pages", "max_num_seqs", "max_num_batched_tokens")  # buckets were compiled up to these
 
 

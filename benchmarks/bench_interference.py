@@ -10,7 +10,8 @@ LLMEngine is driven in-process (no HTTP). Phase 1: `--streams` greedy `ignore_eo
 64-token random prompts decode alone (their ITL). Phase 2: a `--long-prompt-tokens` random prompt
 (max_tokens 8) arrives while they keep decoding. Reported: the stream gaps that overlap its
 prefill (arrival -> first token: worst, p50, p99), its TTFT, worst_gap / ITL p50, and each engine
-step in that window (kind, rows, tokens, duration: `runner.run` is wrapped to time it). Phase 2
+step in that window (kind, rows, tokens, duration: `runner.run` is wrapped to time each step from
+its start to when its tokens are read). Phase 2
 runs `--repeats` times with fresh ids (no prefix-cache hits); medians are reported. `LLM(...)`
 compiles every bucket first and `num_compiles` must not change; pages are sized so nothing is
 preempted (both checked).
@@ -26,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,11 +76,20 @@ class Recorder:
 
         def timed(batch):
             start = time.perf_counter()
-            result = run(batch)
+            pending = run(batch)
             kind = "mixed" if batch.num_decodes < len(batch.seqs) else "decode"  # mixed: has prompt tokens
-            self.steps.append({"start": start, "end": time.perf_counter(), "kind": kind, "rows": len(batch.seqs),
-                               "decodes": batch.num_decodes, "tokens": batch.num_tokens})  # fmt: skip
-            return result
+            record = {"start": start, "kind": kind, "rows": len(batch.seqs), "decodes": batch.num_decodes,
+                      "tokens": batch.num_tokens}  # fmt: skip
+
+            def fetch():  # dispatch is asynchronous: the step ends when its tokens are read
+                result = pending.fetch()
+                end = time.perf_counter()
+                # A step dispatched while the one before it ran starts when that one ends.
+                record["start"] = max(record["start"], self.steps[-1]["end"] if self.steps else 0.0)
+                self.steps.append({**record, "end": end})
+                return result
+
+            return SimpleNamespace(fetch=fetch)
 
         engine.runner.run = timed  # an instance patch; `close()` restores the class method
 
@@ -123,7 +134,7 @@ def long_prompt(rec: Recorder, streams: list[str], prompt: list[int], params, ta
         n += 1
     gaps = [g for s in streams for g in gaps_within(rec.tokens[s], arrival, first)]
     steps = [{"kind": st["kind"], "rows": st["rows"], "decodes": st["decodes"], "tokens": st["tokens"],
-              "duration_s": st["end"] - st["start"]} for st in rec.steps if arrival <= st["start"] < first]  # fmt: skip
+              "duration_s": st["end"] - st["start"]} for st in rec.steps if arrival <= st["start"] and st["end"] <= first]  # fmt: skip
     return {"arrival": arrival, "first_token": first, "ttft_s": first - arrival, "worst_gap_s": max(gaps),
             "gaps_s": percentiles(gaps), "steps_during_prefill": steps,
             "num_prompt_steps": sum(st["kind"] in ("prefill", "mixed") for st in steps),

@@ -106,6 +106,7 @@ def main(argv=None) -> None:
     cache = init_kv_cache(cfg, num_pages, args.page_size, dtype)
     cache = jax.tree.map(lambda a: jax.random.normal(jax.random.PRNGKey(1), a.shape, a.dtype), cache)
     penalty_state = init_penalty_state(args.max_num_seqs, cfg.vocab_size)
+    fed_back = jnp.zeros(args.max_num_seqs, jnp.int32)  # no placeholders in these batches
     rng = np.random.RandomState(args.seed)
     attention.ATTENTION["none"] = lambda q, k, v, cache, layer, batch: jnp.zeros_like(q)
 
@@ -134,12 +135,12 @@ def main(argv=None) -> None:
             return 1e3 * float(np.median(times))
 
         t0 = time.perf_counter()
-        program = step_fn.lower(params, cache, penalty_state, batch, sampling, rows, cfg=cfg).compile()
+        program = step_fn.lower(params, cache, penalty_state, fed_back, batch, sampling, rows, cfg=cfg).compile()
         compile_s = time.perf_counter() - t0
 
         def run_step() -> None:
             nonlocal cache, penalty_state
-            result, cache, penalty_state = program(params, cache, penalty_state, batch, sampling, rows)
+            result, cache, penalty_state, _ = program(params, cache, penalty_state, fed_back, batch, sampling, rows)
             result.tokens.block_until_ready()
 
         def run_forward(impl: str) -> None:

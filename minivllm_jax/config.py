@@ -124,6 +124,9 @@ class EngineConfig:
     - `max_batch_wait_ms`: hold new admissions up to this long to gather a bigger batch.
     - `attention`: which implementation of the ragged attention contract runs
       (`minivllm_jax.attention.ATTENTION`).
+    - `async_scheduling`: schedule and dispatch step N+1 before reading step N's tokens (they
+      are fed back on the device), so host work overlaps the device step; False waits for
+      each step before scheduling the next (same tokens either way).
     """
 
     max_num_seqs: int = 64  # sequences in one step (and running at once)
@@ -136,6 +139,7 @@ class EngineConfig:
     target_ttft_ms: float | None = None
     max_batch_wait_ms: float = 0.0
     attention: str = "reference"
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "page_size", "max_num_batched_tokens"):

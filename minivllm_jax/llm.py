@@ -60,6 +60,7 @@ class LLM:
         target_ttft_ms: float | None = None,
         max_batch_wait_ms: float = 0.0,
         attention: str = "reference",
+        async_scheduling: bool = True,
         quantization: str | None = None,
         seed: int = 0,
         warmup: bool = True,
@@ -93,6 +94,7 @@ class LLM:
             target_ttft_ms=target_ttft_ms,
             max_batch_wait_ms=max_batch_wait_ms,
             attention=attention,
+            async_scheduling=async_scheduling,
         )
         eos = _eos_ids(cfg, model_dir, self.tokenizer)
         self.engine = LLMEngine(cfg, config, params, self.tokenizer, eos_token_ids=eos, seed=seed)

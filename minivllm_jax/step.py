@@ -1,11 +1,16 @@
 """Every jit boundary of the engine: the step (model forward and sampling in one program), the
 model-only forward (greedy loop, parity tests) and the penalty-row loader.
 
-`engine_step(params, cache, penalty_state, batch, sampling, penalty_rows)` runs the model over
-the paged cache, keeps each penalty-using sequence's token history up to date on the device,
-and samples every row's next token, returning only the small `SampleResult` arrays (the
-`[rows, vocab]` logits never leave the program). The cache and the penalty state are donated:
-the caller threads the returned ones into the next step. One compiled program per bucket
+`engine_step(params, cache, penalty_state, fed_back, batch, sampling, penalty_rows)` runs the
+model over the paged cache, keeps each penalty-using sequence's token history up to date on the
+device, and samples every row's next token, returning only the small `SampleResult` arrays
+(the `[rows, vocab]` logits never leave the program). The cache and the penalty state are
+donated: the caller threads the returned ones into the next step.
+
+Tokens fed back on the device: a step may be dispatched before the host has read the tokens
+of the step before it (async scheduling). Such a token is a placeholder `-(r + 1)` in
+`batch.tokens`: "the token row `r` of the previous step sampled", taken from `fed_back`
+(`int32[max_num_seqs]`, the previous step's tokens as this step returns them). One compiled program per bucket
 (token count, sequence count); every per-request value is an array, so nothing recompiles
 when requests change. Static arguments: the model config and the attention implementation's
 name (`minivllm_jax.attention.ATTENTION`).
@@ -73,13 +78,19 @@ def engine_step(
     params: Params,
     cache: KVCache,
     penalty_state: PenaltyState,
+    fed_back: jax.Array,
     batch: StepBatch,
     sampling: SamplingArrays,
     penalty_rows: PenaltyRows,
     *,
     cfg: ModelConfig,
     attention: str = "reference",
-) -> tuple[SampleResult, KVCache, PenaltyState]:
+) -> tuple[SampleResult, KVCache, PenaltyState, jax.Array]:
+    """Returns the sampled rows, the cache, the penalty state, and the tokens again padded to
+    `fed_back`'s length (what the next step takes as its `fed_back`)."""
+    pending = batch.tokens < 0
+    tokens = jnp.where(pending, fed_back[jnp.where(pending, -batch.tokens - 1, 0)], batch.tokens)
+    batch = dataclasses.replace(batch, tokens=tokens)
     logits, cache = forward(params, cache, batch, cfg, attention)
     penalty_state = _mark_fed_tokens(penalty_state, batch, penalty_rows)
     slots = penalty_rows.slots
@@ -89,7 +100,8 @@ def engine_step(
         return apply_penalties(logits, sampling, history)
 
     x = lax.cond(penalty_rows.any_penalties, penalized, lambda: logits)
-    return sample_penalized(x, logits, sampling), cache, penalty_state
+    result = sample_penalized(x, logits, sampling)
+    return result, cache, penalty_state, fed_back.at[: result.tokens.shape[0]].set(result.tokens)
 
 
 engine_step_jit = jax.jit(engine_step, static_argnames=("cfg", "attention"), donate_argnames=("cache", "penalty_state"))

@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-wait-ms", type=float, default=0.0,
                    help="hold new admissions up to this long to gather a bigger batch (default: 0, run now)")
     p.add_argument("--attention", default="reference", help="attention implementation (see minivllm_jax.attention)")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="read each step's tokens before scheduling the next (default: the next step is "
+                        "dispatched while the current one runs)")  # fmt: skip
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-queue", type=int, default=256, help="requests in flight before new ones get 429")
@@ -117,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             enable_prefix_caching=not args.no_prefix_caching, seed=args.seed, use_tqdm=sys.stderr.isatty(),
             target_tpot_ms=args.target_tpot_ms, target_ttft_ms=args.target_ttft_ms,
             max_batch_wait_ms=args.max_batch_wait_ms, attention=args.attention,
+            async_scheduling=not args.no_async_scheduling,
         )  # fmt: skip
 
     load_errors: list[BaseException] = []

@@ -209,11 +209,11 @@ def test_server_restarts_a_crashed_engine_loop(llm, monkeypatch):
     expected = alone(llm, GOOD[1], params).outputs[0].text
     real_process, crashes = engine._process, []
 
-    def process_crashing_once(batch, result, *args):
+    def process_crashing_once(step, result, *args):
         if not crashes and len(engine.requests) == 2:  # both requests are in flight
-            crashes.append(len(batch.seqs))
+            crashes.append(len(step.batch.seqs))
             raise KeyError("host bug")  # not from the runner: it escapes step()
-        return real_process(batch, result, *args)
+        return real_process(step, result, *args)
 
     monkeypatch.setattr(engine, "_process", process_crashing_once)
     inject_fault(engine, monkeypatch, delay_s=0.003)  # no MARK prompt here: only slows steps down

@@ -90,7 +90,10 @@ def test_streams_keep_decoding_while_a_long_prompt_prefills(llm):
         engine.runner.__dict__.pop("run", None)
     prompt_steps = [b for b in batches if b.num_decodes < len(b.seqs)]
     assert sum(b.num_tokens - b.num_decodes for b in prompt_steps) == 250
-    assert all(b.num_decodes == 3 and {s.request_id for s in b.seqs[:3]} == set(streams) for b in batches)
+    # Every step decodes the three streams first (with async scheduling the last step recorded
+    # is dispatched before the long prompt's first token is read: it decodes that one too).
+    assert all(b.num_decodes >= 3 and {s.request_id for s in b.seqs[:3]} == set(streams) for b in batches)
+    assert all(b.num_decodes == 3 for b in batches[:-1])
     while engine.has_unfinished():
         engine.step()
 

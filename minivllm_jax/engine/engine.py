@@ -16,9 +16,9 @@ from collections.abc import Sequence as Seq
 from minivllm_jax.config import EngineConfig, ModelConfig
 from minivllm_jax.detokenizer import IncrementalDetokenizer
 from minivllm_jax.engine.block_manager import BlockManager
-from minivllm_jax.engine.runner import ModelRunner, StepResult
+from minivllm_jax.engine.runner import ModelRunner, PendingStep, StepResult
 from minivllm_jax.engine.scheduler import ScheduledBatch, Scheduler
-from minivllm_jax.engine.sequence import Sequence
+from minivllm_jax.engine.sequence import Sequence, SequenceStatus
 from minivllm_jax.models.llama import Params
 from minivllm_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minivllm_jax.sampling_params import SamplingParams
@@ -41,6 +41,24 @@ class _Request:
     @property
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
+
+
+@dataclasses.dataclass(frozen=True)
+class _InFlight:
+    """A dispatched step: its batch, its device results, and for each of its sequences the
+    index in `output_token_ids` of the placeholder for the token it samples (None: none)."""
+
+    batch: ScheduledBatch
+    pending: PendingStep
+    slots: tuple[int | None, ...]
+    dispatched: float
+
+
+def _drop_pending(seq: Sequence) -> None:
+    """Forget the placeholders of tokens that will never be read into this sequence."""
+    if seq.num_pending:
+        del seq.output_token_ids[-seq.num_pending :]
+        seq.num_pending = 0
 
 
 class LLMEngine:
@@ -72,6 +90,8 @@ class LLMEngine:
         self._seed_rng = random.Random(seed)
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+        self._in_flight: _InFlight | None = None  # the step dispatched and not read yet
+        self._last_ready = 0.0  # when the last step's tokens were read
 
     @property
     def num_compiles(self) -> int:
@@ -154,30 +174,75 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished()  # a sequence in flight is running, so counted here
 
     # ------------------------------------------------------------------ stepping
 
     def step(self, only_finished: bool = False) -> list[RequestOutput]:
-        """Run one scheduled batch; return the outputs of requests that changed (finished ones
-        are removed from the engine after this), or of those that finished only."""
+        """Schedule and dispatch a step, then read the step before it; return the outputs of
+        requests that changed (finished ones are removed from the engine after this), or of
+        those that finished only.
+
+        Async scheduling keeps one step in flight: step N+1 is scheduled and dispatched while
+        step N runs, with N's sampled tokens as placeholders fed back on the device; its
+        tokens are read (the only wait) after that. A sequence that N stops has one wasted
+        row in N+1, whose token is dropped. Without it, each step is read before returning."""
         now = time.monotonic()
+        previous, self._in_flight = self._in_flight, None
         batch = self.scheduler.schedule(now)
+        outputs: list[RequestOutput] = []
         if batch is None:
-            opens = self.scheduler.next_admission_time()
-            if opens is not None:  # admissions are held to gather a batch: wait, do not spin
-                time.sleep(min(max(opens - now, 0.0), 0.005))
-            return []
-        for seq in batch.seqs:
-            metrics = self.requests[seq.request_id].metrics
-            metrics.first_scheduled_time = metrics.first_scheduled_time or now
+            if previous is None:
+                opens = self.scheduler.next_admission_time()
+                if opens is not None:  # admissions are held to gather a batch: wait, do not spin
+                    time.sleep(min(max(opens - now, 0.0), 0.005))
+                return []
+        else:
+            for seq in batch.seqs:
+                metrics = self.requests[seq.request_id].metrics
+                metrics.first_scheduled_time = metrics.first_scheduled_time or now
+            try:
+                pending = self.runner.run(batch)
+            except Exception as e:  # a device step failed: fail this batch only and keep serving
+                logger.exception("step over %d sequences failed; failing their requests", len(batch.seqs))
+                if previous is not None:  # read it first: its placeholders must not outlive it
+                    outputs = self._read(previous, only_finished)
+                return outputs + self._fail_batch(batch, f"{type(e).__name__}: {e}")
+            self._in_flight = self._advance(batch, pending, now)
+        if previous is not None:
+            outputs = self._read(previous, only_finished)
+        if self._in_flight is not None and not self.scheduler.config.async_scheduling:
+            current, self._in_flight = self._in_flight, None
+            outputs += self._read(current, only_finished)
+        return outputs
+
+    def _advance(self, batch: ScheduledBatch, pending: PendingStep, now: float) -> _InFlight:
+        """Book a dispatched step as done before its tokens are known: each sequence's fed
+        tokens count as computed, and each sampled token is a placeholder `-(row + 1)`."""
+        slots = []
+        for i, seq in enumerate(batch.seqs):
+            samples = batch.samples_next_token(i)
+            seq.num_computed_tokens += batch.num_new_tokens[i]
+            if samples:
+                slots.append(len(seq.output_token_ids))
+                seq.output_token_ids.append(-(i + 1))
+                seq.num_pending += 1
+            else:
+                slots.append(None)
+        return _InFlight(batch, pending, tuple(slots), now)
+
+    def _read(self, step: _InFlight, only_finished: bool) -> list[RequestOutput]:
+        """Wait for a dispatched step's tokens and process them."""
         try:
-            result = self.runner.run(batch)
-        except Exception as e:  # a device step failed: fail this batch only and keep serving
-            logger.exception("step over %d sequences failed; failing their requests", len(batch.seqs))
-            return self._fail_batch(batch, f"{type(e).__name__}: {e}")
-        self.scheduler.costs.observe(batch.num_tokens, time.monotonic() - now)
-        return self._process(batch, result, only_finished)
+            result = step.pending.fetch()
+        except Exception as e:  # failed while running: its work and whatever was fed from it are lost
+            logger.exception("step over %d sequences failed; failing their requests", len(step.batch.seqs))
+            return self._fail_running_step(step, f"{type(e).__name__}: {e}")
+        ready = time.monotonic()
+        # With a step in flight before it, this one could only start when that one ended.
+        self.scheduler.costs.observe(step.batch.num_tokens, ready - max(step.dispatched, self._last_ready))
+        self._last_ready = ready
+        return self._process(step, result, only_finished)
 
     def _fail_batch(self, batch: ScheduledBatch, error: str) -> list[RequestOutput]:
         """Finish the failed step's suspects (all samples of each) with finish_reason "error".
@@ -202,13 +267,24 @@ class LLMEngine:
             self._recompute_all()
         return outputs
 
+    def _fail_running_step(self, step: _InFlight, error: str) -> list[RequestOutput]:
+        """A dispatched step failed while running (seen when its tokens were read): steps
+        dispatched after it were fed its results, so every sequence is recomputed from the
+        tokens the host knows, after failing this step's suspects as `_fail_batch` does."""
+        self._in_flight = None
+        for seq in self.scheduler.running + self.scheduler.waiting:
+            _drop_pending(seq)
+        outputs = self._fail_batch(step.batch, error)
+        self._recompute_all()
+        return outputs
+
     def _recompute_all(self) -> None:
         """The KV cache was rebuilt empty: no page holds what the host thinks, so every sequence
         gives its pages back (running ones go back to waiting, to be recomputed from their
         tokens) and the prefix cache forgets every page."""
         for seq in list(self.scheduler.running):
             self.scheduler.preempt(seq)
-        for seq in self.scheduler.waiting:
+        for seq in list(self.scheduler.waiting):
             if seq.pages:  # a waiting sample may already share its prompt's pages (forked)
                 self.block_manager.free_pages(seq)
         self.block_manager.clear_cache()
@@ -217,6 +293,7 @@ class LLMEngine:
         """After an exception escaped `step()` (a host-side bug, state unknown): abort every
         request, including sequences the crash left without one, and rebuild the KV cache if
         it was lost, so that new requests can be served."""
+        self._in_flight = None
         for request_id in list(self.requests):
             self.abort(request_id)
         for seq in self.scheduler.running + self.scheduler.waiting:
@@ -224,22 +301,26 @@ class LLMEngine:
         if self.runner.reset_cache_if_lost():
             self.block_manager.clear_cache()
 
-    def _process(self, batch: ScheduledBatch, result: StepResult, only_finished: bool = False) -> list[RequestOutput]:
+    def _process(self, step: _InFlight, result: StepResult, only_finished: bool = False) -> list[RequestOutput]:
         now = time.monotonic()
+        batch = step.batch
         changed: dict[str, _Request] = {}
         for i, seq in enumerate(batch.seqs):
-            samples = batch.samples_next_token(i)
-            seq.num_computed_tokens += batch.num_new_tokens[i]
-            self.block_manager.commit(seq)
+            request = self.requests.get(seq.request_id)
+            if request is None or seq.is_finished:
+                continue  # aborted, or stopped by the step before (this row's token is dropped)
+            slot = step.slots[i]
+            if slot is not None:
+                token = int(result.tokens[i])
+                seq.output_token_ids[slot] = token
+                seq.num_pending -= 1
+            self.block_manager.commit(seq)  # every token below num_computed_tokens is known now
             if i >= batch.num_decodes:
                 self.num_prompt_tokens += batch.num_new_tokens[i]
-            request = self.requests[seq.request_id]
-            if request.held and seq.num_computed_tokens >= len(request.prompt_token_ids):
+            if request.held and seq.status == SequenceStatus.RUNNING and seq.num_computed_tokens >= len(request.prompt_token_ids):
                 self._fork(request, seq)  # before a stop can free the parent's pages
-            if not samples:
+            if slot is None:
                 continue
-            token = int(result.tokens[i])
-            seq.output_token_ids.append(token)
             self.num_generated_tokens += 1
             seq.cumulative_logprob += float(result.logprobs[i])
             if seq.params.logprobs is not None:
@@ -249,7 +330,9 @@ class LLMEngine:
                 seq.logprobs.append(entry)
             request.metrics.first_token_time = request.metrics.first_token_time or now
             request.metrics.last_token_time = now
-            self._check_stop(seq, token, request.detokenizers[seq.index])
+            self._check_stop(seq, token, slot + 1, request.detokenizers[seq.index])
+            if seq.is_finished:
+                _drop_pending(seq)  # a row the next step spent on it: its token is never read
             changed[request.request_id] = request
         outputs = []
         for request in changed.values():
@@ -269,8 +352,9 @@ class LLMEngine:
             self.scheduler.add(child)
         request.held = []
 
-    def _check_stop(self, seq: Sequence, token: int, detok: IncrementalDetokenizer) -> None:
-        """Finish the sequence if this token ends it. A stop token's text is never shown."""
+    def _check_stop(self, seq: Sequence, token: int, num_outputs: int, detok: IncrementalDetokenizer) -> None:
+        """Finish the sequence if this token (its `num_outputs`-th) ends it. A stop token's text
+        is never shown."""
         params = seq.params
         if token in params.stop_token_ids:
             self.scheduler.finish(seq, "stop", token)
@@ -280,7 +364,7 @@ class LLMEngine:
             detok.add([token])
             if detok.finished:  # a stop string: the text is cut before it
                 self.scheduler.finish(seq, "stop", detok.stop_reason)
-            elif len(seq.output_token_ids) >= params.max_tokens or len(seq) >= self.config.max_model_len:
+            elif num_outputs >= params.max_tokens or len(seq.prompt_token_ids) + num_outputs >= self.config.max_model_len:
                 self.scheduler.finish(seq, "length")
         if seq.is_finished:
             detok.flush()
@@ -290,7 +374,7 @@ class LLMEngine:
             CompletionOutput(
                 index=seq.index,
                 text=detok.text,
-                token_ids=list(seq.output_token_ids),
+                token_ids=seq.known_output_token_ids,
                 cumulative_logprob=seq.cumulative_logprob,
                 logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
                 finish_reason=seq.finish_reason,

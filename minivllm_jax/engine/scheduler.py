@@ -133,6 +133,8 @@ class Scheduler:
                 break
             if seq.status != SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
                 continue  # preempted below while we walked the list, or a prompt chunk
+            if len(seq.output_token_ids) >= seq.params.max_tokens or len(seq) >= cfg.max_model_len:
+                continue  # its last token is in flight (async scheduling): it ends when read
             while not bm.can_append(seq):
                 victim = max((s for s in self.running if s.status == SequenceStatus.RUNNING), key=lambda s: s.sort_key)
                 self.preempt(victim)
@@ -154,6 +156,8 @@ class Scheduler:
         for seq in candidates:
             if budget <= 0 or len(seqs) == cfg.max_num_seqs:
                 break
+            if seq.num_pending:
+                continue  # preempted with a token in flight: recompute it once that token is read
             admitting = seq.status == SequenceStatus.WAITING
             if admitting:
                 if len(self.running) + admitted >= cfg.max_num_seqs:

@@ -42,7 +42,10 @@ class Sequence:
         self.request_id = request_id
         self.index = index
         self.prompt_token_ids = list(prompt_token_ids)
+        # With async scheduling the last one or two may be placeholders (`num_pending`) for
+        # tokens an in-flight step samples; the engine fills them in when it reads the step.
         self.output_token_ids: list[int] = []
+        self.num_pending = 0
         self.params = params
         self.priority = priority
         self.seed = seed  # the request's PRNG seed: tokens depend only on (seed, index, step)
@@ -66,6 +69,11 @@ class Sequence:
 
     def __repr__(self) -> str:
         return f"Sequence({self.request_id}#{self.index}, {self.status.value}, len={len(self)}, pages={len(self.pages)})"
+
+    @property
+    def known_output_token_ids(self) -> list[int]:
+        """The output tokens the host has read (pending placeholders left out)."""
+        return self.output_token_ids[: len(self.output_token_ids) - self.num_pending]
 
     @property
     def token_ids(self) -> list[int]:
