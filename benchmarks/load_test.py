@@ -138,9 +138,13 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def launched_server(model: str, server_args: str, timeout: float, api_key: str | None) -> Iterator[str]:
+def launched_server(
+    model: str, server_args: str, timeout: float, api_key: str | None, env: dict[str, str] | None = None,
+    poll_s: float = 0.5,
+) -> Iterator[str]:
     """Run `python -m server` on a free loopback port until the block ends (then SIGTERM);
-    yields its URL once /health says 200. The server log goes to a temp file, shown on failure."""
+    yields its URL once /health says 200 (polled every `poll_s`). `env` adds to the server's
+    environment. The server log goes to a temp file, shown on failure."""
     import httpx
 
     port = _free_port()
@@ -148,7 +152,7 @@ def launched_server(model: str, server_args: str, timeout: float, api_key: str |
     log = Path(tempfile.mkdtemp(prefix="minivllm-load-test-")) / "server.log"
     cmd = [sys.executable, "-m", "server", "--model", model, "--host", "127.0.0.1", "--port", str(port),
            "--log-level", "warning", *shlex.split(server_args)]  # fmt: skip
-    env = {**os.environ, **({"MINIVLLM_API_KEY": api_key} if api_key else {})}
+    env = {**os.environ, **(env or {}), **({"MINIVLLM_API_KEY": api_key} if api_key else {})}
     print(f"launching: {shlex.join(cmd)} (log: {log})", flush=True)
     start = time.perf_counter()
     with open(log, "wb") as f:
@@ -162,7 +166,7 @@ def launched_server(model: str, server_args: str, timeout: float, api_key: str |
             with contextlib.suppress(httpx.TransportError):
                 if httpx.get(f"{url}/health", timeout=5).status_code == 200:
                     break
-            time.sleep(0.5)
+            time.sleep(poll_s)
         print(f"server ready after {time.perf_counter() - start:.1f} s", flush=True)
         yield url
     finally:

@@ -39,6 +39,7 @@ SUITE: dict[str, list[str]] = {
     "memory": ["bench_memory.py", "--preset", "mixed", "--num-prompts", "32"],
     "ablations": ["bench_ablations.py", "--preset", "mixed", "--num-prompts", "24"],
     "interference": ["bench_interference.py"],
+    "startup": ["bench_startup.py"],
 }
 
 
@@ -90,10 +91,13 @@ def summary() -> str:
     ratio = med.get("ratio_worst_gap_to_itl_p50")
     gap = "n/a" if not med else f"{_fmt(ms(med, 'worst_gap_s'), 0)} ({_fmt(ratio)}x ITL p50)"
     rows.append(("worst stream gap while a 1,500-token prompt prefills, ms (target <= 2x ITL p50)", gap, "", ""))
+    start = _load("startup") or {}
+    rows.append(("server start-up to /health 200, cold / warm caches, s (targets <= 60 / 15)",
+                 f"{_fmt(start.get('cold_s'))} / {_fmt(start.get('warm_s'))}", "", ""))  # fmt: skip
     lines = ["| metric | minivllm-jax (XLA) | HF transformers (PyTorch) | ratio |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
     machine = tp.get("machine") or dec.get("machine") or {}
-    stamps = sorted(r["timestamp"] for r in (tp, bf, dec, lat, mem, roof, inter) if r.get("timestamp"))
+    stamps = sorted(r["timestamp"] for r in (tp, bf, dec, lat, mem, roof, inter, start) if r.get("timestamp"))
     when = "not run yet" if not stamps else stamps[0] if stamps[0] == stamps[-1] else (
         f"from {stamps[0]} to {stamps[-1]} (rows rerun with `--only` keep their own timestamps)")
     lines.append(f"\nMeasured {when} on {machine.get('cpu', '?')}, {machine.get('cpu_count', '?')} cores, "

@@ -1,4 +1,4 @@
-"""Process-level set-up for fast CPU serving: persistent XLA compile cache, allocator, memory."""
+"""Process-level set-up for fast CPU serving: the compiled-program cache, allocator, memory."""
 
 from __future__ import annotations
 
@@ -6,19 +6,28 @@ import ctypes
 import os
 from pathlib import Path
 
-import jax
-
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 
+_program_cache_dir: Path | None = None
+
 
 def enable_compilation_cache(path: str | None = None) -> str:
-    """Persist compiled XLA programs on disk so the next start-up skips most compile time."""
+    """Keep the engine's compiled programs on disk so the next start-up loads them instead of
+    tracing and compiling (`minivllm_jax.program_cache`).
+
+    XLA's own persistent compilation cache stays off: it would only save the compile, not the
+    tracing and lowering, and an executable it loads cannot be stored whole again (see
+    `minivllm_jax.program_cache`). Returns the folder (`programs/` inside it holds them)."""
+    global _program_cache_dir
     path = path or os.environ.get("MINIVLLM_COMPILE_CACHE") or str(Path.home() / ".cache" / "minivllm_jax" / "xla")
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    _program_cache_dir = Path(path) / "programs"
     return path
+
+
+def program_cache_dir() -> Path | None:
+    """Where whole compiled programs are kept, once `enable_compilation_cache` has run."""
+    return _program_cache_dir
 
 
 def keep_freed_memory() -> bool:

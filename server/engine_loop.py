@@ -324,6 +324,7 @@ class AsyncEngine:
             generated_tokens=e.num_generated_tokens,
             prompt_tokens=e.num_prompt_tokens,
             compiles=e.num_compiles,
+            programs_loaded=e.num_programs_loaded,
             preemptions=e.scheduler.num_preemptions,
             steps=self._steps,
         )

@@ -32,6 +32,7 @@ class EngineStats:
     generated_tokens: int
     prompt_tokens: int
     compiles: int
+    programs_loaded: int
     preemptions: int
     steps: int
 
@@ -123,6 +124,9 @@ class ServerMetrics:
                            [("", stats.prompt_tokens)])  # fmt: skip
             out += _metric("compiles_total", "counter", "XLA programs compiled (constant after warm-up).",
                            [("", stats.compiles)])  # fmt: skip
+            out += _metric("programs_loaded_total", "counter",
+                           "Of compiles_total, programs loaded whole from the program cache at start-up.",
+                           [("", stats.programs_loaded)])  # fmt: skip
             out += _metric("preemptions_total", "counter", "Sequences preempted under KV page pressure.",
                            [("", stats.preemptions)])  # fmt: skip
             out += _metric("engine_steps_total", "counter", "Engine steps run.", [("", stats.steps)])

@@ -77,6 +77,20 @@ def test_load_test_launch_quick(tiny_model, tmp_path):
         assert level["output_tokens"] == report["workload"]["output_tokens"]  # ignore_eos: exact lengths
 
 
+@pytest.mark.slow  # two server starts
+def test_bench_startup_quick(tiny_model, tmp_path):
+    """Cold then warm: the warm server loads every program whole (the program cache works
+    through the server's start-up path too)."""
+    out = tmp_path / "startup.json"
+    _run("bench_startup.py", "--quick", "--model", str(tiny_model), "--server-args", SERVER_ARGS, "--out", str(out),
+         timeout=600)  # fmt: skip
+    r = json.loads(out.read_text())
+    programs = r["cold"]["compiles_total"]
+    assert programs > 0 and r["cold"]["programs_loaded_total"] == 0
+    assert [(x["compiles_total"], x["programs_loaded_total"]) for x in r["warm"]] == [(programs, programs)]
+    assert r["cold_s"] > 0 and r["warm_s"] > 0
+
+
 def test_load_test_rejects_non_loopback():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "load_test.py"), "--url", "http://10.0.0.1:8000"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip

@@ -52,7 +52,7 @@ class FakeEngine:
         self.config = SimpleNamespace(max_model_len=max_model_len)
         self.block_manager = SimpleNamespace(num_free_pages=pages, num_usable_pages=pages)
         self.scheduler = SimpleNamespace(running=[], waiting=[], num_preemptions=0)
-        self.num_generated_tokens = self.num_prompt_tokens = self.num_compiles = 0
+        self.num_generated_tokens = self.num_prompt_tokens = self.num_compiles = self.num_programs_loaded = 0
         self.requests: dict[str, tuple[list[int], object, list[list[int]]]] = {}
         self.steps = 0
         self.crash = False

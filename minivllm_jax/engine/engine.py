@@ -97,6 +97,11 @@ class LLMEngine:
     def num_compiles(self) -> int:
         return self.runner.num_compiles
 
+    @property
+    def num_programs_loaded(self) -> int:
+        """Of `num_compiles`, the programs loaded whole from the program cache (warm start)."""
+        return self.runner.num_loaded
+
     def warmup(self, progress: bool = True) -> float:
         return self.runner.warmup(progress)
 

@@ -1,9 +1,10 @@
 """`ModelRunner`: lays a `ScheduledBatch` out as a flat ragged `StepBatch` in its bucket and
 runs the precompiled step programs.
 
-Every program is compiled ahead of time (`jit(...).lower(...).compile()`) for one bucket
-shape and kept in a dict keyed by that shape, so a shape outside the warm-up set is visible
-(`num_compiles` grows) rather than a silent recompile. A step program is the model and the
+Every program is compiled ahead of time (`jit(...).lower(...).compile()`, or loaded whole from
+the program cache, `minivllm_jax.program_cache`) for one bucket shape and kept in a dict keyed
+by that shape, so a shape outside the warm-up set is visible (`num_compiles` grows) rather than
+a silent recompile. A step program is the model and the
 sampler together (`minivllm_jax.step`); the KV cache and the penalty state are donated to it.
 """
 
@@ -28,6 +29,8 @@ from minivllm_jax.engine.scheduler import ScheduledBatch
 from minivllm_jax.engine.sequence import Sequence
 from minivllm_jax.kv_cache import init_kv_cache
 from minivllm_jax.models.llama import Params, unstack_layers
+from minivllm_jax.program_cache import ProgramCache
+from minivllm_jax.runtime import program_cache_dir
 from minivllm_jax.sampler import SampleResult, make_sampling_arrays
 from minivllm_jax.step import PenaltyRows, engine_step_jit, init_penalty_state, load_penalty_row_jit
 
@@ -72,7 +75,9 @@ class ModelRunner:
         self.penalty_state = init_penalty_state(config.max_num_seqs, model_config.vocab_size)
         self.fed_back = jnp.zeros(config.max_num_seqs, jnp.int32)  # the last step's tokens (see step.py)
         self._programs: dict[tuple, Any] = {}
-        self.num_compiles = 0
+        self._program_cache = ProgramCache(program_cache_dir())
+        self.num_compiles = 0  # programs made, compiled or loaded whole from the program cache
+        self.num_loaded = 0  # of which loaded
         self.compile_seconds = 0.0
         self._warm = False
         self._compile_lock = threading.Lock()
@@ -83,10 +88,11 @@ class ModelRunner:
         program = self._programs.get(key)
         if program is None:
             start = time.perf_counter()
-            program = fn.lower(*args, **static).compile()
+            program, loaded = self._program_cache.load_or_compile(key, fn, args, static)
             with self._compile_lock:  # warm-up compiles from several threads
                 self.compile_seconds += time.perf_counter() - start
                 self.num_compiles += 1
+                self.num_loaded += loaded
                 self._programs[key] = program
             if self._warm:
                 logger.warning("compiled %s after warm-up; a bucket is missing from the warm-up set", key)

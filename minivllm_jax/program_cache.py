@@ -1,0 +1,162 @@
+"""Compiled step programs kept on disk whole, so a warm start skips tracing and lowering too.
+
+XLA's persistent compilation cache saves only the compile: each program still pays Python
+tracing and lowering (~0.35 s here) before that cache is looked up, and a hit costs another
+~0.35 s; the 13 programs of the default server took 8.5-9.7 s of a 19 s warm start. A
+serialized executable (`jax.experimental.serialize_executable`) loads in ~0.2 s without
+tracing anything. The directory comes from `runtime.enable_compilation_cache`, which leaves
+XLA's cache off: an executable that XLA loaded from its cache has lost its kernels when
+serialized again (XLA:CPU, jax 0.10: "Function ... not found" when it runs), so only programs
+compiled in this process are stored (if the user turned XLA's cache on, a program it served is
+used but not stored: `jax.monitoring` reports the hit in the compiling thread).
+
+The key is computed without tracing, so it must name everything the program depends on: the
+jax/jaxlib versions, the backend and this CPU, the JAX/XLA flags (environment and the few
+config values that change lowering), the package's source (the traced code lives in it), the
+program's name, its static arguments and the shapes, dtypes and tree structure of its
+arguments. A file holds a SHA-256 of its payload: a truncated or corrupt file
+is a miss (logged and removed), never a crash. Files are written atomically; the oldest are
+removed beyond `MAX_FILES`. Loading runs pickled code, so the directory must be trusted like
+any compile cache (it is the user's own cache folder).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import pickle
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import jax
+import jaxlib
+import numpy as np
+from jax.experimental import serialize_executable
+
+logger = logging.getLogger(__name__)
+
+MAX_FILES = 256
+_PACKAGE = Path(__file__).resolve().parent
+_XLA_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+_this_thread = threading.local()
+
+
+def _count_xla_cache_hits(event: str, **_: Any) -> None:
+    if event == _XLA_CACHE_HIT:
+        _this_thread.xla_cache_hits = getattr(_this_thread, "xla_cache_hits", 0) + 1
+
+
+@functools.cache
+def _listen_for_xla_cache_hits() -> None:
+    jax.monitoring.register_event_listener(_count_xla_cache_hits)
+
+
+def _compile_counting_xla_hits(fn: Any, args: tuple, static: dict[str, Any]) -> tuple[Any, bool]:
+    """Compile `fn` for `args`; True if XLA's persistent cache served it (then it must not be
+    serialized again)."""
+    _listen_for_xla_cache_hits()
+    before = getattr(_this_thread, "xla_cache_hits", 0)
+    program = fn.lower(*args, **static).compile()
+    return program, getattr(_this_thread, "xla_cache_hits", 0) != before
+
+
+@functools.cache
+def _environment_digest() -> str:
+    """What every program of this process shares: versions, backend, CPU, flags, source."""
+    h = hashlib.sha256()
+    device = jax.devices()[0]
+    flags = sorted((k, v) for k, v in os.environ.items() if k.startswith(("JAX_", "XLA_")))
+    for part in (jax.__version__, jaxlib.__version__, device.platform, device.device_kind,
+                 device.client.platform_version, len(jax.devices()), flags, jax.config.jax_enable_x64,
+                 jax.config.jax_default_matmul_precision, jax.config.jax_threefry_partitionable,
+                 _cpu_identity()):  # fmt: skip
+        h.update(repr(part).encode() + b"\0")
+    for path in sorted(_PACKAGE.rglob("*.py")):
+        h.update(str(path.relative_to(_PACKAGE)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _cpu_identity() -> str:
+    """The model name and feature flags of this CPU: a program compiled for AVX-512 must not be
+    loaded from a cache folder shared with a machine without it."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
+
+
+def program_key(name: tuple, args: tuple, static: dict[str, Any]) -> str:
+    """A digest of the program's identity: environment, name, static arguments, argument types."""
+    leaves, treedef = jax.tree.flatten(args)
+    types = [(np.shape(x), str(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype), getattr(x, "weak_type", False))
+             for x in leaves]  # fmt: skip
+    text = repr((_environment_digest(), name, sorted(static.items()), str(treedef), types))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class ProgramCache:
+    """`load_or_compile(name, fn, args, static)`: the compiled jitted `fn` for these arguments
+    and whether it was loaded from `directory` (else compiled now, and stored there). With no
+    directory it only compiles. Safe to call from several threads."""
+
+    def __init__(self, directory: str | Path | None) -> None:
+        self.directory = Path(directory) if directory else None
+
+    def load_or_compile(self, name: tuple, fn: Any, args: tuple, static: dict[str, Any]) -> tuple[Any, bool]:
+        if self.directory is None:
+            return fn.lower(*args, **static).compile(), False
+        path = self.directory / f"{program_key(name, args, static)}.program"
+        program = self._load(path)
+        if program is not None:
+            return program, True
+        program, from_xla_cache = _compile_counting_xla_hits(fn, args, static)
+        if from_xla_cache:
+            logger.info("program %s came from XLA's compile cache: used, not stored", name)
+        else:
+            self._store(path, program)
+        return program, False
+
+    def _load(self, path: Path) -> Any | None:
+        try:
+            blob = path.read_bytes()
+        except OSError:
+            return None
+        digest, payload = blob[:32], blob[32:]
+        try:
+            if hashlib.sha256(payload).digest() != digest:
+                raise ValueError("checksum mismatch (truncated or corrupt file)")
+            serialized, in_tree, out_tree = pickle.loads(payload)
+            program = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree)
+        except Exception as e:  # noqa: BLE001  any bad file is a miss: compile instead
+            logger.warning("ignoring the stored program %s: %s", path.name, e)
+            path.unlink(missing_ok=True)
+            return None
+        os.utime(path)  # recently used: kept when old files are pruned
+        return program
+
+    def _store(self, path: Path, program: Any) -> None:
+        tmp = None
+        try:
+            payload = pickle.dumps(serialize_executable.serialize(program))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(hashlib.sha256(payload).digest() + payload)
+            os.replace(tmp, path)  # atomic: a reader sees the whole file or none
+            tmp = None
+            self._prune()
+        except Exception as e:  # noqa: BLE001  storing is an optimisation; never fail a compile for it
+            logger.warning("could not store the compiled program %s: %s", path.name, e)
+        finally:
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+
+    def _prune(self) -> None:
+        files = sorted(self.directory.glob("*.program"), key=lambda p: p.stat().st_mtime)
+        for old in files[: max(0, len(files) - MAX_FILES)]:
+            old.unlink(missing_ok=True)
