@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--server-args", default="", help='extra server flags, e.g. "--max-num-seqs 32"')
-    p.add_argument("--repeats", type=int, default=3, help="warm starts of each kind")
+    p.add_argument("--repeats", type=int, default=3, help="warm starts (median reported)")
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--quick", action="store_true", help="smoke test: a tiny model (--model), 1 repeat")
     p.add_argument("--out", default=str(RESULTS / "startup.json"))
