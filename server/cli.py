@@ -87,7 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a prompt waiting this long gets the whole token budget (default: off)")
     p.add_argument("--max-batch-wait-ms", type=float, default=0.0,
                    help="hold new admissions up to this long to gather a bigger batch (default: 0, run now)")
-    p.add_argument("--attention", default="reference", help="attention implementation (see minivllm_jax.attention)")
+    p.add_argument("--attention", default="reference", choices=["auto", "native", "reference"],
+                   help="attention implementation: the pure-JAX reference, the native CPU kernel, or auto "
+                        "(native where built); MINIVLLM_KERNELS=reference forces the reference")  # fmt: skip
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step's tokens before scheduling the next (default: the next step is "
                         "dispatched while the current one runs)")  # fmt: skip

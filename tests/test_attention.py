@@ -62,5 +62,5 @@ def test_ragged_attention_matches_per_token_softmax(impl):
 
 
 def test_unknown_attention_implementation_is_a_clear_error():
-    with pytest.raises(ValueError, match="unknown attention implementation 'flash'; available: reference"):
+    with pytest.raises(ValueError, match="unknown attention implementation 'flash'; available: native, reference"):
         get_attention("flash")

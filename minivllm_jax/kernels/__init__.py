@@ -1,0 +1,54 @@
+"""Native CPU kernels behind the pure signatures, as XLA FFI custom calls.
+
+Each kernel is a C++ source here (`*.cc`, built by `build.py` into one library at install
+time) with its JAX wrapper beside it (`ragged_paged_attention.py`); the pure-JAX reference it
+must equal stays where the op's contract lives (`minivllm_jax.attention`). To XLA a custom call
+is a pure function of its operands, so the model stays pure.
+
+`native_available()` says whether the library is built and loaded (its FFI targets registered
+for platform "cpu"). `MINIVLLM_KERNELS=reference` in the environment forces the pure-JAX
+reference everywhere (debugging, A/B benchmarks). A missing or stale library gives one warning
+and the reference path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+
+import jax
+
+logger = logging.getLogger(__name__)
+
+FORCE_REFERENCE_ENV = "MINIVLLM_KERNELS"
+# FFI target name -> symbol in the library
+TARGETS = {"minivllm_ragged_paged_attention_f32": "MinivllmRaggedPagedAttentionF32"}
+
+
+def reference_forced() -> bool:
+    return os.environ.get(FORCE_REFERENCE_ENV, "").strip().lower() == "reference"
+
+
+@functools.cache
+def _load() -> bool:
+    from minivllm_jax.kernels.build import LIBRARY, is_stale  # not at import: `python -m ...build` runs it
+
+    if is_stale():
+        logger.warning("native kernels are not built (or older than their sources): run "
+                       "`python -m minivllm_jax.kernels.build`; using the pure-JAX reference")  # fmt: skip
+        return False
+    try:
+        lib = ctypes.CDLL(str(LIBRARY))
+        for target, symbol in TARGETS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    except (OSError, AttributeError) as e:
+        logger.warning("could not load the native kernels (%s); using the pure-JAX reference", e)
+        return False
+    return True
+
+
+def native_available() -> bool:
+    """The native library is loaded and not forced off (the CPU backend only)."""
+    return not reference_forced() and jax.default_backend() == "cpu" and _load()

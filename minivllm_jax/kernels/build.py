@@ -1,0 +1,64 @@
+"""Build the native CPU kernels: every `*.cc` here into one shared library beside them.
+
+    python -m minivllm_jax.kernels.build        # what `make setup` runs after installing
+
+Flags suit the CPU it runs on (`-march=native`: the library is built on the machine that uses
+it, at install time), with OpenMP for the threads. The XLA FFI headers come with jaxlib
+(`jax.ffi.include_dir()`). Without a compiler this prints one warning and exits 0: the package
+then runs every op on its pure-JAX reference.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+LIBRARY = HERE / "_build" / "libminivllm_kernels.so"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno"]
+
+
+def sources() -> list[Path]:
+    return sorted(HERE.glob("*.cc"))
+
+
+def is_stale() -> bool:
+    """The library is missing or older than a source."""
+    if not LIBRARY.is_file():
+        return True
+    built = LIBRARY.stat().st_mtime
+    return any(src.stat().st_mtime > built for src in sources())
+
+
+def build(verbose: bool = True) -> bool:
+    """Compile the library (atomically replaced); False, with a reason printed, if it cannot."""
+    import jax
+
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        print("warning: no C++ compiler found; native kernels not built, the pure-JAX reference runs instead",
+              file=sys.stderr)  # fmt: skip
+        return False
+    LIBRARY.parent.mkdir(exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=LIBRARY.parent, suffix=".so")
+    os.close(fd)
+    cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, sources()), "-o", tmp]
+    if verbose:
+        print(" ".join(cmd))
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        Path(tmp).unlink(missing_ok=True)
+        print(f"warning: building the native kernels failed; the pure-JAX reference runs instead:\n{proc.stderr[-4000:]}",
+              file=sys.stderr)  # fmt: skip
+        return False
+    os.replace(tmp, LIBRARY)
+    return True
+
+
+if __name__ == "__main__":
+    build()
+    sys.exit(0)

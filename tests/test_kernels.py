@@ -1,0 +1,102 @@
+"""Native CPU kernels: built by the install (CI checks they are), equal to their pure-JAX
+reference on random ragged batches, selected by the registry, and the engine on the native
+attention keeps HF greedy parity and batch invariance."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.conftest import in_ci, requires_smollm2
+from minivllm_jax import LLM, SamplingParams, kernels
+from minivllm_jax.attention import get_attention, resolve_attention
+from minivllm_jax.batch import Chunk, build_step_batch
+from minivllm_jax.kv_cache import KVCache
+
+# (kv heads, group size, head_dim, page_size): GQA and MHA on small shapes (the general code
+# path) and SmolLM2's shape (the fixed-shape path: head_dim 64, page_size 16).
+SHAPES = [(2, 3, 16, 4), (4, 1, 16, 4), (3, 3, 64, 16), (1, 2, 128, 16)]
+
+
+def test_native_library_is_built_in_ci():
+    """`make test` builds the kernels; under CI a missing library is an error, not a quiet
+    fallback that would leave the native path untested."""
+    if not in_ci() and not kernels.native_available():
+        pytest.skip("native kernels not built here (python -m minivllm_jax.kernels.build)")
+    assert kernels.native_available()
+
+
+def random_step(rng, kvh, g, hd, ps, specs, num_pages=160, layers=2, extra_tokens=5, extra_seqs=3):
+    k_cache = rng.standard_normal((layers, num_pages, kvh, hd, ps)).astype(np.float32)
+    v_cache = rng.standard_normal((layers, num_pages, kvh, ps, hd)).astype(np.float32)
+    free = list(rng.permutation(np.arange(1, num_pages)))
+    chunks = []
+    for context, n in specs:
+        pages = [int(free.pop()) for _ in range(-(-(context + n) // ps))]
+        chunks.append(Chunk(rng.integers(0, 10, n).tolist(), context, pages))
+    num_tokens = sum(n for _, n in specs) + extra_tokens
+    listed = sum(-(-c // ps) for c, _ in specs) + 7
+    batch = build_step_batch(chunks, ps, num_tokens, len(specs) + extra_seqs, listed)
+    q = rng.standard_normal((num_tokens, kvh * g, hd)).astype(np.float32)
+    k_new, v_new = (rng.standard_normal((num_tokens, kvh, hd)).astype(np.float32) for _ in range(2))
+    return q, k_new, v_new, KVCache(jnp.asarray(k_cache), jnp.asarray(v_cache)), batch
+
+
+@pytest.mark.skipif(not kernels.native_available(), reason="native kernels not built (CI fails in the test above)")
+@pytest.mark.parametrize("kvh,g,hd,ps", SHAPES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_native_attention_equals_reference(kvh, g, hd, ps, seed):
+    """Random ragged steps: decodes at and around page boundaries, fresh prompts, chunks after
+    cached context that span several blocks of new keys, padding tokens and padded sequences."""
+    rng = np.random.default_rng(seed)
+    boundary = [(ps * k + d, 1) for k in (1, 3) for d in (-1, 0, 1)]
+    specs = boundary + [(0, 1), (0, 7), (2 * ps, 37), (5 * ps + 1, 20), (int(rng.integers(1, 90)), 1), (0, 18)]
+    q, k_new, v_new, cache, batch = random_step(rng, kvh, g, hd, ps, specs)
+    native, reference = jax.jit(get_attention("native")), jax.jit(get_attention("reference"))
+    real = sum(n for _, n in specs)
+    for layer in range(2):
+        got = np.asarray(native(q, k_new, v_new, cache, jnp.int32(layer), batch))
+        want = np.asarray(reference(q, k_new, v_new, cache, jnp.int32(layer), batch))
+        np.testing.assert_allclose(got[:real], want[:real], rtol=1e-5, atol=1e-5)
+        assert not np.any(got[real:])  # padding tokens give zeros
+
+
+def test_registry_auto_and_forced_reference(monkeypatch):
+    monkeypatch.delenv(kernels.FORCE_REFERENCE_ENV, raising=False)
+    assert resolve_attention("auto") == ("native" if kernels.native_available() else "reference")
+    assert resolve_attention("reference") == "reference"
+    monkeypatch.setenv(kernels.FORCE_REFERENCE_ENV, "reference")
+    assert resolve_attention("auto") == resolve_attention("native") == "reference"
+    with pytest.raises(ValueError, match="unknown attention implementation 'flash'"):
+        resolve_attention("flash")
+
+
+@requires_smollm2
+@pytest.mark.skipif(not kernels.native_available(), reason="native kernels not built (CI fails in the test above)")
+def test_engine_on_native_attention_matches_hf_and_is_batch_invariant():
+    import torch
+    import transformers
+
+    from convert.resolve import alias_source
+
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea, "
+               "there lived an old fisherman who " * 4, "Q: What is 2 + 2?\nA:"]  # fmt: skip
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    llm = LLM("smollm2-135m", max_num_seqs=4, max_model_len=256, max_num_batched_tokens=32, num_pages=64,
+              attention="native", use_tqdm=False)  # fmt: skip  (32-token budget: the long prompt is chunked)
+    assert llm.engine.config.attention == "native"
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    alone = [llm.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert batched == alone
+    path = alias_source("smollm2-135m")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32,
+        quantization_config=transformers.GgufConfig(dequantize=True),
+    ).eval()  # fmt: skip
+    with torch.no_grad():
+        for prompt, ours in zip(prompts, batched):
+            ids = torch.tensor([llm.tokenizer(prompt)["input_ids"]])
+            ref = hf.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
+            assert ours == ref[0, ids.shape[1] :].tolist(), prompt
