@@ -1,9 +1,9 @@
 // Ragged paged attention on the CPU: the contract of minivllm_jax/attention.py (its module
 // docstring), as an XLA FFI custom call. The pure-JAX reference there is what this must equal.
 //
-// Work items are (sequence, kv head) pairs, spread over OpenMP threads. One item keeps the
-// queries of the whole group (query_len x G rows) together, so every K/V page is read once, in
-// place (no gather copy), for all of them: an online softmax over the cached pages, then over
+// Work items are (sequence, kv head, tile of query tokens), spread over OpenMP threads. One item
+// keeps the queries of its tile and the whole group (tile x G rows) together, so every K/V page
+// is read once per item, in place (no gather copy), for all of them: an online softmax over the cached pages, then over
 // the step's own new keys (causal). K pages are [hd, page_size] (keys along the fast axis, so a
 // page's scores for one query are page_size-wide multiply-adds); V pages are [page_size, hd].
 
@@ -22,6 +22,7 @@ namespace {
 constexpr float kMasked = -1e30f;  // a score that no key may see (finite: exp underflows to 0)
 constexpr int kMaxBlock = 64;      // keys scored at once: a page (page_size <= 64)
 constexpr int kNewBlock = 16;      // new keys scored at once (transposed into a buffer)
+constexpr int kQueryTile = 32;     // query tokens of one work item
 
 // exp(x) for x <= 0, vectorizable (std::exp is a scalar call): 2^(x log2 e) split into an
 // integer power, set in the exponent bits, and a degree-6 polynomial on [-0.5, 0.5];
@@ -195,23 +196,34 @@ ffi::Error RaggedPagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F3
   float* op = out->typed_data();
   std::memset(op, 0, sizeof(float) * T * H * hd);  // padding tokens give zeros
 
+  // Work items: (sequence, kv head, tile of up to kQueryTile query tokens). Tiles let a long
+  // prompt chunk use every thread; each item reads its sequence's pages itself.
+  struct Item {
+    int64_t s, h, i_lo, i_hi;
+  };
+  std::vector<Item> items;
+  for (int64_t s = 0; s < S; ++s) {
+    if (ql[s] <= 0 || qs[s] < 0 || qs[s] + ql[s] > T) continue;
+    for (int64_t i = 0; i < ql[s]; i += kQueryTile)
+      for (int64_t h = 0; h < KVH; ++h) items.push_back({s, h, i, std::min<int64_t>(ql[s], i + kQueryTile)});
+  }
+
 #pragma omp parallel
   {
     std::vector<float> qbuf, acc, m, l, k_block(hd * kNewBlock);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < S * KVH; ++item) {
-      const int64_t s = item / KVH, h = item % KVH;
-      const int64_t n_q = ql[s], ctx = cl[s], q0 = qs[s];
-      if (n_q <= 0 || q0 < 0 || q0 + n_q > T) continue;
-      const int64_t R = n_q * G;  // row r = i * G + g: query token i, group member g
+    for (size_t it = 0; it < items.size(); ++it) {
+      const int64_t s = items[it].s, h = items[it].h, i_lo = items[it].i_lo, i_hi = items[it].i_hi;
+      const int64_t ctx = cl[s], q0 = qs[s];
+      const int64_t R = (i_hi - i_lo) * G;  // row r = (i - i_lo) * G + g: query token i, group member g
       qbuf.assign((R + 4) * hd, 0.0f);  // 4 zero rows past the end: the fixed path reads 4 at a time
       acc.assign(R * hd, 0.0f);
       m.assign(R, kMasked);
       l.assign(R, 0.0f);
-      for (int64_t i = 0; i < n_q; ++i)
+      for (int64_t i = i_lo; i < i_hi; ++i)
         for (int64_t g = 0; g < G; ++g) {
           const float* src = qp + ((q0 + i) * H + h * G + g) * hd;
-          float* dst = qbuf.data() + (i * G + g) * hd;
+          float* dst = qbuf.data() + ((i - i_lo) * G + g) * hd;
           for (int64_t d = 0; d < hd; ++d) dst[d] = src[d] * scale;
         }
       // Cached context, read in place: every cached token precedes every new one.
@@ -229,22 +241,24 @@ ffi::Error RaggedPagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F3
       }
       // The step's new tokens, causally (query i sees new keys 0..i), in blocks of kNewBlock
       // keys with K transposed into a [hd, kNewBlock] buffer (zero past the block's keys).
-      for (int64_t j0 = 0; j0 < n_q; j0 += kNewBlock) {
-        const int n = static_cast<int>(std::min<int64_t>(kNewBlock, n_q - j0));
+      for (int64_t j0 = 0; j0 < i_hi; j0 += kNewBlock) {
+        const int n = static_cast<int>(std::min<int64_t>(kNewBlock, i_hi - j0));
         std::fill(k_block.begin(), k_block.end(), 0.0f);
         for (int j = 0; j < n; ++j) {
           const float* kr = knp + ((q0 + j0 + j) * KVH + h) * hd;
           for (int64_t d = 0; d < hd; ++d) k_block[d * kNewBlock + j] = kr[d];
         }
         const KeyBlock kb{k_block.data(), kNewBlock, vnp + ((q0 + j0) * KVH + h) * hd, KVH * hd, n};
-        const int64_t r0 = j0 * G;  // rows of queries before j0 see none of this block
+        const int64_t r0 = std::max<int64_t>(0, j0 - i_lo) * G;  // rows of queries before j0 see none of it
         Attend(qbuf.data() + r0 * hd, R - r0, hd, kb, kNewBlock,
-               [&](int64_t r) { return static_cast<int>(std::min<int64_t>(n, (r0 + r) / G - j0 + 1)); },
+               [&](int64_t r) {
+                 return static_cast<int>(std::min<int64_t>(n, i_lo + (r0 + r) / G - j0 + 1));
+               },
                m.data() + r0, l.data() + r0, acc.data() + r0 * hd);
       }
-      for (int64_t i = 0; i < n_q; ++i)
+      for (int64_t i = i_lo; i < i_hi; ++i)
         for (int64_t g = 0; g < G; ++g) {
-          const int64_t r = i * G + g;
+          const int64_t r = (i - i_lo) * G + g;
           const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
           float* dst = op + ((q0 + i) * H + h * G + g) * hd;
           const float* a = acc.data() + r * hd;
