@@ -219,10 +219,18 @@ def get_attention(name: str) -> AttentionFn:
 
 def resolve_attention(name: str) -> str:
     """The implementation `name` means here: "auto" is the native kernel where it is built for
-    this platform, else the reference; `MINIVLLM_KERNELS=reference` forces the reference."""
+    this platform, else the reference; `MINIVLLM_KERNELS=reference` forces the reference.
+
+    A "native" answer means the kernels are loaded (their FFI targets registered): a program
+    loaded whole from the program cache is never traced, so nothing else would load them."""
     from minivllm_jax import kernels
 
     if name == "auto":
         return "native" if kernels.native_available() else "reference"
     get_attention(name)  # unknown names fail here, before any tracing
-    return "reference" if kernels.reference_forced() else name
+    if kernels.reference_forced():
+        return "reference"
+    if name == "native" and not kernels.native_available():
+        raise ValueError("attention='native' needs the native kernels, which are not available here (not built "
+                         "or not a CPU backend: python -m minivllm_jax.kernels.build); use 'auto' or 'reference'")
+    return name

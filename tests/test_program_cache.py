@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from minivllm_jax import LLM, SamplingParams
+from minivllm_jax import LLM, SamplingParams, kernels
 from minivllm_jax.program_cache import ProgramCache, program_key
 
 
@@ -78,10 +78,15 @@ def test_without_a_directory_it_only_compiles(tmp_path):
     np.testing.assert_array_equal(program(*_args())[0], np.arange(8) * 2.0 + 1)
 
 
-def test_engine_warm_start_loads_every_program(tiny_model_with_tokenizer, tmp_path):
+@pytest.mark.parametrize("attention", ["reference", "native"])
+def test_engine_warm_start_loads_every_program(tiny_model_with_tokenizer, tmp_path, attention):
     """A second LLM over the same cache folder loads all its programs (none traced) and gives
-    the same greedy and seeded tokens as the first, which compiled them."""
-    kwargs = dict(max_num_seqs=4, max_model_len=128, num_pages=24, use_tqdm=False, compilation_cache_dir=str(tmp_path))
+    the same greedy and seeded tokens as the first, which compiled them. With the native
+    attention too: its kernels must be registered before a program that calls them loads."""
+    if attention == "native" and not kernels.native_available():
+        pytest.skip("native kernels not available (not built, or MINIVLLM_KERNELS=reference)")
+    kwargs = dict(max_num_seqs=4, max_model_len=128, num_pages=24, use_tqdm=False, compilation_cache_dir=str(tmp_path),
+                  attention=attention)  # fmt: skip
     prompts = [[5, 6, 7, 8, 9], list(range(10, 40))]
     params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)]  # fmt: skip

@@ -3,8 +3,8 @@
 //
 // Work items are (sequence, kv head, tile of query tokens), spread over OpenMP threads. One item
 // keeps the queries of its tile and the whole group (tile x G rows) together, so every K/V page
-// is read once per item, in place (no gather copy), for all of them: an online softmax over the cached pages, then over
-// the step's own new keys (causal). K pages are [hd, page_size] (keys along the fast axis, so a
+// is read once per item, in place (no gather copy), for all of them: an online softmax over the
+// cached pages, then over the step's own new keys (causal). K pages are [hd, page_size] (keys along the fast axis, so a
 // page's scores for one query are page_size-wide multiply-adds); V pages are [page_size, hd].
 
 #include <algorithm>
@@ -80,7 +80,7 @@ inline void AttendBlock(const float* q, int64_t rows, int64_t hd, const KeyBlock
     const float rescale = ExpNonPositive(m[r] - m_new);
     float sum = 0.0f;
     for (int j = 0; j < kb.n; ++j) {
-      sc[j] = ExpNonPositive(sc[j] - m_new);
+      sc[j] = j < n_visible ? ExpNonPositive(sc[j] - m_new) : 0.0f;  // masked keys weigh exactly 0
       sum += sc[j];
     }
     l[r] = l[r] * rescale + sum;
