@@ -123,7 +123,8 @@ class EngineConfig:
     - `target_ttft_ms`: a prompt that has waited this long gets the full budget anyway.
     - `max_batch_wait_ms`: hold new admissions up to this long to gather a bigger batch.
     - `attention`: which implementation of the ragged attention contract runs
-      (`minivllm_jax.attention.ATTENTION`: "reference" or "native"; `LLM` also takes "auto").
+      (`minivllm_jax.attention.ATTENTION`: "reference" or "native", or "auto": native where
+      the kernels are built; the runner resolves it with `resolve_attention`).
     - `async_scheduling`: schedule and dispatch step N+1 before reading step N's tokens (they
       are fed back on the device), so host work overlaps the device step; False waits for
       each step before scheduling the next (same tokens either way).
@@ -138,7 +139,7 @@ class EngineConfig:
     target_tpot_ms: float | None = None
     target_ttft_ms: float | None = None
     max_batch_wait_ms: float = 0.0
-    attention: str = "reference"
+    attention: str = "auto"  # "native" where the kernels are built, else "reference"
     async_scheduling: bool = True
 
     def __post_init__(self) -> None:

@@ -60,7 +60,7 @@ class LLM:
         target_tpot_ms: float | None = None,
         target_ttft_ms: float | None = None,
         max_batch_wait_ms: float = 0.0,
-        attention: str = "reference",
+        attention: str = "auto",
         async_scheduling: bool = True,
         quantization: str | None = None,
         seed: int = 0,

@@ -75,7 +75,8 @@ def _environment_digest() -> str:
                  jax.config.jax_default_matmul_precision, jax.config.jax_threefry_partitionable,
                  _cpu_identity()):  # fmt: skip
         h.update(repr(part).encode() + b"\0")
-    for path in sorted(_PACKAGE.rglob("*.py")):
+    # The sources of the native kernels too: a program calls them by name, so their code is part of it.
+    for path in sorted([*_PACKAGE.rglob("*.py"), *_PACKAGE.rglob("*.cc")]):
         h.update(str(path.relative_to(_PACKAGE)).encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
 

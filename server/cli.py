@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a prompt waiting this long gets the whole token budget (default: off)")
     p.add_argument("--max-batch-wait-ms", type=float, default=0.0,
                    help="hold new admissions up to this long to gather a bigger batch (default: 0, run now)")
-    p.add_argument("--attention", default="reference", choices=["auto", "native", "reference"],
+    p.add_argument("--attention", default="auto", choices=["auto", "native", "reference"],
                    help="attention implementation: the pure-JAX reference, the native CPU kernel, or auto "
                         "(native where built); MINIVLLM_KERNELS=reference forces the reference")  # fmt: skip
     p.add_argument("--no-async-scheduling", action="store_true",

@@ -47,11 +47,16 @@ def random_step(rng, kvh, g, hd, ps, specs, num_pages=160, layers=2, extra_token
 @pytest.mark.skipif(not kernels.native_available(), reason="native kernels not available (not built, or MINIVLLM_KERNELS=reference)")
 @pytest.mark.parametrize("kvh,g,hd,ps", SHAPES)
 @pytest.mark.parametrize("seed", [0, 1])
-def test_native_attention_equals_reference(kvh, g, hd, ps, seed):
+@pytest.mark.parametrize("decodes", ["many", "few"])
+def test_native_attention_equals_reference(kvh, g, hd, ps, seed, decodes):
     """Random ragged steps: decodes at and around page boundaries, fresh prompts, chunks after
-    cached context that span several blocks of new keys, padding tokens and padded sequences."""
+    cached context that span several blocks of new keys, padding tokens and padded sequences.
+    With many decodes the kernel reads all kv heads of a sequence in one work item, with few
+    one head per item: both must agree."""
     rng = np.random.default_rng(seed)
     boundary = [(ps * k + d, 1) for k in (1, 3) for d in (-1, 0, 1)]
+    if decodes == "few":
+        boundary = boundary[1:3]
     specs = boundary + [(0, 1), (0, 7), (2 * ps, 37), (5 * ps + 1, 20), (int(rng.integers(1, 90)), 1), (0, 18)]
     q, k_new, v_new, cache, batch = random_step(rng, kvh, g, hd, ps, specs)
     native, reference = jax.jit(get_attention("native")), jax.jit(get_attention("reference"))

@@ -23,6 +23,7 @@ constexpr float kMasked = -1e30f;  // a score that no key may see (finite: exp u
 constexpr int kMaxBlock = 64;      // keys scored at once: a page (page_size <= 64)
 constexpr int kNewBlock = 16;      // new keys scored at once (transposed into a buffer)
 constexpr int kQueryTile = 32;     // query tokens of one work item
+constexpr int kPrefetchAhead = 1;  // pages: while one page is scored, this one ahead is fetched
 
 // exp(x) for x <= 0, vectorizable (std::exp is a scalar call): 2^(x log2 e) split into an
 // integer power, set in the exponent bits, and a degree-6 polynomial on [-0.5, 0.5];
@@ -95,65 +96,122 @@ inline void AttendBlock(const float* q, int64_t rows, int64_t hd, const KeyBlock
   }
 }
 
-// The same for a compile-time head_dim and block width (the shapes that serve: hd 64 or 128,
-// page_size 16), four rows at a time: each K row loaded once feeds four independent
-// accumulator chains (one chain would wait on FMA latency), and each row's value sum stays
-// in registers across the block's keys. `q` must have RB - 1 readable rows past `rows`.
-template <int HD, int W, typename Visible>
+// The fixed-shape path (the shapes that serve: head_dim 64 or 128, blocks of 16 keys), in GCC
+// vector extensions (one v16 is a zmm register, or two ymm: no intrinsics, any target).
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));  // unaligned loads
+typedef int32_t i16v __attribute__((vector_size(64)));
+
+inline v16 Load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+inline void Store16(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
+
+// ExpNonPositive, 16 lanes at once.
+inline v16 Exp16(v16 x) {
+  const v16 lo = v16{} - 87.0f;
+  x = x < lo ? lo : x;
+  const v16 y = x * 1.44269504088896341f;
+  const v16 n = (y + 12582912.0f) - 12582912.0f;  // round to nearest (|y| < 2^22)
+  const v16 f = (y - n) * 0.693147180559945309f;
+  v16 p = v16{} + 1.0f / 720.0f;
+  p = p * f + 1.0f / 120.0f;
+  p = p * f + 1.0f / 24.0f;
+  p = p * f + 1.0f / 6.0f;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  p = p * f + 1.0f;
+  const i16v bits = (__builtin_convertvector(n, i16v) + 127) << 23;
+  return p * (v16)bits;  // a vector cast keeps the bits
+}
+
+// `RB` rows at a time against one block of up to 16 keys: scores as RB accumulator chains
+// (each K row loaded once feeds all RB; RB = 8 keeps both FMA pipes busy), then the value sums
+// `PR` rows at a time with the rows' accumulators in registers across the block's keys.
+// Prefetches the block after next (`next_k`/`next_v`, one cache line per head_dim step) so the
+// memory streams while this block computes: a decode step is bound by reading the pages.
+// `q` must have RB - 1 readable rows past `rows`.
+template <int HD, int RB, typename Visible>
 inline void AttendBlockFixed(const float* q, int64_t rows, const KeyBlock& kb, Visible visible, float* m,
-                             float* l, float* acc) {
-  constexpr int RB = 4;
+                             float* l, float* acc, const float* next_k, const float* next_v) {
+  constexpr int W = 16, NV = HD / 16, PR = HD == 64 ? 4 : 2;
+  static_assert(RB % PR == 0, "row block must split into value-sum blocks");
+  const i16v lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int64_t r0 = 0; r0 < rows; r0 += RB) {
     int n_vis[RB];
-    bool any = false;
+    int any = 0;
     for (int rb = 0; rb < RB; ++rb) {
       n_vis[rb] = r0 + rb < rows ? std::min(visible(r0 + rb), kb.n) : 0;
-      any |= n_vis[rb] > 0;
+      any = std::max(any, n_vis[rb]);
     }
-    if (!any) continue;
-    alignas(64) float sc[RB][W] = {};
+    if (any <= 0) continue;
+    v16 sc[RB];
+    for (int rb = 0; rb < RB; ++rb) sc[rb] = v16{};
+    const float* qb = q + r0 * HD;
     for (int d = 0; d < HD; ++d) {
-      const float* krow = kb.k + d * kb.k_stride;
-      for (int rb = 0; rb < RB; ++rb) {
-        const float qv = q[(r0 + rb) * HD + d];
-        for (int j = 0; j < W; ++j) sc[rb][j] += qv * krow[j];
+      if (next_k != nullptr && r0 == 0) {
+        __builtin_prefetch(next_k + d * 16);
+        __builtin_prefetch(next_v + d * 16);
       }
+      const v16 k = Load16(kb.k + d * kb.k_stride);
+      for (int rb = 0; rb < RB; ++rb) sc[rb] += qb[rb * HD + d] * k;
     }
+    alignas(64) float p[RB][W];
+    float rescale[RB];
     for (int rb = 0; rb < RB; ++rb) {
-      if (n_vis[rb] <= 0) continue;
       const int64_t r = r0 + rb;
+      if (n_vis[rb] <= 0) {
+        Store16(p[rb], v16{});
+        rescale[rb] = 1.0f;
+        continue;
+      }
+      const v16 s = lane < n_vis[rb] ? sc[rb] : v16{} + kMasked;
       float block_max = kMasked;
-      for (int j = 0; j < W; ++j) {
-        sc[rb][j] = j < n_vis[rb] ? sc[rb][j] : kMasked;
-        block_max = std::max(block_max, sc[rb][j]);
-      }
+      for (int j = 0; j < W; ++j) block_max = std::max(block_max, s[j]);
       const float m_new = std::max(m[r], block_max);
-      const float rescale = ExpNonPositive(m[r] - m_new);
+      rescale[rb] = ExpNonPositive(m[r] - m_new);
+      const v16 e = lane < n_vis[rb] ? Exp16(s - m_new) : v16{};  // masked keys weigh exactly 0
       float sum = 0.0f;
-      for (int j = 0; j < W; ++j) {
-        sc[rb][j] = j < n_vis[rb] ? ExpNonPositive(sc[rb][j] - m_new) : 0.0f;
-        sum += sc[rb][j];
-      }
-      l[r] = l[r] * rescale + sum;
+      for (int j = 0; j < W; ++j) sum += e[j];
+      Store16(p[rb], e);
+      l[r] = l[r] * rescale[rb] + sum;
       m[r] = m_new;
-      alignas(64) float a[HD];
-      for (int d = 0; d < HD; ++d) a[d] = acc[r * HD + d] * rescale;
-      for (int j = 0; j < n_vis[rb]; ++j) {  // never past the block's keys (V rows may end there)
-        const float pj = sc[rb][j];
+    }
+    for (int pr0 = 0; pr0 < RB && r0 + pr0 < rows; pr0 += PR) {
+      int n_keys = 0;
+      for (int pr = 0; pr < PR; ++pr) n_keys = std::max(n_keys, n_vis[pr0 + pr]);
+      if (n_keys <= 0) continue;
+      const int64_t n_rows = std::min<int64_t>(PR, rows - r0 - pr0);
+      v16 a[PR][NV];
+      for (int pr = 0; pr < PR; ++pr)
+        for (int c = 0; c < NV; ++c)
+          a[pr][c] = pr < n_rows ? Load16(acc + (r0 + pr0 + pr) * HD + c * 16) * rescale[pr0 + pr] : v16{};
+      for (int j = 0; j < n_keys; ++j) {  // never past the block's keys (V rows may end there)
         const float* vrow = kb.v + j * kb.v_stride;
-        for (int d = 0; d < HD; ++d) a[d] += pj * vrow[d];
+        v16 v[NV];
+        for (int c = 0; c < NV; ++c) v[c] = Load16(vrow + c * 16);
+        for (int pr = 0; pr < PR; ++pr) {
+          const float pj = p[pr0 + pr][j];
+          for (int c = 0; c < NV; ++c) a[pr][c] += pj * v[c];
+        }
       }
-      for (int d = 0; d < HD; ++d) acc[r * HD + d] = a[d];
+      for (int pr = 0; pr < n_rows; ++pr)
+        for (int c = 0; c < NV; ++c) Store16(acc + (r0 + pr0 + pr) * HD + c * 16, a[pr][c]);
     }
   }
 }
 
-// Dispatch: the fixed-shape path where it exists, else the general one.
+// Dispatch: the fixed-shape path where it exists (4-row blocks for a decode's few rows, 8 for
+// a prompt chunk's many), else the general one.
 template <typename Visible>
 inline void Attend(const float* q, int64_t rows, int64_t hd, const KeyBlock& kb, int width, Visible visible,
-                   float* m, float* l, float* acc) {
-  if (hd == 64 && width == 16) return AttendBlockFixed<64, 16>(q, rows, kb, visible, m, l, acc);
-  if (hd == 128 && width == 16) return AttendBlockFixed<128, 16>(q, rows, kb, visible, m, l, acc);
+                   float* m, float* l, float* acc, const float* next_k = nullptr, const float* next_v = nullptr) {
+  if (width == 16 && hd == 64) {
+    if (rows <= 4) return AttendBlockFixed<64, 4>(q, rows, kb, visible, m, l, acc, next_k, next_v);
+    return AttendBlockFixed<64, 8>(q, rows, kb, visible, m, l, acc, next_k, next_v);
+  }
+  if (width == 16 && hd == 128) {
+    if (rows <= 4) return AttendBlockFixed<128, 4>(q, rows, kb, visible, m, l, acc, next_k, next_v);
+    return AttendBlockFixed<128, 8>(q, rows, kb, visible, m, l, acc, next_k, next_v);
+  }
   AttendBlock(q, rows, hd, kb, visible, m, l, acc);
 }
 
@@ -196,16 +254,27 @@ ffi::Error RaggedPagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F3
   float* op = out->typed_data();
   std::memset(op, 0, sizeof(float) * T * H * hd);  // padding tokens give zeros
 
-  // Work items: (sequence, kv head, tile of up to kQueryTile query tokens). Tiles let a long
-  // prompt chunk use every thread; each item reads its sequence's pages itself.
+  // Work items: (sequence, tile of up to kQueryTile query tokens, kv heads). Tiles let a long
+  // prompt chunk use every thread. A decode's item takes all kv heads of its sequence when
+  // there are enough sequences to keep the threads busy: a page's heads are contiguous, so it
+  // then streams one long block of K and one of V per page instead of KVH short ones.
   struct Item {
-    int64_t s, h, i_lo, i_hi;
+    int64_t s, i_lo, i_hi, h_lo, h_hi;
   };
+  int64_t n_decodes = 0;
+  for (int64_t s = 0; s < S; ++s) n_decodes += ql[s] == 1;
+  const bool group_heads = n_decodes >= 8;
   std::vector<Item> items;
   for (int64_t s = 0; s < S; ++s) {
     if (ql[s] <= 0 || qs[s] < 0 || qs[s] + ql[s] > T) continue;
-    for (int64_t i = 0; i < ql[s]; i += kQueryTile)
-      for (int64_t h = 0; h < KVH; ++h) items.push_back({s, h, i, std::min<int64_t>(ql[s], i + kQueryTile)});
+    for (int64_t i = 0; i < ql[s]; i += kQueryTile) {
+      const int64_t i_hi = std::min<int64_t>(ql[s], i + kQueryTile);
+      if (group_heads && ql[s] == 1) {
+        items.push_back({s, i, i_hi, 0, KVH});
+      } else {
+        for (int64_t h = 0; h < KVH; ++h) items.push_back({s, i, i_hi, h, h + 1});
+      }
+    }
   }
 
 #pragma omp parallel
@@ -213,57 +282,74 @@ ffi::Error RaggedPagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F3
     std::vector<float> qbuf, acc, m, l, k_block(hd * kNewBlock);
 #pragma omp for schedule(dynamic, 1)
     for (size_t it = 0; it < items.size(); ++it) {
-      const int64_t s = items[it].s, h = items[it].h, i_lo = items[it].i_lo, i_hi = items[it].i_hi;
+      const Item& item = items[it];
+      const int64_t s = item.s, i_lo = item.i_lo, i_hi = item.i_hi, h_lo = item.h_lo, nh = item.h_hi - h_lo;
       const int64_t ctx = cl[s], q0 = qs[s];
-      const int64_t R = (i_hi - i_lo) * G;  // row r = (i - i_lo) * G + g: query token i, group member g
-      qbuf.assign((R + 4) * hd, 0.0f);  // 4 zero rows past the end: the fixed path reads 4 at a time
-      acc.assign(R * hd, 0.0f);
-      m.assign(R, kMasked);
-      l.assign(R, 0.0f);
-      for (int64_t i = i_lo; i < i_hi; ++i)
-        for (int64_t g = 0; g < G; ++g) {
-          const float* src = qp + ((q0 + i) * H + h * G + g) * hd;
-          float* dst = qbuf.data() + ((i - i_lo) * G + g) * hd;
-          for (int64_t d = 0; d < hd; ++d) dst[d] = src[d] * scale;
-        }
-      // Cached context, read in place: every cached token precedes every new one.
-      const int64_t n_pages = (ctx + ps - 1) / ps;
+      // Per head, row r = (i - i_lo) * G + g: query token i, group member g.
+      const int64_t R = (i_hi - i_lo) * G;
+      qbuf.assign((nh * R + 8) * hd, 0.0f);  // 8 zero rows past the end: the fixed path reads 8 at a time
+      acc.assign(nh * R * hd, 0.0f);
+      m.assign(nh * R, kMasked);
+      l.assign(nh * R, 0.0f);
+      for (int64_t hh = 0; hh < nh; ++hh)
+        for (int64_t i = i_lo; i < i_hi; ++i)
+          for (int64_t g = 0; g < G; ++g) {
+            const float* src = qp + ((q0 + i) * H + (h_lo + hh) * G + g) * hd;
+            float* dst = qbuf.data() + (hh * R + (i - i_lo) * G + g) * hd;
+            for (int64_t d = 0; d < hd; ++d) dst[d] = src[d] * scale;
+          }
+      // Cached context, read in place: every cached token precedes every new one. While a
+      // page is scored, the same head's block of the next page is prefetched.
+      const int64_t n_pages = std::min<int64_t>((ctx + ps - 1) / ps, N - pst[s]);
+      auto page_at = [&](int64_t c) -> int64_t {
+        if (c >= n_pages || pst[s] + c < 0) return -1;
+        const int64_t page = pid[pst[s] + c];
+        return page >= 0 && page < P ? page : -1;
+      };
       for (int64_t c = 0; c < n_pages; ++c) {
-        const int64_t entry = pst[s] + c;
-        if (entry < 0 || entry >= N) break;
-        const int64_t page = pid[entry];
-        if (page < 0 || page >= P) continue;
+        const int64_t page = page_at(c), next = page_at(c + kPrefetchAhead);
+        if (page < 0) continue;
         const int n_keys = static_cast<int>(std::min<int64_t>(ps, ctx - c * ps));
-        const KeyBlock kb{kc + (page * KVH + h) * hd * ps, ps, vc + (page * KVH + h) * ps * hd, hd,
-                          static_cast<int>(ps)};
-        Attend(qbuf.data(), R, hd, kb, static_cast<int>(ps), [&](int64_t) { return n_keys; }, m.data(), l.data(),
-               acc.data());
+        for (int64_t hh = 0; hh < nh; ++hh) {
+          const int64_t h = h_lo + hh;
+          const KeyBlock kb{kc + (page * KVH + h) * hd * ps, ps, vc + (page * KVH + h) * ps * hd, hd,
+                            static_cast<int>(ps)};
+          const float* next_k = next >= 0 ? kc + (next * KVH + h) * hd * ps : nullptr;
+          const float* next_v = next >= 0 ? vc + (next * KVH + h) * ps * hd : nullptr;
+          Attend(qbuf.data() + hh * R * hd, R, hd, kb, static_cast<int>(ps), [&](int64_t) { return n_keys; },
+                 m.data() + hh * R, l.data() + hh * R, acc.data() + hh * R * hd, next_k, next_v);
+        }
       }
       // The step's new tokens, causally (query i sees new keys 0..i), in blocks of kNewBlock
       // keys with K transposed into a [hd, kNewBlock] buffer (zero past the block's keys).
-      for (int64_t j0 = 0; j0 < i_hi; j0 += kNewBlock) {
-        const int n = static_cast<int>(std::min<int64_t>(kNewBlock, i_hi - j0));
-        std::fill(k_block.begin(), k_block.end(), 0.0f);
-        for (int j = 0; j < n; ++j) {
-          const float* kr = knp + ((q0 + j0 + j) * KVH + h) * hd;
-          for (int64_t d = 0; d < hd; ++d) k_block[d * kNewBlock + j] = kr[d];
+      for (int64_t hh = 0; hh < nh; ++hh) {
+        const int64_t h = h_lo + hh;
+        float* mh = m.data() + hh * R;
+        float* lh = l.data() + hh * R;
+        float* ah = acc.data() + hh * R * hd;
+        const float* qh = qbuf.data() + hh * R * hd;
+        for (int64_t j0 = 0; j0 < i_hi; j0 += kNewBlock) {
+          const int n = static_cast<int>(std::min<int64_t>(kNewBlock, i_hi - j0));
+          std::fill(k_block.begin(), k_block.end(), 0.0f);
+          for (int j = 0; j < n; ++j) {
+            const float* kr = knp + ((q0 + j0 + j) * KVH + h) * hd;
+            for (int64_t d = 0; d < hd; ++d) k_block[d * kNewBlock + j] = kr[d];
+          }
+          const KeyBlock kb{k_block.data(), kNewBlock, vnp + ((q0 + j0) * KVH + h) * hd, KVH * hd, n};
+          const int64_t r0 = std::max<int64_t>(0, j0 - i_lo) * G;  // rows of queries before j0 see none of it
+          Attend(qh + r0 * hd, R - r0, hd, kb, kNewBlock,
+                 [&](int64_t r) { return static_cast<int>(std::min<int64_t>(n, i_lo + (r0 + r) / G - j0 + 1)); },
+                 mh + r0, lh + r0, ah + r0 * hd);
         }
-        const KeyBlock kb{k_block.data(), kNewBlock, vnp + ((q0 + j0) * KVH + h) * hd, KVH * hd, n};
-        const int64_t r0 = std::max<int64_t>(0, j0 - i_lo) * G;  // rows of queries before j0 see none of it
-        Attend(qbuf.data() + r0 * hd, R - r0, hd, kb, kNewBlock,
-               [&](int64_t r) {
-                 return static_cast<int>(std::min<int64_t>(n, i_lo + (r0 + r) / G - j0 + 1));
-               },
-               m.data() + r0, l.data() + r0, acc.data() + r0 * hd);
+        for (int64_t i = i_lo; i < i_hi; ++i)
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t r = (i - i_lo) * G + g;
+            const float inv = lh[r] > 0.0f ? 1.0f / lh[r] : 0.0f;
+            float* dst = op + ((q0 + i) * H + h * G + g) * hd;
+            const float* a = ah + r * hd;
+            for (int64_t d = 0; d < hd; ++d) dst[d] = a[d] * inv;
+          }
       }
-      for (int64_t i = i_lo; i < i_hi; ++i)
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t r = (i - i_lo) * G + g;
-          const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-          float* dst = op + ((q0 + i) * H + h * G + g) * hd;
-          const float* a = acc.data() + r * hd;
-          for (int64_t d = 0; d < hd; ++d) dst[d] = a[d] * inv;
-        }
     }
   }
   return ffi::Error::Success();
