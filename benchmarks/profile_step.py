@@ -8,7 +8,9 @@ tokens and a fresh 64-token prompt chunk. For each shape it times (median of `--
 - `step`: the engine's program (model + penalties + sampling, `minivllm_jax.step.engine_step`);
 - `forward`: the model alone (logits of each sequence's last token);
 - `no attention`: the model with attention replaced by zeros (an implementation registered
-  here only), so `forward - no attention` is the attention and `step - forward` the sampler.
+  here only), so `forward - no attention` is the attention and `step - forward` the sampler;
+- `kv write`: the scatter of the step's new K/V into the cache alone (`kv_cache.write_kv`,
+  part of `forward`), to see whether it is worth a kernel.
 
     python benchmarks/profile_step.py                      # decode, prompt and mixed shapes
     python benchmarks/profile_step.py --shapes 64:1:1500 --reps 5
@@ -89,7 +91,7 @@ def main(argv=None) -> None:
     from minivllm_jax import attention
     from minivllm_jax.batch import build_step_batch
     from minivllm_jax.config import EngineConfig, bucket_for
-    from minivllm_jax.kv_cache import init_kv_cache
+    from minivllm_jax.kv_cache import init_kv_cache, write_kv
     from minivllm_jax.models.llama import forward, init_params, unstack_layers
     from minivllm_jax.runtime import keep_freed_memory
     from minivllm_jax.sampler import make_sampling_arrays
@@ -115,11 +117,12 @@ def main(argv=None) -> None:
 
     step_fn = jax.jit(engine_step, static_argnames=("cfg", "attention"), donate_argnames=("cache", "penalty_state"))
     fwd = jax.jit(forward, static_argnames=("cfg", "attention", "all_logits"), donate_argnames=("cache",))
+    write = jax.jit(write_kv, donate_argnames=("cache",))
 
     print(f"model {'tiny' if args.quick else 'SmolLM2-135M'} {args.dtype}, page_size {args.page_size}, {num_pages} pages, "
           f"attention {impl}")  # fmt: skip
     print(f"{'shape':>22} {'T':>4} {'S':>3} {'compile s':>9} {'step ms':>8} {'forward':>8} {'no attn':>8} "
-          f"{'attention':>9} {'sampler':>8} {'tok/s':>8}")  # fmt: skip
+          f"{'attention':>9} {'sampler':>8} {'kv write':>8} {'tok/s':>8}")  # fmt: skip
     for text, group in zip(shapes, groups):
         chunks = make_chunks(rng, group, args.page_size, num_pages)
         tokens = sum(len(c.token_ids) for c in chunks)
@@ -153,11 +156,20 @@ def main(argv=None) -> None:
             logits, cache = fwd(params, cache, batch, cfg, impl)
             logits.block_until_ready()
 
+        new_kv = jnp.zeros((cfg.num_layers, T, cfg.num_kv_heads, cfg.head_dim), dtype)
+
+        def run_write() -> None:
+            nonlocal cache
+            cache = write(cache, new_kv, new_kv, batch.slot_mapping)
+            jax.block_until_ready(cache)
+
         step_ms = timed(run_step)
         fwd_ms = timed(lambda: run_forward(impl))
         bare_ms = timed(lambda: run_forward("none"))
+        write_ms = timed(run_write)
         print(f"{text:>22} {T:>4} {S:>3} {compile_s:>9.2f} {step_ms:>8.1f} {fwd_ms:>8.1f} {bare_ms:>8.1f} "
-              f"{fwd_ms - bare_ms:>9.1f} {step_ms - fwd_ms:>8.1f} {tokens / step_ms * 1e3:>8.1f}", flush=True)  # fmt: skip
+              f"{fwd_ms - bare_ms:>9.1f} {step_ms - fwd_ms:>8.1f} {write_ms:>8.1f} {tokens / step_ms * 1e3:>8.1f}",
+              flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -101,6 +101,9 @@ class ModelRunner:
         return program
 
     def _step_program(self, num_tokens: int, num_seqs: int) -> Any:
+        program = self._programs.get(("step", num_tokens, num_seqs))
+        if program is not None:  # every step after warm-up: no abstract arguments to build
+            return program
         batch = _abstract(_empty_batch(self.config, num_tokens, num_seqs))
         sampling = _abstract(make_sampling_arrays([], num_seqs))
         penalty_rows = _abstract(PenaltyRows(np.zeros(num_seqs, np.int32), np.zeros(num_seqs, np.int32), np.bool_(False)))
