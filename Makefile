@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.minivllm-installed
+PEER_STAMP := $(VENV)/.minivllm-peer-installed
 KERNELS := minivllm_jax/kernels/_build/libminivllm_kernels.so
 PYTEST_ARGS ?=
 
@@ -32,7 +33,14 @@ run: setup
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-bench: setup
+# The llama.cpp peer (the `peer` extra), built once. If it cannot build, this warns and the
+# benchmarks run without it (each prints why it skipped the peer); the next `make bench` retries.
+$(PEER_STAMP): $(STAMP)
+	@echo "installing the llama.cpp peer (llama-cpp-python, built from source once: about 15 minutes)"
+	$(PY) -m pip install -q -e ".[peer]" && touch $(PEER_STAMP) || \
+		echo "warning: llama-cpp-python did not install; benchmarks run without the llama.cpp peer"
+
+bench: setup $(PEER_STAMP)
 	$(PY) benchmarks/run_all.py $(BENCH_ARGS)
 
 clean-venv:

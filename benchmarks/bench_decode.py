@@ -1,9 +1,11 @@
-"""Batch-1 greedy decode: our jitted JAX step vs HF transformers `generate` (PyTorch), same run.
+"""Batch-1 greedy decode: our jitted JAX step vs HF transformers `generate` (PyTorch) and
+llama.cpp (on the shipped Q4_1 GGUF and on an F32 GGUF of the same weights), same run.
 
 Reports compile times, time to first token, and decode tokens/s (tokens after the first,
-medians over repetitions) for both, on the same prompt and thread count.
+medians over repetitions) for each, on the same prompt and thread count, and how many of
+llama.cpp's greedy tokens agree with ours.
 
-    python benchmarks/bench_decode.py [--tokens 128] [--reps 3] [--quick]
+    python benchmarks/bench_decode.py [--tokens 128] [--reps 3] [--quick] [--no-llamacpp]
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import llamacpp_peer  # noqa: E402
 from benchmarks.common import RESULTS, load_hf_model, write_result  # noqa: E402
 
 
@@ -26,8 +29,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt", default="Write a short story about a robot learning to paint.")
     p.add_argument("--tokens", type=int, default=128, help="new tokens per run")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2, help="torch threads (XLA uses the same cores)")
+    p.add_argument("--threads", type=int, default=2, help="torch and llama.cpp threads (XLA uses the same cores)")
     p.add_argument("--no-hf", action="store_true", help="skip the PyTorch peer")
+    llamacpp_peer.add_peer_args(p)
     p.add_argument("--quick", action="store_true", help="16 tokens, 1 rep")
     p.add_argument("--out", default=str(RESULTS / "decode.json"))
     return p.parse_args(argv)
@@ -62,13 +66,18 @@ def bench_ours(model: str, prompt_ids: list[int], tokens: int, reps: int) -> dic
     runs = []
     for _ in range(reps):
         start = time.perf_counter()
-        stamps = []
-        for _tok in greedy_stream(params, cfg, prompt_ids, tokens):
+        stamps, ids = [], []
+        for tok in greedy_stream(params, cfg, prompt_ids, tokens):
             stamps.append(time.perf_counter())
+            ids.append(tok)
         runs.append({"ttft_s": stamps[0] - start, "decode_tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])})
     jax.clear_caches()
+    return {"compile_s": compile_s, **_medians(runs), "token_ids": ids}
+
+
+def _medians(runs: list[dict]) -> dict:
+    """Median TTFT and decode tok/s over the repetitions, with the runs themselves."""
     return {
-        "compile_s": compile_s,
         "ttft_s": statistics.median(r["ttft_s"] for r in runs),
         "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
         "runs": runs,
@@ -91,10 +100,25 @@ def bench_hf(model: str, prompt_ids: list[int], tokens: int, reps: int, threads:
             hf.generate(ids, max_new_tokens=tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
             total = time.perf_counter() - start
             runs.append({"ttft_s": ttft, "decode_tok_s": (tokens - 1) / max(total - ttft, 1e-9)})
+    return _medians(runs)
+
+
+def bench_llamacpp(path: Path, prompt_ids: list[int], tokens: int, reps: int, threads: int, ours: dict) -> dict:
+    """llama.cpp's batch-1 greedy decode of exactly `tokens` tokens on GGUF `path`, measured as
+    ours is (TTFT; tokens after the first over their time), and how many agree with ours."""
+    runs = []
+    with llamacpp_peer.LlamaCppPeer(path, threads) as peer:
+        for _ in range(reps):
+            r = peer.run([prompt_ids], [tokens], 1)
+            t, ids = r.token_times[0], r.token_ids[0]
+            runs.append({"ttft_s": t[0] - r.arrival[0], "decode_tok_s": (len(t) - 1) / max(t[-1] - t[0], 1e-9)})
+    medians = _medians(runs)
     return {
-        "ttft_s": statistics.median(r["ttft_s"] for r in runs),
-        "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
-        "runs": runs,
+        "gguf": path.name,
+        **medians,
+        "ours_speedup": ours["decode_tok_s"] / medians["decode_tok_s"],
+        "tokens_agreeing_with_ours": llamacpp_peer.common_prefix(ids, ours["token_ids"]),
+        "token_ids": ids,
     }
 
 
@@ -120,12 +144,18 @@ def main(argv=None) -> int:
     if not args.no_hf:
         result["hf"] = bench_hf(args.model, prompt_ids, args.tokens, args.reps, args.threads)
         result["speedup"] = result["ours"]["decode_tok_s"] / result["hf"]["decode_tok_s"]
+    llamacpp_peer.run_variants(args, result, lambda _, path: bench_llamacpp(
+        path, prompt_ids, args.tokens, args.reps, args.threads, result["ours"]))  # fmt: skip
     write_result(result, args.out)
     print(f"ours: decode {result['ours']['decode_tok_s']:.1f} tok/s, ttft {result['ours']['ttft_s'] * 1e3:.0f} ms, "
           f"compile {result['ours']['compile_s']}")  # fmt: skip
     if "hf" in result:
         print(f"HF:   decode {result['hf']['decode_tok_s']:.1f} tok/s, ttft {result['hf']['ttft_s'] * 1e3:.0f} ms")
         print(f"speedup {result['speedup']:.2f}x")
+    for variant, r in result.get("llamacpp", {}).items():
+        print(f"llama.cpp {variant}: decode {r['decode_tok_s']:.1f} tok/s, ttft {r['ttft_s'] * 1e3:.0f} ms, "
+              f"ours/llama.cpp {r['ours_speedup']:.2f}x, first {r['tokens_agreeing_with_ours']} of "
+              f"{args.tokens} greedy tokens agree with ours")  # fmt: skip
     return 0
 
 

@@ -12,13 +12,16 @@ compiled before timing and `num_compiles` must not change while timing (checked,
 PyTorch peer: the same requests in static batches of C with left padding (`generate`, no
 EOS, greedy); a request's tokens are timestamped by a streamer, and a closed-loop user whose
 request finished early waits for the whole batch, so its next TTFT includes that wait.
+llama.cpp peer (llama-cpp-python, on the shipped Q4_1 GGUF and an F32 GGUF of the same
+weights): C sequences in flight through its multi-sequence batch API, a finished one's slot
+refilled at once (continuous batching, as llama.cpp's server does), greedy argmax.
 
 Prompts are seeded random token ids (fresh ids at each concurrency, same lengths, so the
 prefix cache never hits across levels); outputs are forced to their drawn lengths
 (`ignore_eos`), greedy on both sides.
 
     python benchmarks/bench_latency.py                          # chat preset, C = 1 2 4 8 16 32
-    python benchmarks/bench_latency.py --concurrency 1 8 --num-prompts 16 --no-hf
+    python benchmarks/bench_latency.py --concurrency 1 8 --num-prompts 16 --no-hf --no-llamacpp
     python benchmarks/bench_latency.py --quick                  # smoke test: tiny preset, C = 1 2 4
 """
 
@@ -36,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
+from benchmarks import llamacpp_peer  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     RESULTS,
     Workload,
@@ -67,8 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="our max_model_len (default: next power of two >= longest request, min 128)")  # fmt: skip
     p.add_argument("--num-pages", type=int, default=None, help="our KV pages (default: sized from free memory)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads for the PyTorch peer")
+    p.add_argument("--threads", type=int, default=2, help="torch and llama.cpp threads for the peers")
     p.add_argument("--no-hf", action="store_true", help="skip the PyTorch peer")
+    llamacpp_peer.add_peer_args(p)
     p.add_argument("--quick", action="store_true", help="smoke test: tiny preset, concurrency 1 2 4")
     p.add_argument("--out", default=str(RESULTS / "latency.json"), help="JSON path; the PNG goes beside it")
     args = p.parse_args(argv)
@@ -229,6 +234,26 @@ def run_hf(args: argparse.Namespace, work: Workload, level_prompts: dict[int, li
     return {"load_s": load_s, "threads": args.threads, "batching": batching, "levels": levels}
 
 
+# ------------------------------------------------------------------ llama.cpp peer
+
+
+def run_llamacpp(args: argparse.Namespace, work: Workload, level_prompts: dict[int, list[list[int]]], name: str,
+                 path: Path) -> dict:  # fmt: skip
+    """llama.cpp at the same concurrency levels, on the same prompts: C closed-loop users."""
+    start = time.perf_counter()
+    levels = []
+    with llamacpp_peer.LlamaCppPeer(path, args.threads) as peer:
+        load_s = time.perf_counter() - start
+        for c in args.concurrency:
+            run = peer.run(level_prompts[c], work.output_lens, c, closed_loop=True)
+            records = [request_timings(a, t) for a, t in zip(run.arrival, run.token_times)]
+            level = {"concurrency": c, **latency_summary(records, run.elapsed_s, args.slo_ttft_ms, args.slo_tpot_ms)}
+            levels.append(level)
+            _print_level(name, level)
+    batching = "continuous, C sequences in flight (multi-sequence llama_decode)"
+    return {"gguf": path.name, "load_s": load_s, "threads": args.threads, "batching": batching, "levels": levels}
+
+
 # ------------------------------------------------------------------ report
 
 
@@ -241,27 +266,30 @@ def _print_level(name: str, lv: dict) -> None:
           f"{_ms(lv['tpot_s']['p50'])} ms, {lv['output_tokens_per_s']:.1f} out tok/s", flush=True)  # fmt: skip
 
 
-def print_table(ours: list[dict], hf: list[dict] | None) -> None:
-    """Ours vs HF per concurrency (ms; tok/s; goodput req/s)."""
-    hf_by_c = {lv["concurrency"]: lv for lv in hf or []}
+def print_table(sides: dict[str, list[dict]]) -> None:
+    """Each side's levels per concurrency, ours first (ms; tok/s; goodput req/s)."""
+    by_c = {name: {lv["concurrency"]: lv for lv in levels} for name, levels in sides.items()}
     cols = ["TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p99", "out tok/s", "goodput/s"]
-    print(f"{'C':>4} {'':5}" + "".join(f"{c:>11}" for c in cols))
-    for lv in ours:
-        for name, row in (("ours", lv), ("hf", hf_by_c.get(lv["concurrency"]))):
+    print(f"{'C':>4} {'':15}" + "".join(f"{c:>11}" for c in cols))
+    for lv in sides["ours"]:
+        for name in sides:
+            row = by_c[name].get(lv["concurrency"])
             if row is None:
                 continue
             vals = [_ms(row["ttft_s"]["p50"]), _ms(row["ttft_s"]["p99"]), _ms(row["tpot_s"]["p50"]),
                     _ms(row["tpot_s"]["p99"]), _ms(row["itl_s"]["p99"]), f"{row['output_tokens_per_s']:.1f}",
                     f"{row['goodput']['requests_per_s']:.2f}"]  # fmt: skip
-            print(f"{lv['concurrency']:>4} {name:5}" + "".join(f"{v:>11}" for v in vals))
+            print(f"{lv['concurrency']:>4} {name:15}" + "".join(f"{v:>11}" for v in vals))
 
 
 def plot(result: dict, out: str) -> Path:
-    """TTFT p50/p99, TPOT p50 and output tok/s vs concurrency, ours vs HF."""
+    """TTFT p50/p99, TPOT p50 and output tok/s vs concurrency, ours vs HF and llama.cpp."""
     fig, axes = new_figure(3, width=4.5)
     series = [("ours", result["ours"]["levels"], "tab:blue")]
     if result.get("hf"):
         series.append(("HF generate", result["hf"]["levels"], "tab:orange"))
+    for k, (variant, side) in enumerate((result.get("llamacpp") or {}).items()):
+        series.append((f"llama.cpp {variant}", side["levels"], f"C{2 + k}"))
     for name, levels, color in series:
         cs = [lv["concurrency"] for lv in levels]
         ms = lambda key, q: [(lv[key][q] or 0) * 1000 for lv in levels]  # noqa: E731
@@ -300,7 +328,10 @@ def main(argv: list[str] | None = None) -> int:
         "ours": ours,
         "hf": hf,
     }
-    print_table(ours["levels"], hf["levels"] if hf else None)
+    peer = llamacpp_peer.run_variants(args, result, lambda v, path: run_llamacpp(
+        args, work, level_prompts, f"llama.cpp {v}", path))  # fmt: skip
+    sides = {"ours": ours["levels"], **({"hf": hf["levels"]} if hf else {})}
+    print_table({**sides, **{f"llama.cpp {v}": side["levels"] for v, side in peer.items()}})
     write_result(result, args.out)
     plot(result, args.out)
     if ours["compiles_during_timed"]:

@@ -1,6 +1,9 @@
 """Offline throughput, nano-vllm style: N requests with random input/output lengths (seeded),
 our engine vs the PyTorch peer (HF transformers `generate`, batched with left padding), same
-model, dtype and threads, in the same run, for each --dtype.
+model, dtype and threads, in the same run, for each --dtype; and llama.cpp (llama-cpp-python)
+on the shipped Q4_1 GGUF and an F32 GGUF of the same weights, continuous batching of
+--llamacpp-parallel sequences through its multi-sequence batch API, greedy, measured once
+(its precision is the file's, whatever --dtype says).
 
 Outputs are forced to their drawn lengths (`ignore_eos`; HF with no EOS), so both sides
 produce exactly the same useful tokens. HF runs its batches in input order and decodes each
@@ -10,6 +13,7 @@ Cost per 1M output tokens comes from --usd-per-hour; energy from RAPL / nvidia-s
 readable (see energy.py), else the JSON says why not.
 
     python benchmarks/bench_throughput.py [--preset mixed] [--dtype float32 bfloat16] [--hf-batch 8]
+    python benchmarks/bench_throughput.py --no-llamacpp            # ours and HF only
     python benchmarks/bench_throughput.py --quick --model PATH_TO_TINY_HF_DIR
 """
 
@@ -24,6 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import llamacpp_peer  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     RESULTS,
     Workload,
@@ -53,7 +58,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(overrides --hf-batch)")  # fmt: skip
     p.add_argument("--hf-sweep-prompts", type=int, default=None,
                    help="prefix length for the sweep (default: the largest candidate batch)")  # fmt: skip
-    p.add_argument("--threads", type=int, default=2, help="torch threads (XLA uses the same cores)")
+    p.add_argument("--threads", type=int, default=2, help="torch and llama.cpp threads (XLA uses the same cores)")
+    llamacpp_peer.add_peer_args(p)
+    p.add_argument("--llamacpp-parallel", type=int, default=16, help="llama.cpp sequences in flight (n_parallel); on the mixed workload here 8 and 16 "
+                        "tie and 32 is about 25%% slower")  # fmt: skip
     add_cost_args(p)
     p.add_argument("--quick", action="store_true", help="preset tiny, small engine: a smoke test")
     p.add_argument("--out", default=str(RESULTS / "throughput.json"))
@@ -153,13 +161,35 @@ def run_hf(args: argparse.Namespace, dtype: str, wl: Workload) -> dict[str, Any]
     return result
 
 
+def run_llamacpp(args: argparse.Namespace, path: Path, wl: Workload) -> dict[str, Any]:
+    """llama.cpp on the whole workload at once, --llamacpp-parallel sequences in flight, greedy."""
+    start = time.perf_counter()
+    with llamacpp_peer.LlamaCppPeer(path, args.threads) as peer:
+        startup = time.perf_counter() - start
+        with EnergyMeter() as meter:  # includes llama.cpp's few-token warm-up on the new context
+            run = peer.run(wl.prompts, wl.output_lens, args.llamacpp_parallel)
+    produced = sum(map(len, run.token_ids))
+    assert produced == wl.output_tokens, (produced, wl.output_tokens)
+    return {
+        "gguf": path.name,
+        "n_parallel": args.llamacpp_parallel,
+        "sampling": "greedy",
+        "startup_s": startup,
+        "elapsed_s": run.elapsed_s,
+        "output_tok_s": produced / run.elapsed_s,
+        "total_tok_s": (produced + wl.input_tokens) / run.elapsed_s,
+        **cost_fields(run.elapsed_s, produced, args.usd_per_hour, meter),
+    }
+
+
 def _energy_text(side: dict[str, Any]) -> str:
     e = side["energy"]
     return f"{e['j_per_output_token']:.3f} J/token" if isinstance(e, dict) else "energy n/a"
 
 
 def plot(result: dict[str, Any], out: str | Path) -> Path:
-    """Grouped bars per dtype: output and total tok/s, ours vs HF, with the speedup on top."""
+    """Grouped bars per dtype: output and total tok/s, ours vs HF, with the speedup on top; then
+    one bar per llama.cpp GGUF variant."""
     fig, axes = new_figure(ncols=2, width=5.0)
     dtypes = list(result["by_dtype"])
     for ax, metric in zip(axes[0], ["output_tok_s", "total_tok_s"]):
@@ -172,7 +202,11 @@ def plot(result: dict[str, Any], out: str | Path) -> Path:
             if "speedup" in result["by_dtype"][d] and metric == "output_tok_s":
                 ax.annotate(f"ours/HF {result['by_dtype'][d]['speedup']:.2f}x", (i, 0), xytext=(0, -28),
                             textcoords="offset points", ha="center", fontsize=9)  # fmt: skip
-        ax.set_xticks(range(len(dtypes)), dtypes)
+        peer = result.get("llamacpp", {})
+        for k, (variant, c) in enumerate(peer.items()):
+            bars = ax.bar([len(dtypes) + k], [c[metric]], width=0.38, color=f"C{2 + k}", label=f"llama.cpp {variant}")
+            ax.bar_label(bars, fmt="%.0f", fontsize=8)
+        ax.set_xticks(range(len(dtypes) + len(peer)), dtypes + [f"llama.cpp {v}" for v in peer])
         ax.set_ylabel(metric.replace("_tok_s", " tokens/s"))
         wl = result["workload"]
         ax.set_title(f"{result['model']}: {wl['preset']} workload, {wl['num_prompts']} requests", fontsize=9)
@@ -217,6 +251,11 @@ def main(argv: list[str] | None = None) -> int:
         result["by_dtype"][dtype] = r
     # The first dtype's sides at the top level too, as in the old single-dtype layout.
     result.update({k: v for k, v in result["by_dtype"][args.dtype[0]].items()})
+    for variant, c in llamacpp_peer.run_variants(args, result, lambda _, path: run_llamacpp(args, path, wl)).items():
+        c["ours_speedup"] = result["ours"]["output_tok_s"] / c["output_tok_s"]
+        print(f"llama.cpp {variant}: {c['output_tok_s']:.1f} output tok/s, {c['total_tok_s']:.1f} total tok/s "
+              f"({c['elapsed_s']:.1f} s, {c['n_parallel']} in flight; {_energy_text(c)}); "
+              f"ours ({args.dtype[0]})/llama.cpp output tok/s: {c['ours_speedup']:.2f}x")  # fmt: skip
     write_result(result, args.out)
     plot(result, args.out)
     return 0

@@ -52,29 +52,46 @@ def _fmt(x, digits: int = 1) -> str:
     return "n/a" if x is None else f"{x:,.{digits}f}"
 
 
+def _peer_cells(result: dict, ours: float | None, value) -> tuple[str, str]:
+    """The llama.cpp column ("F32 / Q4_1" values) and ours / llama.cpp F32, from `result["llamacpp"]`
+    with `value(side)` picking the number; blank where the run had no llama.cpp peer."""
+    peer = result.get("llamacpp") or {}
+    if not peer:
+        return "", ""
+    f32, q4 = (value(peer[v]) if v in peer else None for v in ("f32", "q4_1"))
+    ratio = f"{ours / f32:.2f}x" if ours and f32 else ""
+    return f"{_fmt(f32)} / {_fmt(q4)}", ratio
+
+
 def summary() -> str:
-    """The main table (ours vs PyTorch) from whatever results exist; missing ones say n/a."""
-    rows: list[tuple[str, str, str, str]] = []
+    """The main table (ours vs PyTorch, and llama.cpp when its results exist) from whatever
+    results exist; missing ones say n/a."""
+    rows: list[tuple[str, ...]] = []
     tp = _load("throughput") or {}
     ours, hf = tp.get("ours", {}), tp.get("hf", {})
     rows.append(("offline throughput, output tok/s (mixed, fp32)", _fmt(ours.get("output_tok_s")),
-                 _fmt(hf.get("output_tok_s")), _fmt(tp.get("speedup"), 2) + "x"))  # fmt: skip
-    rows.append(("offline throughput, total tok/s", _fmt(ours.get("total_tok_s")), _fmt(hf.get("total_tok_s")), ""))
+                 _fmt(hf.get("output_tok_s")), _fmt(tp.get("speedup"), 2) + "x",
+                 *_peer_cells(tp, ours.get("output_tok_s"), lambda c: c.get("output_tok_s"))))  # fmt: skip
+    rows.append(("offline throughput, total tok/s", _fmt(ours.get("total_tok_s")), _fmt(hf.get("total_tok_s")), "",
+                 *_peer_cells(tp, ours.get("total_tok_s"), lambda c: c.get("total_tok_s"))))  # fmt: skip
     bf = _load("throughput_bf16") or {}
     rows.append(("offline throughput, output tok/s (chat, bf16)", _fmt(bf.get("ours", {}).get("output_tok_s")),
                  _fmt(bf.get("hf", {}).get("output_tok_s")), _fmt(bf.get("speedup"), 2) + "x"))  # fmt: skip
     dec = _load("decode") or {}
-    rows.append(("batch-1 greedy decode, tok/s", _fmt(dec.get("ours", {}).get("decode_tok_s")),
-                 _fmt(dec.get("hf", {}).get("decode_tok_s")), _fmt(dec.get("speedup"), 2) + "x"))  # fmt: skip
+    ours_dec = dec.get("ours", {}).get("decode_tok_s")
+    rows.append(("batch-1 greedy decode, tok/s", _fmt(ours_dec), _fmt(dec.get("hf", {}).get("decode_tok_s")),
+                 _fmt(dec.get("speedup"), 2) + "x",
+                 *_peer_cells(dec, ours_dec, lambda c: c.get("decode_tok_s"))))  # fmt: skip
     lat = _load("latency") or {}
     ms = lambda d, k: None if d is None or d.get(k) is None else 1e3 * d[k]  # noqa: E731
-    ttft8 = {}
-    for side in ("ours", "hf"):
-        levels = (lat.get(side) or {}).get("levels", [])
-        ttft8[side] = next((lv["ttft_s"] for lv in levels if lv["concurrency"] == 8), None)
-    rows.append(("TTFT p50 / p99 at concurrency 8, ms (chat)",
-                 f"{_fmt(ms(ttft8['ours'], 'p50'), 0)} / {_fmt(ms(ttft8['ours'], 'p99'), 0)}",
-                 f"{_fmt(ms(ttft8['hf'], 'p50'), 0)} / {_fmt(ms(ttft8['hf'], 'p99'), 0)}", ""))  # fmt: skip
+
+    def ttft8(side: dict | None) -> str:
+        t = next((lv["ttft_s"] for lv in (side or {}).get("levels", []) if lv["concurrency"] == 8), None)
+        return f"{_fmt(ms(t, 'p50'), 0)} / {_fmt(ms(t, 'p99'), 0)}"
+
+    peer8 = "; ".join(f"{v.upper()}: {ttft8(side)}" for v, side in sorted((lat.get("llamacpp") or {}).items()))
+    rows.append(("TTFT p50 / p99 at concurrency 8, ms (chat)", ttft8(lat.get("ours")), ttft8(lat.get("hf")), "",
+                 peer8, ""))  # fmt: skip
     mem = _load("memory") or {}
     gib = lambda b: None if b is None else b / 2**30  # noqa: E731
     rows.append(("params + KV pool, GiB", _fmt(gib((mem.get("params") or {}).get("bytes")), 2) + " + "
@@ -94,8 +111,12 @@ def summary() -> str:
     start = _load("startup") or {}
     rows.append(("server start-up to /health 200, cold / warm caches, s (targets <= 60 / 15)",
                  f"{_fmt(start.get('cold_s'))} / {_fmt(start.get('warm_s'))}", "", ""))  # fmt: skip
-    lines = ["| metric | minivllm-jax (XLA) | HF transformers (PyTorch) | ratio |", "|---|---|---|---|"]
-    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+    header = ["metric", "minivllm-jax (XLA)", "HF transformers (PyTorch)", "ratio"]
+    if any(r[4:] != ("", "") for r in rows if len(r) > 4):
+        header += ["llama.cpp F32 / Q4_1 GGUF", "ours / llama.cpp F32"]
+    rows = [(*r, "", "")[: len(header)] for r in rows]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
     machine = tp.get("machine") or dec.get("machine") or {}
     stamps = sorted(r["timestamp"] for r in (tp, bf, dec, lat, mem, roof, inter, start) if r.get("timestamp"))
     when = "not run yet" if not stamps else stamps[0] if stamps[0] == stamps[-1] else (
