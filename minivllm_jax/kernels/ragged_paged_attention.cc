@@ -25,6 +25,17 @@ constexpr int kNewBlock = 16;      // new keys scored at once (transposed into a
 constexpr int kQueryTile = 32;     // query tokens of one work item
 constexpr int kPrefetchAhead = 1;  // pages: while one page is scored, this one ahead is fetched
 
+// e^f for |f| <= ln2 / 2 (a float or a vector of them): the degree-6 Taylor polynomial.
+template <typename T>
+inline T ExpReduced(T f) {
+  T p = f * (1.0f / 720.0f) + 1.0f / 120.0f;
+  p = p * f + 1.0f / 24.0f;
+  p = p * f + 1.0f / 6.0f;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  return p * f + 1.0f;
+}
+
 // exp(x) for x <= 0, vectorizable (std::exp is a scalar call): 2^(x log2 e) split into an
 // integer power, set in the exponent bits, and a degree-6 polynomial on [-0.5, 0.5];
 // relative error below 2e-7. Inputs below -87 give 0.
@@ -33,13 +44,7 @@ inline float ExpNonPositive(float x) {
   const float y = x * 1.44269504088896341f;
   const float n = std::nearbyint(y);
   const float f = (y - n) * 0.693147180559945309f;  // e^f, |f| <= ln2 / 2
-  float p = 1.0f / 720.0f;
-  p = p * f + 1.0f / 120.0f;
-  p = p * f + 1.0f / 24.0f;
-  p = p * f + 1.0f / 6.0f;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  p = p * f + 1.0f;
+  const float p = ExpReduced(f);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
@@ -112,13 +117,7 @@ inline v16 Exp16(v16 x) {
   const v16 y = x * 1.44269504088896341f;
   const v16 n = (y + 12582912.0f) - 12582912.0f;  // round to nearest (|y| < 2^22)
   const v16 f = (y - n) * 0.693147180559945309f;
-  v16 p = v16{} + 1.0f / 720.0f;
-  p = p * f + 1.0f / 120.0f;
-  p = p * f + 1.0f / 24.0f;
-  p = p * f + 1.0f / 6.0f;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  p = p * f + 1.0f;
+  const v16 p = ExpReduced(f);
   const i16v bits = (__builtin_convertvector(n, i16v) + 127) << 23;
   return p * (v16)bits;  // a vector cast keeps the bits
 }
