@@ -10,6 +10,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from minivllm_jax.attention import resolve_attention
+from minivllm_jax.models.llama import unstack_layers
+from minivllm_jax.quantization import QUANTIZATIONS, quantize_params
 from minivllm_jax.config import EngineConfig, ModelConfig
 from minivllm_jax.engine.engine import LLMEngine
 from minivllm_jax.kv_cache import kv_bytes_per_page
@@ -73,12 +75,14 @@ class LLM:
         from convert import resolve_model
         from minivllm_jax.checkpoint import load_converted
 
-        if quantization is not None:
-            raise ValueError(f"quantization={quantization!r} is not supported yet; use None")
+        if quantization is not None and quantization not in QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {quantization!r}; use one of {QUANTIZATIONS} or None")
         enable_compilation_cache(compilation_cache_dir)
         keep_freed_memory()
         model_dir = resolve_model(model, dtype=dtype, progress=use_tqdm)
         cfg, _, params = load_converted(model_dir, dtype)
+        # Weight-only quantization of the serving layout; the full-precision tree is dropped here.
+        params = quantize_params(unstack_layers(params), quantization)
         self.model_dir = model_dir
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         max_model_len = min(max_model_len or 2048, cfg.max_position_embeddings)

@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="origins such as http://localhost:3000 whose pages may open WS /v1/stream besides "
                         "the server's own; '*' for any (default: none)")  # fmt: skip
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="weight-only quantization of every layer's projections (default: none; see "
+                        "minivllm_jax/quantization.py for the schemes and what stays full precision)")  # fmt: skip
     p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together (largest batch bucket)")
     p.add_argument("--max-model-len", type=int, default=2048, help="prompt + output tokens per sequence")
     p.add_argument("--num-pages", type=int, default=None, help="KV cache pages (default: sized from free memory)")
@@ -121,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             page_size=args.page_size, num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
             enable_prefix_caching=not args.no_prefix_caching, seed=args.seed, use_tqdm=sys.stderr.isatty(),
             target_tpot_ms=args.target_tpot_ms, target_ttft_ms=args.target_ttft_ms,
-            max_batch_wait_ms=args.max_batch_wait_ms, attention=args.attention,
+            max_batch_wait_ms=args.max_batch_wait_ms, attention=args.attention, quantization=args.quantization,
             async_scheduling=not args.no_async_scheduling,
         )  # fmt: skip
 

@@ -40,6 +40,7 @@ from minivllm_jax.attention import AttentionFn, get_attention
 from minivllm_jax.batch import StepBatch
 from minivllm_jax.config import ModelConfig
 from minivllm_jax.kv_cache import KVCache, write_kv
+from minivllm_jax.quantization import dequantize, is_quantized
 
 Params = dict[str, Any]
 
@@ -162,7 +163,8 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def _linear(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
-    y = x @ p["kernel"]
+    # A quantized projection (`minivllm_jax.quantization`) runs on its pure-JAX dequantize.
+    y = x @ (dequantize(p, x.dtype) if is_quantized(p) else p["kernel"])
     return y + p["bias"] if "bias" in p else y
 
 

@@ -1,0 +1,115 @@
+"""Weight-only quantization: the schemes, their pure-JAX dequantize (the reference every
+quantized matmul must equal), and the policy of which weights are quantized.
+
+A quantized projection replaces `{"kernel": [in, out]}` in the per-layer params
+(`models.llama.unstack_layers`) by arrays only, so it stays an ordinary pytree:
+
+- int8, per output channel, symmetric: `{"qweight": int8 [in, out], "scales": f32 [out]}`,
+  `w = qweight * scales`.
+- int4, group-wise along `in` (the reduction axis; group size 32 by default, 64 or 128),
+  asymmetric: `{"qweight4": uint8 [in / 2, out], "scales": f32 [in / g, out], "mins": f32
+  [in / g, out]}`, `w = q * scale + min` with `q` in 0..15; byte `i` holds input rows `2i`
+  (low nibble) and `2i + 1` (high nibble). Scale-and-minimum groups along `in` are GGUF's Q4_1
+  blocks, so those (and Q4_0's, `min = -8 * scale`) map onto this layout exactly.
+
+Policy: the seven projections of every layer (q/k/v/o, gate/up/down; merged as the serving
+layout merges them) are quantized; the embedding (and the tied or untied lm_head), the norms
+and biases keep the model dtype. Their share of SmolLM2's parameters is 21% (the tied
+embedding), read once per token as a gather plus the lm_head matmul.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+QUANTIZATIONS = ("int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128)
+
+
+def quantize_int8(kernel: Any) -> dict[str, jax.Array]:
+    """Symmetric per-output-channel int8 of a `[in, out]` kernel (round to nearest)."""
+    w = np.asarray(kernel, np.float32)
+    amax = np.abs(w).max(axis=0)
+    scales = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    q = np.clip(np.rint(w / scales), -127, 127).astype(np.int8)
+    return {"qweight": jnp.asarray(q), "scales": jnp.asarray(scales)}
+
+
+def pack_int4(q: np.ndarray) -> np.ndarray:
+    """`[in, out]` values in 0..15 -> `[in / 2, out]` bytes (row 2i low nibble, 2i + 1 high)."""
+    q = np.asarray(q, np.uint8)
+    return (q[0::2] | (q[1::2] << 4)).astype(np.uint8)
+
+
+def unpack_int4(packed: jax.Array) -> jax.Array:
+    """Inverse of `pack_int4`: `[in / 2, out]` bytes -> `[in, out]` uint8 values 0..15."""
+    low, high = packed & 0xF, packed >> 4
+    return jnp.stack([low, high], axis=1).reshape(-1, packed.shape[-1])
+
+
+def quantize_int4(kernel: Any, group_size: int = 32) -> dict[str, jax.Array]:
+    """Asymmetric group-wise int4 of a `[in, out]` kernel: per group of `group_size` input rows
+    and per output column, `min` and `scale = (max - min) / 15` (GGUF Q4_1's rule)."""
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+    w = np.asarray(kernel, np.float32)
+    n_in, n_out = w.shape
+    if n_in % group_size:
+        raise ValueError(f"int4 needs the input size ({n_in}) to be a multiple of group_size ({group_size})")
+    g = w.reshape(n_in // group_size, group_size, n_out)
+    lo, hi = g.min(axis=1), g.max(axis=1)
+    scales = np.where(hi > lo, (hi - lo) / 15.0, 1.0).astype(np.float32)
+    q = np.clip(np.rint((g - lo[:, None]) / scales[:, None]), 0, 15).reshape(n_in, n_out)
+    return {"qweight4": jnp.asarray(pack_int4(q)), "scales": jnp.asarray(scales), "mins": jnp.asarray(lo.astype(np.float32))}
+
+
+def is_quantized(p: dict[str, Any]) -> bool:
+    return "qweight" in p or "qweight4" in p
+
+
+def dequantize(p: dict[str, jax.Array], dtype: Any = jnp.float32) -> jax.Array:
+    """The `[in, out]` kernel a quantized projection stands for (pure JAX, traceable)."""
+    if "qweight" in p:
+        return (p["qweight"].astype(jnp.float32) * p["scales"]).astype(dtype)
+    q = unpack_int4(p["qweight4"]).astype(jnp.float32)
+    groups, n_out = p["scales"].shape
+    w = q.reshape(groups, -1, n_out) * p["scales"][:, None] + p["mins"][:, None]
+    return w.reshape(-1, n_out).astype(dtype)
+
+
+def quantize_projection(p: dict[str, Any], scheme: str, group_size: int = 32) -> dict[str, Any]:
+    """One projection (`{"kernel", "bias"?}`) with its kernel replaced by `scheme`'s arrays."""
+    rest = {k: v for k, v in p.items() if k != "kernel"}
+    if scheme == "int8":
+        return {**quantize_int8(p["kernel"]), **rest}
+    if scheme == "int4":
+        return {**quantize_int4(p["kernel"], group_size), **rest}
+    raise ValueError(f"unknown quantization {scheme!r}; use one of {QUANTIZATIONS} or None")
+
+
+def quantize_params(params: dict[str, Any], scheme: str | None, group_size: int = 32) -> dict[str, Any]:
+    """Serving-layout params (`unstack_layers`) with every layer's projections quantized (the
+    module's policy); `scheme=None` returns them as they are. Each layer's full-precision
+    kernels are dropped as it is done, so no full-precision copy stays alive once the caller
+    drops its reference."""
+    if scheme is None:
+        return params
+    if scheme not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {scheme!r}; use one of {QUANTIZATIONS} or None")
+    layers = params["layers"]
+    if isinstance(layers, dict):
+        raise ValueError("quantize_params takes serving-layout params: call models.llama.unstack_layers first")
+    quantized = []
+    for lp in layers:
+        quantized.append({name: quantize_projection(v, scheme, group_size) if isinstance(v, dict) and "kernel" in v
+                          else v for name, v in lp.items()})  # fmt: skip
+    return {**params, "layers": tuple(quantized)}
+
+
+def param_bytes(params: Any) -> int:
+    """Bytes held by a params tree (what quantization shrinks)."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
