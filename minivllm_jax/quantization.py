@@ -81,6 +81,21 @@ def dequantize(p: dict[str, jax.Array], dtype: Any = jnp.float32) -> jax.Array:
     return w.reshape(-1, n_out).astype(dtype)
 
 
+def quantized_matmul_reference(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+    """`x @ W` for a quantized projection `p`: the contract every quantized matmul keeps."""
+    return x @ dequantize(p, x.dtype)
+
+
+def _native_matmul(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+    from minivllm_jax.kernels.quantized_matmul import quantized_matmul_native  # loads a shared library
+
+    return quantized_matmul_native(x, p)
+
+
+# Implementations by name: a static argument of the step (`models.llama.forward(matmul=...)`).
+MATMUL = {"reference": quantized_matmul_reference, "native": _native_matmul}
+
+
 def quantize_projection(p: dict[str, Any], scheme: str, group_size: int = 32) -> dict[str, Any]:
     """One projection (`{"kernel", "bias"?}`) with its kernel replaced by `scheme`'s arrays."""
     rest = {k: v for k, v in p.items() if k != "kernel"}

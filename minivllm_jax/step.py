@@ -85,13 +85,14 @@ def engine_step(
     *,
     cfg: ModelConfig,
     attention: str = "reference",
+    matmul: str = "reference",
 ) -> tuple[SampleResult, KVCache, PenaltyState, jax.Array]:
     """Returns the sampled rows, the cache, the penalty state, and the tokens again padded to
     `fed_back`'s length (what the next step takes as its `fed_back`)."""
     pending = batch.tokens < 0
     tokens = jnp.where(pending, fed_back[jnp.where(pending, -batch.tokens - 1, 0)], batch.tokens)
     batch = dataclasses.replace(batch, tokens=tokens)
-    logits, cache = forward(params, cache, batch, cfg, attention)
+    logits, cache = forward(params, cache, batch, cfg, attention, matmul=matmul)
     penalty_state = _mark_fed_tokens(penalty_state, batch, penalty_rows)
     slots = penalty_rows.slots
 
@@ -104,8 +105,9 @@ def engine_step(
     return result, cache, penalty_state, fed_back.at[: result.tokens.shape[0]].set(result.tokens)
 
 
-engine_step_jit = jax.jit(engine_step, static_argnames=("cfg", "attention"), donate_argnames=("cache", "penalty_state"))
-forward_jit = jax.jit(forward, static_argnames=("cfg", "attention", "all_logits"), donate_argnames=("cache",))
+engine_step_jit = jax.jit(engine_step, static_argnames=("cfg", "attention", "matmul"),
+                          donate_argnames=("cache", "penalty_state"))  # fmt: skip
+forward_jit = jax.jit(forward, static_argnames=("cfg", "attention", "all_logits", "matmul"), donate_argnames=("cache",))
 
 
 def load_penalty_row(

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from minivllm_jax import kernels
 from minivllm_jax.attention import resolve_attention
 from minivllm_jax.batch import Chunk, StepBatch, build_step_batch
 from minivllm_jax.config import EngineConfig, ModelConfig, bucket_for
@@ -76,6 +77,7 @@ class ModelRunner:
         self.penalty_state = init_penalty_state(config.max_num_seqs, model_config.vocab_size)
         self.fed_back = jnp.zeros(config.max_num_seqs, jnp.int32)  # the last step's tokens (see step.py)
         self.attention = resolve_attention(config.attention)  # loads native kernels before any program
+        self.matmul = "native" if kernels.native_available() else "reference"  # quantized projections
         self._programs: dict[tuple, Any] = {}
         self._program_cache = ProgramCache(program_cache_dir())
         self.num_compiles = 0  # programs made, compiled or loaded whole from the program cache
@@ -109,7 +111,7 @@ class ModelRunner:
         penalty_rows = _abstract(PenaltyRows(np.zeros(num_seqs, np.int32), np.zeros(num_seqs, np.int32), np.bool_(False)))
         return self._program(("step", num_tokens, num_seqs), engine_step_jit, self.params, self.cache,
                              self.penalty_state, self.fed_back, batch, sampling, penalty_rows,
-                             cfg=self.model_config, attention=self.attention)  # fmt: skip
+                             cfg=self.model_config, attention=self.attention, matmul=self.matmul)  # fmt: skip
 
     def _load_penalty_program(self) -> Any:
         i32 = jax.ShapeDtypeStruct((), jnp.int32)

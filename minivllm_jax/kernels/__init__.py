@@ -24,7 +24,11 @@ logger = logging.getLogger(__name__)
 
 FORCE_REFERENCE_ENV = "MINIVLLM_KERNELS"
 # FFI target name -> symbol in the library
-TARGETS = {"minivllm_ragged_paged_attention_f32": "MinivllmRaggedPagedAttentionF32"}
+TARGETS = {
+    "minivllm_ragged_paged_attention_f32": "MinivllmRaggedPagedAttentionF32",
+    "minivllm_matmul_int8_f32": "MinivllmMatmulInt8F32",
+    "minivllm_matmul_int4_f32": "MinivllmMatmulInt4F32",
+}
 
 
 def reference_forced() -> bool:

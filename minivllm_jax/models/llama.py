@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -40,7 +40,7 @@ from minivllm_jax.attention import AttentionFn, get_attention
 from minivllm_jax.batch import StepBatch
 from minivllm_jax.config import ModelConfig
 from minivllm_jax.kv_cache import KVCache, write_kv
-from minivllm_jax.quantization import dequantize, is_quantized
+from minivllm_jax.quantization import MATMUL, is_quantized
 
 Params = dict[str, Any]
 
@@ -162,25 +162,29 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (x * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
 
 
-def _linear(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
-    # A quantized projection (`minivllm_jax.quantization`) runs on its pure-JAX dequantize.
-    y = x @ (dequantize(p, x.dtype) if is_quantized(p) else p["kernel"])
+QuantizedMatmul = Callable[[jax.Array, Params], jax.Array]
+
+
+def _linear(matmul: QuantizedMatmul, x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+    # A quantized projection (`minivllm_jax.quantization`) goes to the quantized matmul.
+    y = matmul(x, p) if is_quantized(p) else x @ p["kernel"]
     return y + p["bias"] if "bias" in p else y
 
 
-def _attention_inputs(cfg: ModelConfig, lp: Params, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _attention_inputs(cfg: ModelConfig, matmul: QuantizedMatmul, lp: Params, x: jax.Array) -> tuple[jax.Array, ...]:
     T, q_dim, kv_dim = x.shape[0], cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    qkv = _linear(rms_norm(x, lp["input_layernorm"], cfg.rms_norm_eps), lp["qkv_proj"])
+    qkv = _linear(matmul, rms_norm(x, lp["input_layernorm"], cfg.rms_norm_eps), lp["qkv_proj"])
     q, k, v = jnp.split(qkv, [q_dim, q_dim + kv_dim], axis=-1)
     return (q.reshape(T, cfg.num_heads, cfg.head_dim), k.reshape(T, cfg.num_kv_heads, cfg.head_dim),
             v.reshape(T, cfg.num_kv_heads, cfg.head_dim))  # fmt: skip
 
 
-def _attention_output_and_mlp(cfg: ModelConfig, lp: Params, x: jax.Array, attn: jax.Array) -> jax.Array:
-    x = x + _linear(attn, lp["o_proj"])
+def _attention_output_and_mlp(cfg: ModelConfig, matmul: QuantizedMatmul, lp: Params, x: jax.Array,
+                              attn: jax.Array) -> jax.Array:  # fmt: skip
+    x = x + _linear(matmul, attn, lp["o_proj"])
     h = rms_norm(x, lp["post_attention_layernorm"], cfg.rms_norm_eps)
-    gate, up = jnp.split(_linear(h, lp["gate_up_proj"]), 2, axis=-1)
-    return x + _linear(jax.nn.silu(gate) * up, lp["down_proj"])
+    gate, up = jnp.split(_linear(matmul, h, lp["gate_up_proj"]), 2, axis=-1)
+    return x + _linear(matmul, jax.nn.silu(gate) * up, lp["down_proj"])
 
 
 def _with_layer(layers: Sequence[Params], layer: jax.Array, fn, *args):
@@ -189,17 +193,17 @@ def _with_layer(layers: Sequence[Params], layer: jax.Array, fn, *args):
     return lax.switch(layer, [functools.partial(fn, lp) for lp in layers], *args)
 
 
-def _layer(cfg: ModelConfig, attention: AttentionFn, x: jax.Array, layers: Sequence[Params], cache: KVCache,
-           layer: jax.Array, cos: jax.Array, sin: jax.Array, batch: StepBatch):  # fmt: skip
+def _layer(cfg: ModelConfig, attention: AttentionFn, matmul: QuantizedMatmul, x: jax.Array, layers: Sequence[Params],
+           cache: KVCache, layer: jax.Array, cos: jax.Array, sin: jax.Array, batch: StepBatch):  # fmt: skip
     T = x.shape[0]
     with jax.named_scope("qkv"):
-        q, k, v = _with_layer(layers, layer, functools.partial(_attention_inputs, cfg), x)
+        q, k, v = _with_layer(layers, layer, functools.partial(_attention_inputs, cfg, matmul), x)
     with jax.named_scope("rope"):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     with jax.named_scope("attention"):
         attn = attention(q, k, v, cache, layer, batch).reshape(T, cfg.num_heads * cfg.head_dim)
     with jax.named_scope("mlp"):
-        x = _with_layer(layers, layer, functools.partial(_attention_output_and_mlp, cfg), x, attn)
+        x = _with_layer(layers, layer, functools.partial(_attention_output_and_mlp, cfg, matmul), x, attn)
     return x, k, v
 
 
@@ -210,6 +214,7 @@ def forward(
     cfg: ModelConfig,
     attention: str = "reference",
     all_logits: bool = False,
+    matmul: str = "reference",
 ) -> tuple[jax.Array, KVCache]:
     """One ragged step: embed the new tokens, run the layers over the paged cache, write their K/V.
 
@@ -220,7 +225,7 @@ def forward(
     gives a row of no meaning), or at every token (`[T, V]`) when `all_logits`, and the
     updated cache. `attention` names the implementation (`minivllm_jax.attention.ATTENTION`).
     """
-    attend = get_attention(attention)
+    attend, qmatmul = get_attention(attention), MATMUL[matmul]
     x = params["embed_tokens"][batch.tokens]  # [T, d]
     freqs = batch.positions[:, None].astype(jnp.float32) * rope_inv_freq(cfg)
     emb = jnp.concatenate([freqs, freqs], axis=-1)
@@ -229,7 +234,7 @@ def forward(
     layers = unstack_layers(params)["layers"]
 
     def body(x, layer):
-        x, k, v = _layer(cfg, attend, x, layers, cache, layer, cos, sin, batch)
+        x, k, v = _layer(cfg, attend, qmatmul, x, layers, cache, layer, cos, sin, batch)
         return x, (k, v)
 
     x, (new_k, new_v) = jax.lax.scan(body, x, jnp.arange(cfg.num_layers, dtype=jnp.int32))
