@@ -30,8 +30,8 @@ typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 constexpr int kCols = 64;    // output columns of one work block (4 vectors)
 constexpr int kMaxRows = 4;  // rows of x per pass over the weights (their accumulators stay in registers)
-// A block's weight rows are `out` bytes apart: without prefetching each is a dependent miss
-// (measured 7 GB/s); fetching this many rows ahead keeps enough misses in flight.
+// A block's weight rows are `out` bytes apart, which the hardware prefetcher follows poorly:
+// fetching this many rows ahead took a layer-sized matmul from 14-20 to 21-26 GB/s here.
 constexpr int kPrefetchRows = 24;
 
 inline v16 Load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
