@@ -64,6 +64,26 @@ def pytest_runtest_setup(item) -> None:
         require_smollm2()
 
 
+# ---------------------------------------------------------------- process hygiene
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop every module's compiled programs when it ends. XLA:CPU maps each loaded executable's
+    code in hundreds of small memory regions, and JAX's internal caches keep every program a
+    process compiled (LLMs freed or not): over the whole suite in one process that passed
+    vm.max_map_count (65,530) and XLA aborted on the next mmap. A server holds one model's few
+    programs (SmolLM2's default: 13, about 5,500 regions), so only a long test process gets there."""
+    yield
+    import gc
+
+    import jax
+
+    gc.collect()
+    jax.clear_caches()
+    gc.collect()
+
+
 # ---------------------------------------------------------------- tiny random models
 
 TINY_LLAMA = dict(
