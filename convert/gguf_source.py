@@ -23,6 +23,11 @@ _BLOCK = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }  # fmt: skip
 SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+# GGML block types whose values are our int4 layout exactly (`minivllm_jax.quantization`):
+# 32 values a block with a float16 scale and minimum (Q4_0: minimum = -8 * scale).
+INT4_BLOCK_TYPES = ("Q4_0", "Q4_1")
+_BLOCK_VALUES = 32
+_PROJECTIONS = {name.split(".")[1] for name in _BLOCK.values() if "proj" in name}
 
 
 def hf_name(gguf_name: str) -> str:
@@ -105,3 +110,57 @@ def _loader(tensor, shape: tuple[int, ...], n_heads: int | None, path: Path):
         return unpermute_rotary(w, n_heads) if n_heads else w
 
     return load
+
+
+def int4_blocks(data: np.ndarray, type_name: str, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q4_0/Q4_1 tensor's raw bytes (`[rows, blocks * block_bytes]`, blocks along `cols`) as
+    `q` uint8 `[rows, cols]` in 0..15 and float32 `scales`, `mins` `[rows, cols / 32]`, with
+    `w = q * scale + min` the value GGML's dequantizer gives. A block is a float16 scale `d`,
+    for Q4_1 a float16 minimum `m`, then 16 bytes: byte j holds value j (low nibble) and j + 16."""
+    if type_name not in INT4_BLOCK_TYPES:
+        raise ValueError(f"not an int4 block type: {type_name} (supported: {', '.join(INT4_BLOCK_TYPES)})")
+    head = 4 if type_name == "Q4_1" else 2
+    blocks = np.ascontiguousarray(data, np.uint8).reshape(rows, cols // _BLOCK_VALUES, head + 16)
+    scales = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if type_name == "Q4_1":
+        mins = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    else:
+        mins = -8.0 * scales
+    nibbles = blocks[..., head:]
+    q = np.concatenate([nibbles & 0xF, nibbles >> 4], axis=-1).reshape(rows, cols)
+    return q, scales, mins
+
+
+def read_int4_projections(path: Path, num_layers: int) -> dict[str, dict[str, np.ndarray]]:
+    """Every layer projection of a GGUF whose weights are Q4_0/Q4_1 blocks, in our stacked int4
+    layout without a round trip through floats: `{"q_proj": {"qweight4": uint8 [L, in / 2, out],
+    "scales"/"mins": f32 [L, in / 32, out]}, ...}` (`minivllm_jax.quantization`), Q/K rows
+    un-permuted as the float path does. A projection stored in another type is an error that
+    says which: those files are served with quantization='int4' or 'int8' instead."""
+    import gguf
+
+    from minivllm_jax.quantization import pack_int4
+
+    reader = gguf.GGUFReader(str(path))
+    hf_config = gguf_hf_config(path)
+    heads = {"q_proj": hf_config["num_attention_heads"],
+             "k_proj": hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"]}  # fmt: skip
+    per_layer: dict[str, list] = {}
+    for tensor in reader.tensors:
+        parts = hf_name(tensor.name).split(".")
+        if len(parts) != 6 or parts[:2] != ["model", "layers"] or parts[4] not in _PROJECTIONS or parts[5] != "weight":
+            continue  # norms, embedding and head (and biases) keep the float path
+        layer, name = int(parts[2]), parts[4]
+        if tensor.tensor_type.name not in INT4_BLOCK_TYPES:
+            raise ConversionError(f"{path.name}: {tensor.name} is {tensor.tensor_type.name}, not one of "
+                                  f"{', '.join(INT4_BLOCK_TYPES)}; use quantization='int4' or 'int8' for this file")  # fmt: skip
+        cols, rows = (int(n) for n in tensor.shape)  # GGUF lists dims fastest-first: [in, out]
+        q, scales, mins = int4_blocks(tensor.data, tensor.tensor_type.name, rows, cols)
+        if name in heads:
+            q, scales, mins = (unpermute_rotary(a, heads[name]) for a in (q, scales, mins))
+        per_layer.setdefault(name, [None] * num_layers)[layer] = {
+            "qweight4": pack_int4(q.T), "scales": np.ascontiguousarray(scales.T), "mins": np.ascontiguousarray(mins.T)}
+    missing = [f"{name}[{i}]" for name, layers in per_layer.items() for i, x in enumerate(layers) if x is None]
+    if missing:
+        raise ConversionError(f"{path.name}: projections missing: {', '.join(missing[:8])}")
+    return {name: {key: np.stack([x[key] for x in layers]) for key in layers[0]} for name, layers in per_layer.items()}

@@ -18,6 +18,7 @@ from typing import Any
 from convert.errors import ConversionError, OutputExistsError
 from convert.reader import read_checkpoint
 from minivllm_jax.checkpoint import save_params
+from minivllm_jax.quantization import CHECKPOINT_KEY
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -66,9 +67,19 @@ def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
 
 
 def convert_checkpoint(
-    src: str | Path, out: str | Path, dtype: Any = "float32", overwrite: bool = False, progress: bool = True
+    src: str | Path,
+    out: str | Path,
+    dtype: Any = "float32",
+    overwrite: bool = False,
+    progress: bool = True,
+    quantize: str | None = None,
+    group_size: int = 32,
 ) -> Path:
-    """Convert an HF folder or .gguf into OUT (config.json, tokenizer, params/) and return OUT."""
+    """Convert an HF folder or .gguf into OUT (config.json, tokenizer, params/) and return OUT.
+    `quantize` ("int8", "int4" in groups of `group_size`, or "gguf": a GGUF's own 4-bit blocks)
+    stores the projections quantized, and config.json says how, so loading never quantizes again."""
+    from convert.quantize import quantize_model_params
+
     src, out = Path(src), Path(out).absolute()
     _check_out(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -76,6 +87,9 @@ def convert_checkpoint(
     try:
         tmp.chmod(0o755)  # mkdtemp makes it private; OUT should be readable like any model dir
         hf_config, params = read_checkpoint(src, dtype=dtype, progress=progress)
+        if quantize is not None:
+            params = quantize_model_params(params, quantize, src, hf_config["num_hidden_layers"], group_size)
+            hf_config[CHECKPOINT_KEY] = {"scheme": quantize, "group_size": 32 if quantize == "gguf" else group_size}
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
         _save_tokenizer(src, tmp)
         save_params(tmp / "params", params)

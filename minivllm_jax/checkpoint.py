@@ -1,6 +1,8 @@
 """Params on disk: an orbax checkpoint, restored against `param_shapes` so tree and shapes are checked.
 
-A converted model directory holds the HF `config.json`, the tokenizer files and `params/`.
+A converted model directory holds the HF `config.json`, the tokenizer files and `params/`. A
+quantized one (`minivllm-convert --quantize`) records its scheme in config.json
+(`quantization.CHECKPOINT_KEY`) and stores the projections as their quantized arrays.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import orbax.checkpoint as ocp
 
 from minivllm_jax.config import ModelConfig
 from minivllm_jax.models.llama import Params, param_shapes
+from minivllm_jax.quantization import CHECKPOINT_KEY, quantized_shapes
 
 
 class CheckpointError(ValueError):
@@ -49,8 +52,9 @@ def _saved_leaves(ckptr: ocp.StandardCheckpointer, path: Path) -> dict[str, Any]
     return {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def load_params(path: str | Path, cfg: ModelConfig, dtype: Any = None) -> Params:
-    """Restore params as jax arrays in `dtype` (default: as saved), checking tree and shapes first.
+def load_params(path: str | Path, cfg: ModelConfig, dtype: Any = None, quantization: dict | None = None) -> Params:
+    """Restore params as jax arrays in `dtype` (default: as saved), checking tree and shapes first;
+    `quantization` (a checkpoint's recorded scheme) gives the projections their quantized tree.
 
     Orbax would silently restore a saved shape that differs from the target, so we compare the
     on-disk metadata with `param_shapes(cfg)` ourselves.
@@ -61,6 +65,8 @@ def load_params(path: str | Path, cfg: ModelConfig, dtype: Any = None) -> Params
         if dtype is None:
             dtype = next(iter(saved.values())).dtype
         target = param_shapes(cfg, dtype)
+        if quantization is not None:
+            target = quantized_shapes(target, quantization["scheme"], quantization.get("group_size", 32))
         wanted = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(target)[0]}
         if saved.keys() != wanted.keys():
             diff = sorted(saved.keys() ^ wanted.keys())
@@ -74,7 +80,8 @@ def load_params(path: str | Path, cfg: ModelConfig, dtype: Any = None) -> Params
 
 
 def load_converted(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, dict[str, Any], Params]:
-    """Load a `minivllm-convert` output dir: `(ModelConfig, hf_config_dict, params)`."""
+    """Load a `minivllm-convert` output dir: `(ModelConfig, hf_config_dict, params)`; a quantized
+    one comes back quantized (its scheme is `hf_config_dict[quantization.CHECKPOINT_KEY]`)."""
     path = Path(path)
     if not is_converted_dir(path):
         raise CheckpointError(
@@ -82,4 +89,5 @@ def load_converted(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, di
         )
     hf_config = json.loads((path / "config.json").read_text())
     cfg = ModelConfig.from_hf(hf_config)
-    return cfg, hf_config, load_params(path / "params", cfg, None if dtype is None else jnp.dtype(dtype))
+    dtype = None if dtype is None else jnp.dtype(dtype)
+    return cfg, hf_config, load_params(path / "params", cfg, dtype, hf_config.get(CHECKPOINT_KEY))

@@ -11,11 +11,11 @@ from tqdm.auto import tqdm
 
 from minivllm_jax.attention import resolve_attention
 from minivllm_jax.models.llama import unstack_layers
-from minivllm_jax.quantization import QUANTIZATIONS, quantize_params
 from minivllm_jax.config import EngineConfig, ModelConfig
 from minivllm_jax.engine.engine import LLMEngine
 from minivllm_jax.kv_cache import kv_bytes_per_page
 from minivllm_jax.outputs import RequestOutput
+from minivllm_jax.quantization import CHECKPOINT_KEY, LLM_QUANTIZATIONS
 from minivllm_jax.runtime import available_memory_bytes, enable_compilation_cache, keep_freed_memory
 from minivllm_jax.sampling_params import SamplingParams
 
@@ -73,16 +73,23 @@ class LLM:
         from transformers import AutoTokenizer
 
         from convert import resolve_model
+        from convert.quantize import quantize_model_params
         from minivllm_jax.checkpoint import load_converted
 
-        if quantization is not None and quantization not in QUANTIZATIONS:
-            raise ValueError(f"unknown quantization {quantization!r}; use one of {QUANTIZATIONS} or None")
+        if quantization is not None and quantization not in LLM_QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {quantization!r}; use one of {LLM_QUANTIZATIONS} or None")
         enable_compilation_cache(compilation_cache_dir)
         keep_freed_memory()
         model_dir = resolve_model(model, dtype=dtype, progress=use_tqdm)
-        cfg, _, params = load_converted(model_dir, dtype)
-        # Weight-only quantization of the serving layout; the full-precision tree is dropped here.
-        params = quantize_params(unstack_layers(params), quantization)
+        cfg, hf_config, params = load_converted(model_dir, dtype)
+        saved = hf_config.get(CHECKPOINT_KEY)  # a quantized checkpoint loads as it was stored
+        if saved is not None and quantization not in (None, saved["scheme"]):
+            raise ValueError(f"{model} is a checkpoint quantized as {saved['scheme']!r}; load it with "
+                             f"quantization=None (or {saved['scheme']!r}), or convert the float model again")  # fmt: skip
+        if saved is None:  # weight-only quantization; the full-precision kernels are dropped here
+            params = quantize_model_params(params, quantization, model, cfg.num_layers)
+        params = unstack_layers(params)  # the serving layout (merged projections, one tree a layer)
+        self.quantization = saved["scheme"] if saved is not None else quantization
         self.model_dir = model_dir
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         max_model_len = min(max_model_len or 2048, cfg.max_position_embeddings)

@@ -10,7 +10,12 @@ A quantized projection replaces `{"kernel": [in, out]}` in the per-layer params
   asymmetric: `{"qweight4": uint8 [in / 2, out], "scales": f32 [in / g, out], "mins": f32
   [in / g, out]}`, `w = q * scale + min` with `q` in 0..15; byte `i` holds input rows `2i`
   (low nibble) and `2i + 1` (high nibble). Scale-and-minimum groups along `in` are GGUF's Q4_1
-  blocks, so those (and Q4_0's, `min = -8 * scale`) map onto this layout exactly.
+  blocks, so those (and Q4_0's, `min = -8 * scale`) map onto this layout exactly: "gguf" serves
+  a GGUF's own blocks (`convert.gguf_source.read_int4_projections`). Q8_0 blocks (a scale per 32
+  inputs) have no exact place in per-channel int8, so that mode refuses them.
+
+The arrays keep any leading axes: stored (stacked `[L, ...]`) params quantize the same as the
+serving layout, and `minivllm-convert --quantize` writes them so (`quantized_shapes`).
 
 Policy: the seven projections of every layer (q/k/v/o, gate/up/down; merged as the serving
 layout merges them) are quantized; the embedding (and the tied or untied lm_head), the norms
@@ -27,22 +32,28 @@ import jax.numpy as jnp
 import numpy as np
 
 QUANTIZATIONS = ("int8", "int4")
+# What `LLM(quantization=...)` takes: a scheme applied to float weights, or "gguf": a GGUF
+# model's own Q4_0/Q4_1 blocks served as int4 as they are (`with_int4_projections`).
+LLM_QUANTIZATIONS = (*QUANTIZATIONS, "gguf")
+# A quantized checkpoint's config.json records its scheme under this key: {"scheme", "group_size"}.
+CHECKPOINT_KEY = "minivllm_quantization"
 INT4_GROUP_SIZES = (32, 64, 128)
 
 
 def quantize_int8(kernel: Any) -> dict[str, jax.Array]:
-    """Symmetric per-output-channel int8 of a `[in, out]` kernel (round to nearest)."""
+    """Symmetric per-output-channel int8 of a `[..., in, out]` kernel (round to nearest); leading
+    axes (stacked layers) are kept."""
     w = np.asarray(kernel, np.float32)
-    amax = np.abs(w).max(axis=0)
+    amax = np.abs(w).max(axis=-2)
     scales = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
-    q = np.clip(np.rint(w / scales), -127, 127).astype(np.int8)
+    q = np.clip(np.rint(w / scales[..., None, :]), -127, 127).astype(np.int8)
     return {"qweight": jnp.asarray(q), "scales": jnp.asarray(scales)}
 
 
 def pack_int4(q: np.ndarray) -> np.ndarray:
-    """`[in, out]` values in 0..15 -> `[in / 2, out]` bytes (row 2i low nibble, 2i + 1 high)."""
+    """`[..., in, out]` values in 0..15 -> `[..., in / 2, out]` bytes (row 2i low nibble, 2i + 1 high)."""
     q = np.asarray(q, np.uint8)
-    return (q[0::2] | (q[1::2] << 4)).astype(np.uint8)
+    return (q[..., 0::2, :] | (q[..., 1::2, :] << 4)).astype(np.uint8)
 
 
 def unpack_int4(packed: jax.Array) -> jax.Array:
@@ -52,18 +63,18 @@ def unpack_int4(packed: jax.Array) -> jax.Array:
 
 
 def quantize_int4(kernel: Any, group_size: int = 32) -> dict[str, jax.Array]:
-    """Asymmetric group-wise int4 of a `[in, out]` kernel: per group of `group_size` input rows
-    and per output column, `min` and `scale = (max - min) / 15` (GGUF Q4_1's rule)."""
+    """Asymmetric group-wise int4 of a `[..., in, out]` kernel: per group of `group_size` input
+    rows and per output column, `min` and `scale = (max - min) / 15` (GGUF Q4_1's rule)."""
     if group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size}")
     w = np.asarray(kernel, np.float32)
-    n_in, n_out = w.shape
+    *lead, n_in, n_out = w.shape
     if n_in % group_size:
         raise ValueError(f"int4 needs the input size ({n_in}) to be a multiple of group_size ({group_size})")
-    g = w.reshape(n_in // group_size, group_size, n_out)
-    lo, hi = g.min(axis=1), g.max(axis=1)
+    g = w.reshape(*lead, n_in // group_size, group_size, n_out)
+    lo, hi = g.min(axis=-2), g.max(axis=-2)
     scales = np.where(hi > lo, (hi - lo) / 15.0, 1.0).astype(np.float32)
-    q = np.clip(np.rint((g - lo[:, None]) / scales[:, None]), 0, 15).reshape(n_in, n_out)
+    q = np.clip(np.rint((g - lo[..., None, :]) / scales[..., None, :]), 0, 15).reshape(w.shape)
     return {"qweight4": jnp.asarray(pack_int4(q)), "scales": jnp.asarray(scales), "mins": jnp.asarray(lo.astype(np.float32))}
 
 
@@ -107,22 +118,65 @@ def quantize_projection(p: dict[str, Any], scheme: str, group_size: int = 32) ->
 
 
 def quantize_params(params: dict[str, Any], scheme: str | None, group_size: int = 32) -> dict[str, Any]:
-    """Serving-layout params (`unstack_layers`) with every layer's projections quantized (the
-    module's policy); `scheme=None` returns them as they are. Each layer's full-precision
-    kernels are dropped as it is done, so no full-precision copy stays alive once the caller
-    drops its reference."""
+    """Params with every layer's projections quantized (the module's policy), stacked (as
+    stored: `[L, in, out]` kernels) or in the serving layout (`unstack_layers`): the schemes
+    work per output column and per group of input rows, so both give the same numbers.
+    `scheme=None` returns them as they are. The full-precision kernels are not kept."""
     if scheme is None:
         return params
     if scheme not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {scheme!r}; use one of {QUANTIZATIONS} or None")
+
+    def layer(lp: dict[str, Any]) -> dict[str, Any]:
+        return {name: quantize_projection(v, scheme, group_size) if isinstance(v, dict) and "kernel" in v else v
+                for name, v in lp.items()}  # fmt: skip
+
     layers = params["layers"]
-    if isinstance(layers, dict):
-        raise ValueError("quantize_params takes serving-layout params: call models.llama.unstack_layers first")
-    quantized = []
-    for lp in layers:
-        quantized.append({name: quantize_projection(v, scheme, group_size) if isinstance(v, dict) and "kernel" in v
-                          else v for name, v in lp.items()})  # fmt: skip
-    return {**params, "layers": tuple(quantized)}
+    return {**params, "layers": layer(layers) if isinstance(layers, dict) else tuple(map(layer, layers))}
+
+
+def quantized_shapes(params_shapes: dict[str, Any], scheme: str, group_size: int = 32) -> dict[str, Any]:
+    """The abstract tree (`ShapeDtypeStruct` leaves) of stacked params quantized by `scheme`
+    ("gguf" has int4's layout, in groups of 32): what a quantized checkpoint restores against."""
+    int4 = scheme in ("int4", "gguf")
+    group = 32 if scheme == "gguf" else group_size
+
+    def projection(p: dict[str, Any]) -> dict[str, Any]:
+        *lead, n_in, n_out = p["kernel"].shape
+        sds = lambda dtype, *shape: jax.ShapeDtypeStruct((*lead, *shape), dtype)  # noqa: E731
+        rest = {k: v for k, v in p.items() if k != "kernel"}
+        if not int4:
+            return {"qweight": sds(jnp.int8, n_in, n_out), "scales": sds(jnp.float32, n_out), **rest}
+        return {"qweight4": sds(jnp.uint8, n_in // 2, n_out), "scales": sds(jnp.float32, n_in // group, n_out),
+                "mins": sds(jnp.float32, n_in // group, n_out), **rest}  # fmt: skip
+
+    layers = {name: projection(v) if isinstance(v, dict) and "kernel" in v else v
+              for name, v in params_shapes["layers"].items()}  # fmt: skip
+    return {**params_shapes, "layers": layers}
+
+
+def with_int4_projections(params: dict[str, Any], projections: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Stacked params (before `unstack_layers`) with each named projection's float kernel
+    replaced by given int4 arrays stacked over layers (`convert.gguf_source.read_int4_projections`:
+    a GGUF's own 4-bit blocks, so nothing is quantized twice). Every projection must be given,
+    with the shapes its kernel implies."""
+    layers = params["layers"]
+    if not isinstance(layers, dict):
+        raise ValueError("with_int4_projections takes stacked params (before models.llama.unstack_layers)")
+    new_layers = dict(layers)
+    for name, proj in layers.items():
+        if not (isinstance(proj, dict) and "kernel" in proj):
+            continue
+        if name not in projections:
+            raise ValueError(f"no int4 weights given for {name}")
+        n_layers, n_in, n_out = proj["kernel"].shape
+        given = projections[name]
+        if given["qweight4"].shape != (n_layers, n_in // 2, n_out) or given["scales"].shape[::2] != (n_layers, n_out):
+            raise ValueError(f"int4 weights of {name} have shape {given['qweight4'].shape}, want "
+                             f"{(n_layers, n_in // 2, n_out)}")  # fmt: skip
+        new_layers[name] = {**{k: jnp.asarray(v) for k, v in given.items()},
+                            **{k: v for k, v in proj.items() if k != "kernel"}}  # fmt: skip
+    return {**params, "layers": new_layers}
 
 
 def param_bytes(params: Any) -> int:

@@ -74,9 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="origins such as http://localhost:3000 whose pages may open WS /v1/stream besides "
                         "the server's own; '*' for any (default: none)")  # fmt: skip
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                   help="weight-only quantization of every layer's projections (default: none; see "
-                        "minivllm_jax/quantization.py for the schemes and what stays full precision)")  # fmt: skip
+    p.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"],
+                   help="weight-only quantization of every layer's projections (default: none; gguf: a GGUF "
+                        "model's own Q4_0/Q4_1 blocks as int4; see minivllm_jax/quantization.py for the schemes "
+                        "and what stays full precision)")  # fmt: skip
     p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together (largest batch bucket)")
     p.add_argument("--max-model-len", type=int, default=2048, help="prompt + output tokens per sequence")
     p.add_argument("--num-pages", type=int, default=None, help="KV cache pages (default: sized from free memory)")

@@ -152,8 +152,10 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(model, path: Path) -> Path:
-    """The HF model as an F32 llama GGUF with a small byte-level BPE tokenizer in its metadata."""
+def write_tiny_gguf(model, path: Path, projection_type: str | None = None) -> Path:
+    """The HF model as an F32 llama GGUF with a small byte-level BPE tokenizer in its metadata;
+    `projection_type` ("Q4_0", "Q4_1", "Q8_0") stores the layers' projections in that GGML block
+    type instead, as llama.cpp's quantized files do."""
     import gguf
 
     c = model.config
@@ -189,7 +191,11 @@ def write_tiny_gguf(model, path: Path) -> Path:
         else:
             gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                      "lm_head.weight": "output.weight"}[name]  # fmt: skip
-        w.add_tensor(gname, t)
+        if projection_type is not None and name.endswith("proj.weight"):
+            qtype = gguf.GGMLQuantizationType[projection_type]
+            w.add_tensor(gname, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

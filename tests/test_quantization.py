@@ -61,7 +61,8 @@ def test_policy_quantizes_every_projection_and_shrinks_them():
 
     cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=256)  # fmt: skip
-    params = unstack_layers(init_params(cfg, jax.random.PRNGKey(0)))
+    stacked = init_params(cfg, jax.random.PRNGKey(0))
+    params = unstack_layers(stacked)
     expected = {  # bytes of one [in, out] projection: weights, then scales (and int4's minimums)
         "int8": lambda n_in, n_out: n_in * n_out + 4 * n_out,
         "int4": lambda n_in, n_out: n_in * n_out // 2 + 2 * 4 * (n_in // 32) * n_out,
@@ -76,6 +77,9 @@ def test_policy_quantizes_every_projection_and_shrinks_them():
                     continue
                 assert "kernel" not in qp[name]  # no full-precision copy
                 assert param_bytes(qp[name]) == size(*proj["kernel"].shape) + param_bytes(proj.get("bias", ()))
+        # Quantizing the stored (stacked) layout, as loading and converting do, gives the same arrays.
+        for a, b in zip(jax.tree.leaves(unstack_layers(quantize_params(stacked, scheme))), jax.tree.leaves(q)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +115,94 @@ def test_engine_int8_greedy_agrees_with_fp32_and_int4_runs(tiny_model):
 def test_llm_refuses_an_unknown_quantization(tiny_model):
     with pytest.raises(ValueError, match="unknown quantization 'fp8'"):
         LLM(tiny_model, quantization="fp8", use_tqdm=False)
+
+
+# ---------------------------------------------------------------- a GGUF's own 4-bit blocks
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+def test_gguf_int4_blocks_equal_the_gguf_dequantizer(type_name):
+    import gguf
+
+    from convert.gguf_source import int4_blocks
+
+    w = np.random.default_rng(5).standard_normal((6, 96)).astype(np.float32)
+    qtype = gguf.GGMLQuantizationType[type_name]
+    data = gguf.quants.quantize(w, qtype)
+    q, scales, mins = int4_blocks(data, type_name, 6, 96)
+    assert q.max() <= 15 and scales.shape == mins.shape == (6, 3)
+    want = gguf.quants.dequantize(data, qtype).reshape(6, 96)
+    np.testing.assert_array_equal(q.reshape(6, 3, 32) * scales[..., None] + mins[..., None], want.reshape(6, 3, 32))
+    # and through our layout ([in, out], packed) and the traceable dequantize
+    ours = dequantize({"qweight4": jax.numpy.asarray(pack_int4(q.T)), "scales": jax.numpy.asarray(scales.T),
+                       "mins": jax.numpy.asarray(mins.T)})  # fmt: skip
+    np.testing.assert_allclose(np.asarray(ours), want.T, rtol=1e-6, atol=1e-7)
+
+
+@pytest.fixture(scope="module")
+def q4_gguf(tmp_path_factory):
+    from tests.test_convert import write_tiny_gguf
+
+    folder = tmp_path_factory.mktemp("q4gguf")
+    model = make_tiny_llama(folder / "hf", seed=6, tie_word_embeddings=True)
+    return {t: write_tiny_gguf(model, folder / f"tiny-{t}.gguf", projection_type=t) for t in ("Q4_1", "Q8_0")}
+
+
+def test_gguf_projections_come_back_exactly_and_serve_like_their_float_conversion(q4_gguf):
+    """quantization='gguf' takes Q4_1 blocks as they are: dequantized, they equal the float
+    conversion of the same file (GGML's own dequantizer), so greedy tokens equal fp32's."""
+    from convert.gguf_source import read_int4_projections
+    from convert.reader import read_checkpoint
+
+    _, float_params = read_checkpoint(q4_gguf["Q4_1"], progress=False)
+    blocks = read_int4_projections(q4_gguf["Q4_1"], num_layers=2)
+    assert sorted(blocks) == sorted(k for k in float_params["layers"] if k.endswith("_proj"))
+    for name, arrays in blocks.items():
+        for layer in range(2):
+            got = dequantize({k: jax.numpy.asarray(v[layer]) for k, v in arrays.items()})
+            np.testing.assert_allclose(np.asarray(got), float_params["layers"][name]["kernel"][layer], rtol=1e-6,
+                                       atol=1e-7, err_msg=f"{name}[{layer}]")  # fmt: skip
+    fp32 = _greedy(str(q4_gguf["Q4_1"]), None)
+    assert _greedy(str(q4_gguf["Q4_1"]), "gguf") == fp32
+
+
+def test_gguf_quantization_refuses_other_block_types_and_non_gguf_models(q4_gguf, tiny_model):
+    with pytest.raises(Exception, match="Q8_0, not one of Q4_0, Q4_1; use quantization='int4' or 'int8'"):
+        LLM(str(q4_gguf["Q8_0"]), quantization="gguf", use_tqdm=False)
+    with pytest.raises(ValueError, match="is not a GGUF model"):
+        LLM(tiny_model, quantization="gguf", use_tqdm=False)
+
+
+# ---------------------------------------------------------------- quantized checkpoints
+
+
+def test_quantized_checkpoints_round_trip_and_load_without_quantizing_again(tiny_model, q4_gguf, tmp_path):
+    """`minivllm-convert --quantize` stores the quantized arrays and the scheme: LLM(OUT) holds
+    exactly what quantizing at load gives (int8 here), or the GGUF's own blocks (gguf), and
+    refuses to quantize them a second way."""
+    from convert.cli import main as convert_main
+    from minivllm_jax.checkpoint import load_converted
+
+    out = tmp_path / "int8"
+    assert convert_main([tiny_model, str(out), "--quantize", "int8", "--no-progress"]) == 0
+    _, hf_config, saved = load_converted(out)
+    assert hf_config["minivllm_quantization"] == {"scheme": "int8", "group_size": 32}
+    fresh = quantize_params(_float_params(tiny_model), "int8")
+    for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(fresh)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert _greedy(str(out), None) == _greedy(tiny_model, "int8")
+    with pytest.raises(ValueError, match="quantized as 'int8'"):
+        LLM(str(out), quantization="int4", use_tqdm=False)
+
+    out4 = tmp_path / "gguf"
+    assert convert_main([str(q4_gguf["Q4_1"]), str(out4), "--quantize", "gguf", "--no-progress"]) == 0
+    assert _greedy(str(out4), None) == _greedy(str(q4_gguf["Q4_1"]), None)
+    assert convert_main([tiny_model, str(tmp_path / "bad"), "--quantize", "gguf", "--no-progress"]) == 2
+    assert not (tmp_path / "bad").exists()
+
+
+def _float_params(model: str):
+    from convert import resolve_model
+    from minivllm_jax.checkpoint import load_converted
+
+    return load_converted(resolve_model(model, progress=False))[2]
