@@ -181,11 +181,12 @@ def measure_prefill(params: Any, cfg: Any, length: int, reps: int, seed: int) ->
 
     from minivllm_jax.batch import single_sequence_batch
     from minivllm_jax.kv_cache import init_kv_cache
+    from minivllm_jax.models.llama import model_dtype
     from minivllm_jax.step import forward_jit
 
     page = 16
     pages = list(range(1, -(-length // page) + 1))
-    cache = init_kv_cache(cfg, len(pages) + 1, page, jax.tree.leaves(params)[0].dtype)
+    cache = init_kv_cache(cfg, len(pages) + 1, page, model_dtype(params))
     tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, length)
     batch = single_sequence_batch(tokens, 0, pages, page)
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from convert.gguf_source import read_int4_projections
 from convert.resolve import MODEL_ALIASES, alias_source
-from minivllm_jax.quantization import LLM_QUANTIZATIONS, quantize_params, with_int4_projections
+from minivllm_jax.quantization import LLM_QUANTIZATIONS, quantize_head, quantize_params, with_int4_projections
 
 
 def gguf_source_of(model: str | Path) -> Path:
@@ -28,5 +28,5 @@ def quantize_model_params(params: dict[str, Any], scheme: str | None, source: st
     if scheme is not None and scheme not in LLM_QUANTIZATIONS:
         raise ValueError(f"unknown quantization {scheme!r}; use one of {LLM_QUANTIZATIONS} or None")
     if scheme == "gguf":
-        return with_int4_projections(params, read_int4_projections(gguf_source_of(source), num_layers))
+        return quantize_head(with_int4_projections(params, read_int4_projections(gguf_source_of(source), num_layers)))
     return quantize_params(params, scheme, group_size)

@@ -15,7 +15,7 @@ import numpy as np
 from minivllm_jax.batch import single_sequence_batch
 from minivllm_jax.config import ModelConfig
 from minivllm_jax.kv_cache import init_kv_cache
-from minivllm_jax.models.llama import Params, unstack_layers
+from minivllm_jax.models.llama import Params, model_dtype, unstack_layers
 from minivllm_jax.step import forward_jit
 
 
@@ -35,7 +35,7 @@ def greedy_stream(
     total = len(prompt_ids) + max_new_tokens
     num_seq_pages = -(-total // page_size)
     pages = list(range(1, num_seq_pages + 1))
-    dtype = jax.tree.leaves(params)[0].dtype
+    dtype = model_dtype(params)
     cache = init_kv_cache(cfg, num_seq_pages + 1, page_size, dtype)
 
     batch = single_sequence_batch(np.asarray(prompt_ids), 0, pages, page_size)

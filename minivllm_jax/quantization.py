@@ -18,9 +18,13 @@ The arrays keep any leading axes: stored (stacked `[L, ...]`) params quantize th
 serving layout, and `minivllm-convert --quantize` writes them so (`quantized_shapes`).
 
 Policy: the seven projections of every layer (q/k/v/o, gate/up/down; merged as the serving
-layout merges them) are quantized; the embedding (and the tied or untied lm_head), the norms
-and biases keep the model dtype. Their share of SmolLM2's parameters is 21% (the tied
-embedding), read once per token as a gather plus the lm_head matmul.
+layout merges them) are quantized by the scheme, and the output head by int8 per vocabulary
+entry whatever the scheme (as llama.cpp's 4-bit files keep it at 8 bits): the head is read
+whole for every decode step (SmolLM2's tied embedding is 21% of its parameters, and after the
+layers shrink most of the bytes per token). A tied embedding is stored once, as that head
+(`{"qweight": int8 [hidden, vocab], "scales": f32 [vocab]}`), and the token lookup reads its
+columns; an untied model's input embedding is only gathered (a few rows a step) and keeps the
+model dtype, as do the norms and biases.
 """
 
 from __future__ import annotations
@@ -78,8 +82,8 @@ def quantize_int4(kernel: Any, group_size: int = 32) -> dict[str, jax.Array]:
     return {"qweight4": jnp.asarray(pack_int4(q)), "scales": jnp.asarray(scales), "mins": jnp.asarray(lo.astype(np.float32))}
 
 
-def is_quantized(p: dict[str, Any]) -> bool:
-    return "qweight" in p or "qweight4" in p
+def is_quantized(p: Any) -> bool:
+    return isinstance(p, dict) and ("qweight" in p or "qweight4" in p)
 
 
 def dequantize(p: dict[str, jax.Array], dtype: Any = jnp.float32) -> jax.Array:
@@ -117,6 +121,23 @@ def quantize_projection(p: dict[str, Any], scheme: str, group_size: int = 32) ->
     raise ValueError(f"unknown quantization {scheme!r}; use one of {QUANTIZATIONS} or None")
 
 
+def quantize_head(params: dict[str, Any]) -> dict[str, Any]:
+    """The output head as int8 per vocabulary entry (the module's policy): `lm_head`, or for a
+    tied model (no `lm_head`) the embedding, stored transposed as that head."""
+    if "lm_head" in params:
+        return {**params, "lm_head": quantize_int8(params["lm_head"])}
+    return {**params, "embed_tokens": quantize_int8(np.asarray(params["embed_tokens"], np.float32).T)}
+
+
+def lookup_embedding(table: Any, tokens: jax.Array, dtype: Any) -> jax.Array:
+    """Rows of the embedding for `tokens`: a float `[vocab, hidden]` table, or a tied embedding
+    quantized as the head (`quantize_head`), whose columns are the tokens' rows."""
+    if not isinstance(table, dict):
+        return table[tokens]
+    rows = table["qweight"][:, tokens].T.astype(jnp.float32) * table["scales"][tokens][:, None]
+    return rows.astype(dtype)
+
+
 def quantize_params(params: dict[str, Any], scheme: str | None, group_size: int = 32) -> dict[str, Any]:
     """Params with every layer's projections quantized (the module's policy), stacked (as
     stored: `[L, in, out]` kernels) or in the serving layout (`unstack_layers`): the schemes
@@ -132,7 +153,7 @@ def quantize_params(params: dict[str, Any], scheme: str | None, group_size: int 
                 for name, v in lp.items()}  # fmt: skip
 
     layers = params["layers"]
-    return {**params, "layers": layer(layers) if isinstance(layers, dict) else tuple(map(layer, layers))}
+    return quantize_head({**params, "layers": layer(layers) if isinstance(layers, dict) else tuple(map(layer, layers))})
 
 
 def quantized_shapes(params_shapes: dict[str, Any], scheme: str, group_size: int = 32) -> dict[str, Any]:
@@ -152,7 +173,12 @@ def quantized_shapes(params_shapes: dict[str, Any], scheme: str, group_size: int
 
     layers = {name: projection(v) if isinstance(v, dict) and "kernel" in v else v
               for name, v in params_shapes["layers"].items()}  # fmt: skip
-    return {**params_shapes, "layers": layers}
+    head_name = "lm_head" if "lm_head" in params_shapes else "embed_tokens"
+    n_vocab = params_shapes[head_name].shape[-1 if head_name == "lm_head" else 0]
+    n_hidden = params_shapes["norm"].shape[0]
+    head = {"qweight": jax.ShapeDtypeStruct((n_hidden, n_vocab), jnp.int8),
+            "scales": jax.ShapeDtypeStruct((n_vocab,), jnp.float32)}  # fmt: skip
+    return {**params_shapes, "layers": layers, head_name: head}
 
 
 def with_int4_projections(params: dict[str, Any], projections: dict[str, dict[str, Any]]) -> dict[str, Any]:

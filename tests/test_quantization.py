@@ -3,6 +3,8 @@ and memory, and the engine on quantized weights (greedy agreement with fp32, no 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ from minivllm_jax import LLM, SamplingParams
 from minivllm_jax.models.llama import init_params, unstack_layers
 from minivllm_jax.quantization import (
     dequantize,
+    lookup_embedding,
     pack_int4,
     param_bytes,
     quantize_int4,
@@ -60,7 +63,11 @@ def test_policy_quantizes_every_projection_and_shrinks_them():
     from minivllm_jax.config import ModelConfig
 
     cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=256)  # fmt: skip
+                      num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=256,
+                      tie_word_embeddings=True)  # fmt: skip
+    untied = quantize_params(init_params(dataclasses.replace(cfg, tie_word_embeddings=False), jax.random.PRNGKey(0)),
+                             "int4")  # fmt: skip
+    assert untied["lm_head"]["qweight"].shape == (64, 128) and untied["embed_tokens"].dtype == np.float32
     stacked = init_params(cfg, jax.random.PRNGKey(0))
     params = unstack_layers(stacked)
     expected = {  # bytes of one [in, out] projection: weights, then scales (and int4's minimums)
@@ -69,7 +76,13 @@ def test_policy_quantizes_every_projection_and_shrinks_them():
     }
     for scheme, size in expected.items():
         q = quantize_params(params, scheme)
-        assert param_bytes(q["embed_tokens"]) == param_bytes(params["embed_tokens"])  # kept, per the policy
+        # The tied embedding becomes the int8 head [hidden, vocab] (+ a scale per entry), whatever the
+        # scheme; the lookup reads it back within half a step of each entry.
+        assert param_bytes(q["embed_tokens"]) == 128 * 64 + 4 * 128 and q["embed_tokens"]["qweight"].shape == (64, 128)
+        tokens = jax.numpy.asarray([0, 5, 127, 5])
+        rows = np.asarray(lookup_embedding(q["embed_tokens"], tokens, np.float32))
+        err = np.abs(rows - np.asarray(params["embed_tokens"])[np.asarray(tokens)])
+        assert np.all(err <= np.asarray(q["embed_tokens"]["scales"])[np.asarray(tokens)][:, None] / 2 + 1e-6)
         for lp, qp in zip(params["layers"], q["layers"]):
             for name, proj in lp.items():
                 if not (isinstance(proj, dict) and "kernel" in proj):
@@ -150,7 +163,8 @@ def q4_gguf(tmp_path_factory):
 
 def test_gguf_projections_come_back_exactly_and_serve_like_their_float_conversion(q4_gguf):
     """quantization='gguf' takes Q4_1 blocks as they are: dequantized, they equal the float
-    conversion of the same file (GGML's own dequantizer), so greedy tokens equal fp32's."""
+    conversion of the same file (GGML's own dequantizer). Only the int8 head differs from that
+    conversion, so greedy tokens keep fp32's on at least 90% of positions (as int8's test)."""
     from convert.gguf_source import read_int4_projections
     from convert.reader import read_checkpoint
 
@@ -163,7 +177,8 @@ def test_gguf_projections_come_back_exactly_and_serve_like_their_float_conversio
             np.testing.assert_allclose(np.asarray(got), float_params["layers"][name]["kernel"][layer], rtol=1e-6,
                                        atol=1e-7, err_msg=f"{name}[{layer}]")  # fmt: skip
     fp32 = _greedy(str(q4_gguf["Q4_1"]), None)
-    assert _greedy(str(q4_gguf["Q4_1"]), "gguf") == fp32
+    gguf = _greedy(str(q4_gguf["Q4_1"]), "gguf")
+    assert np.mean([a == b for x, y in zip(fp32, gguf) for a, b in zip(x, y)]) >= 0.9
 
 
 def test_gguf_quantization_refuses_other_block_types_and_non_gguf_models(q4_gguf, tiny_model):
@@ -196,7 +211,7 @@ def test_quantized_checkpoints_round_trip_and_load_without_quantizing_again(tiny
 
     out4 = tmp_path / "gguf"
     assert convert_main([str(q4_gguf["Q4_1"]), str(out4), "--quantize", "gguf", "--no-progress"]) == 0
-    assert _greedy(str(out4), None) == _greedy(str(q4_gguf["Q4_1"]), None)
+    assert _greedy(str(out4), None) == _greedy(str(q4_gguf["Q4_1"]), "gguf")
     assert convert_main([tiny_model, str(tmp_path / "bad"), "--quantize", "gguf", "--no-progress"]) == 2
     assert not (tmp_path / "bad").exists()
 

@@ -30,7 +30,7 @@ from minivllm_jax.config import EngineConfig, ModelConfig, bucket_for
 from minivllm_jax.engine.scheduler import ScheduledBatch
 from minivllm_jax.engine.sequence import Sequence
 from minivllm_jax.kv_cache import SCRATCH_PAGE, init_kv_cache
-from minivllm_jax.models.llama import Params, unstack_layers
+from minivllm_jax.models.llama import Params, model_dtype, unstack_layers
 from minivllm_jax.program_cache import ProgramCache
 from minivllm_jax.runtime import program_cache_dir
 from minivllm_jax.sampler import SampleResult, make_sampling_arrays
@@ -72,7 +72,7 @@ class ModelRunner:
         self.model_config = model_config
         self.config = config
         self.params = unstack_layers(params)  # the layout the step reads without copying weights
-        self.dtype = jax.tree.leaves(params)[0].dtype
+        self.dtype = model_dtype(params)
         self.cache = init_kv_cache(model_config, config.num_pages, config.page_size, self.dtype)
         self.penalty_state = init_penalty_state(config.max_num_seqs, model_config.vocab_size)
         self.fed_back = jnp.zeros(config.max_num_seqs, jnp.int32)  # the last step's tokens (see step.py)

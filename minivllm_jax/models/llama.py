@@ -13,6 +13,8 @@ params = {
   "norm": [hidden],
   "lm_head"?: [hidden, vocab],              # absent when embeddings are tied
 }
+(Quantized models replace projection kernels and the head by the arrays of
+`minivllm_jax.quantization`.)
 Kernels are `[in, out]` (HF's `[out, in]` transposed). Numerics follow HF's modeling_llama:
 RMSNorm in float32 then cast back before the weight, rotate-half RoPE, softmax in float32.
 
@@ -40,7 +42,7 @@ from minivllm_jax.attention import AttentionFn, get_attention
 from minivllm_jax.batch import StepBatch
 from minivllm_jax.config import ModelConfig
 from minivllm_jax.kv_cache import KVCache, write_kv
-from minivllm_jax.quantization import MATMUL, is_quantized
+from minivllm_jax.quantization import MATMUL, is_quantized, lookup_embedding
 
 Params = dict[str, Any]
 
@@ -100,6 +102,12 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.float32, scal
     return jax.tree.unflatten(
         treedef, [(scale * jax.random.normal(k, s.shape, jnp.float32)).astype(s.dtype) for k, s in zip(keys, leaves)]
     )
+
+
+def model_dtype(params: Params) -> jnp.dtype:
+    """The model's float dtype (activations, KV cache): the final norm's, which no
+    quantization changes (the first leaf may be a quantized embedding)."""
+    return params["norm"].dtype
 
 
 _MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -226,7 +234,7 @@ def forward(
     updated cache. `attention` names the implementation (`minivllm_jax.attention.ATTENTION`).
     """
     attend, qmatmul = get_attention(attention), MATMUL[matmul]
-    x = params["embed_tokens"][batch.tokens]  # [T, d]
+    x = lookup_embedding(params["embed_tokens"], batch.tokens, model_dtype(params))  # [T, d]
     freqs = batch.positions[:, None].astype(jnp.float32) * rope_inv_freq(cfg)
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
@@ -244,5 +252,8 @@ def forward(
         last = batch.query_start + jnp.maximum(batch.query_len, 1) - 1
         x = x[jnp.clip(last, 0, batch.num_tokens - 1)]
     x = rms_norm(x, params["norm"], cfg.rms_norm_eps)
-    head = params["embed_tokens"].T if cfg.tie_word_embeddings else params["lm_head"]
+    head = params["embed_tokens"] if cfg.tie_word_embeddings else params["lm_head"]
+    if is_quantized(head):  # int8 per vocabulary entry (`quantization.quantize_head`)
+        return qmatmul(x, head).astype(jnp.float32), cache
+    head = head.T if cfg.tie_word_embeddings else head
     return jnp.einsum("...d,dv->...v", x, head, preferred_element_type=jnp.float32), cache
