@@ -107,6 +107,7 @@ def _greedy(model: str, quantization: str | None):
     llm = LLM(model, quantization=quantization, max_num_seqs=2, max_model_len=128, num_pages=64,
               max_num_batched_tokens=32, use_tqdm=False)  # fmt: skip
     compiles = llm.engine.runner.num_compiles
+    assert llm.engine.runner.cache.k.dtype == np.float32  # the model's dtype, never a quantized leaf's
     prompts = [[3 + (7 * i + j) % 120 for j in range(5 + 3 * i)] for i in range(6)]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     assert llm.engine.runner.num_compiles == compiles  # quantized weights add no program after warm-up
