@@ -250,8 +250,8 @@ def measure_ours(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"workload needs max_model_len >= {wl.max_len}; engine has {cfg.max_model_len}")
     timeline = Timeline()
     run = run_requests(engine, wl.prompts, greedy_params(wl.output_lens), on_step=timeline)
-    per_page = kv_bytes_per_page(mcfg, cfg.page_size, runner.dtype)
-    measured_pool = runner.cache.k.nbytes + runner.cache.v.nbytes
+    per_page = kv_bytes_per_page(mcfg, cfg.page_size, runner.dtype, cfg.kv_cache_dtype)
+    measured_pool = sum(x.nbytes for x in jax.tree.leaves(runner.cache))  # int8 pages: with their scales
     assert measured_pool == cfg.num_pages * per_page, (measured_pool, cfg.num_pages, per_page)
     pages = [s["pages_used"] for s in timeline.samples]
     frag = fragmentation(timeline.samples, [cfg.page_size, *args.page_sizes], cfg.max_model_len)

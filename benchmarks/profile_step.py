@@ -39,7 +39,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=5, help="timed steps per shape (median reported)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="weight-only quantization of the random weights (native matmul where built)")  # fmt: skip
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"], help="int8 KV pages with scales")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attention", default="auto", choices=["auto", "native", "reference"],
                    help="attention implementation (auto: native where built)")  # fmt: skip
@@ -66,6 +69,19 @@ def tiny_config():
     )  # fmt: skip
 
 
+def random_like(a):
+    """Random values for a cache leaf: int8 pages, small positive scales, or float pages."""
+    import jax
+    import jax.numpy as jnp
+
+    key = jax.random.PRNGKey(1)
+    if a.dtype == jnp.int8:
+        return jax.random.randint(key, a.shape, -127, 128, jnp.int8)
+    if a.ndim == 4:  # the scales of int8 pages, [L, pages, kv heads, page_size]
+        return jax.random.uniform(key, a.shape, a.dtype, 0.005, 0.02)
+    return jax.random.normal(key, a.shape, a.dtype)
+
+
 def parse_shape(text: str) -> list[tuple[int, int, int]]:
     return [tuple(int(x) for x in group.split(":")) for group in text.split("+")]
 
@@ -88,11 +104,12 @@ def main(argv=None) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from minivllm_jax import attention
+    from minivllm_jax import attention, kernels
     from minivllm_jax.batch import build_step_batch
     from minivllm_jax.config import EngineConfig, bucket_for
     from minivllm_jax.kv_cache import init_kv_cache, write_kv
     from minivllm_jax.models.llama import forward, init_params, unstack_layers
+    from minivllm_jax.quantization import quantize_params
     from minivllm_jax.runtime import keep_freed_memory
     from minivllm_jax.sampler import make_sampling_arrays
     from minivllm_jax.sampling_params import SamplingParams
@@ -105,22 +122,25 @@ def main(argv=None) -> None:
     max_ctx = max(C + T for g in groups for _, T, C in g)
     engine = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=max_ctx + 1, page_size=args.page_size)
     dtype = jnp.dtype(args.dtype)
-    params = unstack_layers(init_params(cfg, jax.random.PRNGKey(args.seed), dtype=dtype))  # as the runner holds them
+    params = init_params(cfg, jax.random.PRNGKey(args.seed), dtype=dtype)
+    params = unstack_layers(quantize_params(params, args.quantization))  # as the runner holds them
+    matmul = "native" if kernels.native_available() else "reference"  # quantized projections, as the runner
     num_pages = max(2, min(4096, max(sum(B * -(-(C + T) // args.page_size) for B, T, C in g) for g in groups) + 1))
-    cache = init_kv_cache(cfg, num_pages, args.page_size, dtype)
-    cache = jax.tree.map(lambda a: jax.random.normal(jax.random.PRNGKey(1), a.shape, a.dtype), cache)
+    cache = init_kv_cache(cfg, num_pages, args.page_size, dtype, args.kv_cache_dtype)
+    cache = jax.tree.map(random_like, cache)
     penalty_state = init_penalty_state(args.max_num_seqs, cfg.vocab_size)
     fed_back = jnp.zeros(args.max_num_seqs, jnp.int32)  # no placeholders in these batches
     rng = np.random.RandomState(args.seed)
     attention.ATTENTION["none"] = lambda q, k, v, cache, layer, batch: jnp.zeros_like(q)
     impl = attention.resolve_attention(args.attention)
 
-    step_fn = jax.jit(engine_step, static_argnames=("cfg", "attention"), donate_argnames=("cache", "penalty_state"))
-    fwd = jax.jit(forward, static_argnames=("cfg", "attention", "all_logits"), donate_argnames=("cache",))
+    step_fn = jax.jit(engine_step, static_argnames=("cfg", "attention", "matmul"),
+                      donate_argnames=("cache", "penalty_state"))  # fmt: skip
+    fwd = jax.jit(forward, static_argnames=("cfg", "attention", "all_logits", "matmul"), donate_argnames=("cache",))
     write = jax.jit(write_kv, donate_argnames=("cache",))
 
-    print(f"model {'tiny' if args.quick else 'SmolLM2-135M'} {args.dtype}, page_size {args.page_size}, {num_pages} pages, "
-          f"attention {impl}")  # fmt: skip
+    print(f"model {'tiny' if args.quick else 'SmolLM2-135M'} {args.dtype}, quantization {args.quantization}, "
+          f"page_size {args.page_size}, {num_pages} pages ({args.kv_cache_dtype}), attention {impl}")  # fmt: skip
     print(f"{'shape':>22} {'T':>4} {'S':>3} {'compile s':>9} {'step ms':>8} {'forward':>8} {'no attn':>8} "
           f"{'attention':>9} {'sampler':>8} {'kv write':>8} {'tok/s':>8}")  # fmt: skip
     for text, group in zip(shapes, groups):
@@ -143,7 +163,7 @@ def main(argv=None) -> None:
 
         t0 = time.perf_counter()
         program = step_fn.lower(params, cache, penalty_state, fed_back, batch, sampling, rows, cfg=cfg,
-                                attention=impl).compile()  # fmt: skip
+                                attention=impl, matmul=matmul).compile()  # fmt: skip
         compile_s = time.perf_counter() - t0
 
         def run_step() -> None:
@@ -153,7 +173,7 @@ def main(argv=None) -> None:
 
         def run_forward(impl: str) -> None:
             nonlocal cache
-            logits, cache = fwd(params, cache, batch, cfg, impl)
+            logits, cache = fwd(params, cache, batch, cfg, impl, matmul=matmul)
             logits.block_until_ready()
 
         new_kv = jnp.zeros((cfg.num_layers, T, cfg.num_kv_heads, cfg.head_dim), dtype)

@@ -7,8 +7,11 @@ The contract every implementation keeps (a native kernel goes behind the same si
 - `q`: `[T, H, hd]`, `k_new`/`v_new`: `[T, KVH, hd]`: the step's new tokens, flat (`H` a
   multiple of `KVH`: grouped-query attention). Queries are not pre-scaled.
 - `cache`: the stacked paged cache (`KVCache`: K `[L, pages, KVH, hd, page_size]`, V `[L,
-  pages, KVH, page_size, hd]`) and `layer`, an int32 scalar picking the layer. Read only: the
-  new tokens' K/V are not in it yet (the caller writes them after the layers).
+  pages, KVH, page_size, hd]`; int8 pages are read as `value * scale` of their token and head)
+  and `layer`, an int32 scalar picking the layer. Read only: the new tokens' K/V are not in it
+  yet (the caller writes them after the layers); they are attended to as the cache will hold
+  them (`kv_cache.as_stored`: int8 pages round them), so no result depends on which keys
+  were cached.
 - `batch`: the `StepBatch` metadata: per sequence `query_start`, `query_len`, `context_len`,
   `page_start`, and the flat `page_ids` (see `StepBatch`).
 - `out`: `[T, H, hd]` in `q`'s dtype. A token of sequence `s` attends to `s`'s first
@@ -27,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from minivllm_jax.batch import StepBatch, token_sequences
-from minivllm_jax.kv_cache import KVCache
+from minivllm_jax.kv_cache import KVCache, as_stored, dequantize_k_blocks, dequantize_v_blocks
 
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, KVCache, jax.Array, StepBatch], jax.Array]
 
@@ -46,8 +49,18 @@ def _block_index(pages: jax.Array, layer: jax.Array, page_ids: jax.Array) -> jax
 
 
 def _gather_blocks(pages: jax.Array, index: jax.Array) -> jax.Array:
-    """The blocks (`[hd, ps]` of K, `[ps, hd]` of V) named by `index` (from `_block_index`)."""
+    """The blocks (`[hd, ps]` of K, `[ps, hd]` of V, `[ps]` of scales) named by `index` (from
+    `_block_index`)."""
     return pages.reshape(-1, *pages.shape[3:]).at[index].get(mode="promise_in_bounds")
+
+
+def _gather_kv(cache: KVCache, index: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    """The K and V blocks named by `index`, in `dtype` (int8 pages dequantized by their scales)."""
+    k, v = _gather_blocks(cache.k, index), _gather_blocks(cache.v, index)
+    if not cache.quantized:
+        return k, v
+    k_scale, v_scale = _gather_blocks(cache.k_scale, index), _gather_blocks(cache.v_scale, index)
+    return dequantize_k_blocks(k, k_scale, dtype), dequantize_v_blocks(v, v_scale, dtype)
 
 
 # A partial softmax per (token, kv head, group member): running max `m`, sum `l` and the
@@ -108,8 +121,7 @@ def _decode_pages(qf: jax.Array, cache: KVCache, layer: jax.Array, batch: StepBa
         take = lambda x: lax.dynamic_slice_in_dim(x, c * chunk, chunk)  # noqa: E731
         tok, plen = take(token), take(page_len)
         blocks = _block_index(cache.k, layer, take(page_ids))  # [C, KVH]
-        k_pages = _gather_blocks(cache.k, blocks)  # [C, KVH, hd, ps]
-        v_pages = _gather_blocks(cache.v, blocks)  # [C, KVH, ps, hd]
+        k_pages, v_pages = _gather_kv(cache, blocks, qf.dtype)  # [C, KVH, hd, ps], [C, KVH, ps, hd]
         scores = lax.dot_general(qf[tok], k_pages, (((3,), (2,)), dims), preferred_element_type=jnp.float32)
         scores = jnp.where((jnp.arange(ps) < plen[:, None])[:, None, None, :], scores, -jnp.inf)  # [C, KVH, G, ps]
         m_new = jnp.maximum(m, jax.ops.segment_max(scores.max(-1), tok, T, indices_are_sorted=True))
@@ -147,8 +159,7 @@ def _chunk_pages(qf: jax.Array, cache: KVCache, layer: jax.Array, batch: StepBat
         def page_body(c: jax.Array, run: Partial) -> Partial:
             m, l, acc = run
             blocks = _block_index(cache.k, layer, lax.dynamic_slice_in_dim(page_ids, batch.page_start[s] + c * span, span))
-            k_pages = _gather_blocks(cache.k, blocks)  # [span, KVH, hd, ps]
-            v_pages = _gather_blocks(cache.v, blocks)  # [span, KVH, ps, hd]
+            k_pages, v_pages = _gather_kv(cache, blocks, qf.dtype)  # [span, KVH, hd, ps], [span, KVH, ps, hd]
             scores = lax.dot_general(q, k_pages, (((2,), (2,)), dims), preferred_element_type=jnp.float32)
             key_pos = (c * span + jnp.arange(span))[:, None] * ps + jnp.arange(ps)  # [span, ps]
             scores = jnp.where(key_pos < batch.context_len[s], scores, -jnp.inf)  # [KVH, tile*G, span, ps]
@@ -193,8 +204,9 @@ def ragged_paged_attention(
     T, H, hd = q.shape
     KVH = k_new.shape[1]
     G = H // KVH
-    qf = (q.reshape(T, KVH, G, hd) * hd**-0.5).astype(cache.k.dtype)
+    qf = (q.reshape(T, KVH, G, hd) * hd**-0.5).astype(q.dtype if cache.quantized else cache.k.dtype)
     seq, valid = token_sequences(batch)
+    k_new, v_new = as_stored(cache, k_new), as_stored(cache, v_new)
     parts = [_new_tokens(qf, k_new, v_new, seq, valid), _decode_pages(qf, cache, layer, batch)]
     if T > 1:  # a one-token step has no prompt chunk
         parts.append(_chunk_pages(qf, cache, layer, batch))

@@ -6,7 +6,14 @@ head_dim]`; K blocks are stored transposed, `[head_dim, page_size]`, so that sco
 is a plain `q @ K_page` matmul (the page-score dot of a 64-row decode step measured about twice
 as fast on CPU as contracting the minor axis of `[page_size, head_dim]` blocks). Page 0 is a scratch page: padded slots of
 a bucket write there, so padding never touches a live sequence's pages, and the block manager
-never hands it out. A token's slot is `page * page_size + offset`."""
+never hands it out. A token's slot is `page * page_size + offset`.
+
+int8 pages (`kv_cache_dtype="int8"`): K and V hold int8 in the same layout, and `k_scale` /
+`v_scale` (`[num_layers, num_pages, num_kv_heads, page_size]`, float32) one symmetric scale per
+token and KV head (max |x| / 127 of its head_dim values), so a token's K/V are quantized once,
+when written, and never again as its page fills (a per-page scale would rescale the page). That
+is 72 bytes per token and head at head_dim 64 against 256 in float32. Readers dequantize as they
+read (`dequantize_k_blocks` / `dequantize_v_blocks` in the reference, in registers natively)."""
 
 from __future__ import annotations
 
@@ -16,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from minivllm_jax.config import ModelConfig
+from minivllm_jax.config import ModelConfig, check_kv_cache_dtype
 
 SCRATCH_PAGE = 0
 
@@ -26,6 +33,12 @@ SCRATCH_PAGE = 0
 class KVCache:
     k: jax.Array  # [num_layers, num_pages, num_kv_heads, head_dim, page_size]  (transposed blocks)
     v: jax.Array  # [num_layers, num_pages, num_kv_heads, page_size, head_dim]
+    k_scale: jax.Array | None = None  # int8 pages only: f32 [num_layers, num_pages, num_kv_heads, page_size]
+    v_scale: jax.Array | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
 
     @property
     def num_pages(self) -> int:
@@ -45,22 +58,72 @@ def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[in
     return (cfg.num_layers, num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
 
 
-def kv_bytes_per_page(cfg: ModelConfig, page_size: int, dtype: jnp.dtype) -> int:
+def kv_bytes_per_token(cfg: ModelConfig, dtype: jnp.dtype, kv_cache_dtype: str = "auto") -> int:
+    """Bytes one token's K and V cost across all layers (with the scales of int8 pages)."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    if kv_cache_dtype == "int8":
+        per_head = cfg.head_dim + 4  # int8 values and one float32 scale
+    else:
+        per_head = cfg.head_dim * jnp.dtype(dtype).itemsize
+    return 2 * cfg.num_layers * cfg.num_kv_heads * per_head
+
+
+def kv_bytes_per_page(cfg: ModelConfig, page_size: int, dtype: jnp.dtype, kv_cache_dtype: str = "auto") -> int:
     """Bytes one page costs across all layers, K and V together."""
-    return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+    return page_size * kv_bytes_per_token(cfg, dtype, kv_cache_dtype)
 
 
-def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: jnp.dtype) -> KVCache:
+def init_kv_cache(
+    cfg: ModelConfig, num_pages: int, page_size: int, dtype: jnp.dtype, kv_cache_dtype: str = "auto"
+) -> KVCache:
+    """An empty cache: pages of the model's `dtype`, or int8 pages with scales."""
+    check_kv_cache_dtype(kv_cache_dtype)
     if num_pages < 2:
         raise ValueError(f"num_pages must be >= 2 (page 0 is the scratch page), got {num_pages}")
     shape = kv_cache_shape(cfg, num_pages, page_size)
-    return _zeros_cache(shape[:3] + shape[:2:-1], shape, jnp.dtype(dtype))
+    if kv_cache_dtype == "int8":
+        return _zeros_cache(shape[:3] + shape[:2:-1], shape, jnp.dtype(jnp.int8), shape[:4])
+    return _zeros_cache(shape[:3] + shape[:2:-1], shape, jnp.dtype(dtype), None)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _zeros_cache(k_shape: tuple[int, ...], v_shape: tuple[int, ...], dtype: jnp.dtype) -> KVCache:
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _zeros_cache(k_shape: tuple[int, ...], v_shape: tuple[int, ...], dtype: jnp.dtype,
+                 scale_shape: tuple[int, ...] | None) -> KVCache:  # fmt: skip
     # Under jit: an eager jnp.zeros of a GB-sized cache took 2.4 s here, the jitted one 0.3 s.
-    return KVCache(k=jnp.zeros(k_shape, dtype), v=jnp.zeros(v_shape, dtype))
+    if scale_shape is None:
+        return KVCache(k=jnp.zeros(k_shape, dtype), v=jnp.zeros(v_shape, dtype))
+    scales = lambda: jnp.ones(scale_shape, jnp.float32)  # noqa: E731
+    return KVCache(k=jnp.zeros(k_shape, dtype), v=jnp.zeros(v_shape, dtype), k_scale=scales(), v_scale=scales())
+
+
+def quantize_heads(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Symmetric int8 of each `[..., head_dim]` vector (round to nearest even) and its scale
+    `max |x| / 127` (1 for an all-zero vector, whose values are 0 whatever the scale)."""
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    return jnp.clip(jnp.round(x / scale[..., None]), -127, 127).astype(jnp.int8), scale
+
+
+def as_stored(cache: KVCache, x: jax.Array) -> jax.Array:
+    """New K or V (`[..., head_dim]`) as `cache` will hold them: int8 pages round them through
+    `quantize_heads` (the very values `write_kv` stores), float pages keep them. Attention gives
+    a step's own new tokens these, so every key is seen the same way, cached or new: a result
+    does not depend on how a prompt was chunked, batched or found in the prefix cache."""
+    if not cache.quantized:
+        return x
+    q, scale = quantize_heads(x)
+    return (q.astype(jnp.float32) * scale[..., None]).astype(x.dtype)
+
+
+def dequantize_k_blocks(blocks: jax.Array, scales: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """K blocks `[..., head_dim, page_size]` of int8 times their tokens' scales `[..., page_size]`."""
+    return (blocks.astype(jnp.float32) * scales[..., None, :]).astype(dtype)
+
+
+def dequantize_v_blocks(blocks: jax.Array, scales: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """V blocks `[..., page_size, head_dim]` of int8 times their tokens' scales `[..., page_size]`."""
+    return (blocks.astype(jnp.float32) * scales[..., None]).astype(dtype)
 
 
 def write_kv(cache: KVCache, new_k: jax.Array, new_v: jax.Array, slot_mapping: jax.Array) -> KVCache:
@@ -73,12 +136,19 @@ def write_kv(cache: KVCache, new_k: jax.Array, new_v: jax.Array, slot_mapping: j
     block = (slots // page_size) * kvh + jnp.arange(kvh, dtype=slots.dtype)  # [B*T, kvh]: (page, head)
     offset = jnp.broadcast_to(slots % page_size, block.shape)
     block, offset = block.reshape(-1), offset.reshape(-1)
-    new_k = new_k.reshape(L, -1, hd).astype(cache.k.dtype)  # [L, B*T*kvh, hd]
-    new_v = new_v.reshape(L, -1, hd).astype(cache.v.dtype)
+    new_k = new_k.reshape(L, -1, hd)  # [L, B*T*kvh, hd]
+    new_v = new_v.reshape(L, -1, hd)
+    scales = {}
+    if cache.quantized:
+        (new_k, k_scale), (new_v, v_scale) = quantize_heads(new_k), quantize_heads(new_v)
+        for name, new in (("k_scale", k_scale), ("v_scale", v_scale)):
+            flat = getattr(cache, name).reshape(L, num_pages * kvh, page_size)
+            flat = flat.at[:, block, offset].set(new, mode="promise_in_bounds")
+            scales[name] = flat.reshape(getattr(cache, name).shape)
     # K blocks are [hd, page_size]: a token fills one column. Both indices are advanced, so the
     # indexed axis leads in the update: [B*T*kvh, L, hd].
     k = cache.k.reshape(L, num_pages * kvh, hd, page_size)
-    k = k.at[:, block, :, offset].set(new_k.swapaxes(0, 1), mode="promise_in_bounds")
+    k = k.at[:, block, :, offset].set(new_k.swapaxes(0, 1).astype(k.dtype), mode="promise_in_bounds")
     v = cache.v.reshape(L, num_pages * kvh, page_size, hd)
-    v = v.at[:, block, offset].set(new_v, mode="promise_in_bounds")
-    return KVCache(k=k.reshape(cache.k.shape), v=v.reshape(cache.v.shape))
+    v = v.at[:, block, offset].set(new_v.astype(v.dtype), mode="promise_in_bounds")
+    return KVCache(k=k.reshape(cache.k.shape), v=v.reshape(cache.v.shape), **scales)

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from minivllm_jax.attention import resolve_attention
 from minivllm_jax.models.llama import unstack_layers
-from minivllm_jax.config import EngineConfig, ModelConfig
+from minivllm_jax.config import EngineConfig, ModelConfig, check_kv_cache_dtype
 from minivllm_jax.engine.engine import LLMEngine
 from minivllm_jax.kv_cache import kv_bytes_per_page
 from minivllm_jax.outputs import RequestOutput
@@ -25,12 +25,13 @@ Prompt = str | Sequence[int]
 KV_MEMORY_FRACTION = 0.25
 
 
-def auto_num_pages(cfg: ModelConfig, max_num_seqs: int, max_model_len: int, page_size: int, dtype: Any) -> int:
+def auto_num_pages(cfg: ModelConfig, max_num_seqs: int, max_model_len: int, page_size: int, dtype: Any,
+                   kv_cache_dtype: str = "auto") -> int:  # fmt: skip
     """num_pages = 1 + min(max_num_seqs * ceil(max_model_len / page_size),
     KV_MEMORY_FRACTION * MemAvailable // bytes_per_page): never more than the engine can use,
     and at least one full-length sequence."""
     per_seq = -(-max_model_len // page_size)
-    fits = int(KV_MEMORY_FRACTION * available_memory_bytes()) // kv_bytes_per_page(cfg, page_size, dtype)
+    fits = int(KV_MEMORY_FRACTION * available_memory_bytes()) // kv_bytes_per_page(cfg, page_size, dtype, kv_cache_dtype)
     return 1 + max(per_seq, min(max_num_seqs * per_seq, fits))
 
 
@@ -65,6 +66,7 @@ class LLM:
         attention: str = "auto",
         async_scheduling: bool = True,
         quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
         seed: int = 0,
         warmup: bool = True,
         use_tqdm: bool = True,
@@ -78,6 +80,7 @@ class LLM:
 
         if quantization is not None and quantization not in LLM_QUANTIZATIONS:
             raise ValueError(f"unknown quantization {quantization!r}; use one of {LLM_QUANTIZATIONS} or None")
+        check_kv_cache_dtype(kv_cache_dtype)
         enable_compilation_cache(compilation_cache_dir)
         keep_freed_memory()
         model_dir = resolve_model(model, dtype=dtype, progress=use_tqdm)
@@ -94,7 +97,7 @@ class LLM:
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         max_model_len = min(max_model_len or 2048, cfg.max_position_embeddings)
         if num_pages is None:
-            num_pages = auto_num_pages(cfg, max_num_seqs, max_model_len, page_size, dtype)
+            num_pages = auto_num_pages(cfg, max_num_seqs, max_model_len, page_size, dtype, kv_cache_dtype)
         config = EngineConfig(
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
@@ -107,6 +110,7 @@ class LLM:
             max_batch_wait_ms=max_batch_wait_ms,
             attention=resolve_attention(attention),
             async_scheduling=async_scheduling,
+            kv_cache_dtype=kv_cache_dtype,
         )
         eos = _eos_ids(cfg, model_dir, self.tokenizer)
         self.engine = LLMEngine(cfg, config, params, self.tokenizer, eos_token_ids=eos, seed=seed)

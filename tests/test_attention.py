@@ -1,6 +1,8 @@
 """The ragged paged attention reference against a plain per-token softmax in numpy, over a step
 that mixes every kind of sequence: decodes with and without cached context, fresh prompts,
-prompt chunks after cached context (several query tiles and page spans), and padding."""
+prompt chunks after cached context (several query tiles and page spans), and padding; with
+float32 pages and with int8 pages (a scale per token and KV head), which every implementation
+must read as `value * scale`."""
 
 from __future__ import annotations
 
@@ -38,14 +40,32 @@ def naive_attention(q, k_new, v_new, k_cache, v_cache, layer, specs, chunks):
     return out
 
 
+def random_cache(rng, page_dtype: str) -> tuple[KVCache, np.ndarray, np.ndarray]:
+    """A cache of random pages and the float K/V it stands for."""
+    if page_dtype == "float32":
+        k_cache = rng.standard_normal((L, NUM_PAGES, KVH, HD, PS)).astype(np.float32)
+        v_cache = rng.standard_normal((L, NUM_PAGES, KVH, PS, HD)).astype(np.float32)
+        return KVCache(jnp.asarray(k_cache), jnp.asarray(v_cache)), k_cache, v_cache
+    k_q = rng.integers(-127, 128, (L, NUM_PAGES, KVH, HD, PS)).astype(np.int8)
+    v_q = rng.integers(-127, 128, (L, NUM_PAGES, KVH, PS, HD)).astype(np.int8)
+    k_scale, v_scale = (rng.uniform(0.002, 0.02, (L, NUM_PAGES, KVH, PS)).astype(np.float32) for _ in range(2))
+    cache = KVCache(*map(jnp.asarray, (k_q, v_q, k_scale, v_scale)))
+    return cache, k_q.astype(np.float32) * k_scale[:, :, :, None, :], v_q.astype(np.float32) * v_scale[..., None]
+
+
+def round_as_int8(x: np.ndarray) -> np.ndarray:
+    """What int8 pages hold for `[..., head_dim]` vectors: symmetric int8 per vector, dequantized."""
+    scale = np.abs(x).max(-1, keepdims=True) / 127.0
+    return (np.clip(np.round(x / scale), -127, 127) * scale).astype(np.float32)
+
+
+@pytest.mark.parametrize("page_dtype", ["float32", "int8"])
 @pytest.mark.parametrize("impl", sorted(ATTENTION))
-def test_ragged_attention_matches_per_token_softmax(impl):
+def test_ragged_attention_matches_per_token_softmax(impl, page_dtype):
     if impl == "native" and not kernels.native_available():
         pytest.skip("native kernels not available (not built, or MINIVLLM_KERNELS=reference)")
     rng = np.random.default_rng(0)
-    k_cache = rng.standard_normal((L, NUM_PAGES, KVH, HD, PS)).astype(np.float32)
-    v_cache = rng.standard_normal((L, NUM_PAGES, KVH, PS, HD)).astype(np.float32)
-    cache = KVCache(jnp.asarray(k_cache), jnp.asarray(v_cache))
+    cache, k_cache, v_cache = random_cache(rng, page_dtype)
     free = list(rng.permutation(np.arange(1, NUM_PAGES)))
     chunks = []
     for context, n in SPECS:
@@ -59,7 +79,8 @@ def test_ragged_attention_matches_per_token_softmax(impl):
     real = sum(n for _, n in SPECS)
     for layer in range(L):
         got = np.asarray(attend(q, k_new, v_new, cache, jnp.int32(layer), batch))
-        want = naive_attention(q, k_new, v_new, k_cache, v_cache, layer, SPECS, chunks)
+        stored = (lambda x: x) if page_dtype == "float32" else round_as_int8  # how the cache keeps new K/V
+        want = naive_attention(q, stored(k_new), stored(v_new), k_cache, v_cache, layer, SPECS, chunks)
         np.testing.assert_allclose(got[:real], want[:real], atol=2e-5, rtol=1e-5)
         assert not np.any(got[real:])  # padding tokens give zeros
 

@@ -28,9 +28,20 @@ def test_native_library_is_built_in_ci():
     assert kernels.native_available()
 
 
-def random_step(rng, kvh, g, hd, ps, specs, num_pages=160, layers=2, extra_tokens=5, extra_seqs=3):
-    k_cache = rng.standard_normal((layers, num_pages, kvh, hd, ps)).astype(np.float32)
-    v_cache = rng.standard_normal((layers, num_pages, kvh, ps, hd)).astype(np.float32)
+def random_pages(rng, kvh, hd, ps, num_pages, layers, pages) -> KVCache:
+    """Random float32 pages, or int8 pages with a random scale per token and kv head."""
+    if pages == "float32":
+        k_cache = rng.standard_normal((layers, num_pages, kvh, hd, ps)).astype(np.float32)
+        v_cache = rng.standard_normal((layers, num_pages, kvh, ps, hd)).astype(np.float32)
+        return KVCache(jnp.asarray(k_cache), jnp.asarray(v_cache))
+    k_q = rng.integers(-127, 128, (layers, num_pages, kvh, hd, ps), dtype=np.int8)
+    v_q = rng.integers(-127, 128, (layers, num_pages, kvh, ps, hd), dtype=np.int8)
+    k_scale, v_scale = (rng.uniform(0.002, 0.02, (layers, num_pages, kvh, ps)).astype(np.float32) for _ in range(2))
+    return KVCache(*map(jnp.asarray, (k_q, v_q, k_scale, v_scale)))
+
+
+def random_step(rng, kvh, g, hd, ps, specs, num_pages=160, layers=2, extra_tokens=5, extra_seqs=3, pages="float32"):
+    cache = random_pages(rng, kvh, hd, ps, num_pages, layers, pages)
     free = list(rng.permutation(np.arange(1, num_pages)))
     chunks = []
     for context, n in specs:
@@ -41,24 +52,25 @@ def random_step(rng, kvh, g, hd, ps, specs, num_pages=160, layers=2, extra_token
     batch = build_step_batch(chunks, ps, num_tokens, len(specs) + extra_seqs, listed)
     q = rng.standard_normal((num_tokens, kvh * g, hd)).astype(np.float32)
     k_new, v_new = (rng.standard_normal((num_tokens, kvh, hd)).astype(np.float32) for _ in range(2))
-    return q, k_new, v_new, KVCache(jnp.asarray(k_cache), jnp.asarray(v_cache)), batch
+    return q, k_new, v_new, cache, batch
 
 
 @pytest.mark.skipif(not kernels.native_available(), reason="native kernels not available (not built, or MINIVLLM_KERNELS=reference)")
 @pytest.mark.parametrize("kvh,g,hd,ps", SHAPES)
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("decodes", ["many", "few"])
-def test_native_attention_equals_reference(kvh, g, hd, ps, seed, decodes):
+@pytest.mark.parametrize("pages", ["float32", "int8"])
+def test_native_attention_equals_reference(kvh, g, hd, ps, seed, decodes, pages):
     """Random ragged steps: decodes at and around page boundaries, fresh prompts, chunks after
     cached context that span several blocks of new keys, padding tokens and padded sequences.
     With many decodes the kernel reads all kv heads of a sequence in one work item, with few
-    one head per item: both must agree."""
+    one head per item: both must agree, on float32 pages and on int8 pages with scales."""
     rng = np.random.default_rng(seed)
     boundary = [(ps * k + d, 1) for k in (1, 3) for d in (-1, 0, 1)]
     if decodes == "few":
         boundary = boundary[1:3]
     specs = boundary + [(0, 1), (0, 7), (2 * ps, 37), (5 * ps + 1, 20), (int(rng.integers(1, 90)), 1), (0, 18)]
-    q, k_new, v_new, cache, batch = random_step(rng, kvh, g, hd, ps, specs)
+    q, k_new, v_new, cache, batch = random_step(rng, kvh, g, hd, ps, specs, pages=pages)
     native, reference = jax.jit(get_attention("native")), jax.jit(get_attention("reference"))
     real = sum(n for _, n in specs)
     for layer in range(2):

@@ -73,7 +73,7 @@ class ModelRunner:
         self.config = config
         self.params = unstack_layers(params)  # the layout the step reads without copying weights
         self.dtype = model_dtype(params)
-        self.cache = init_kv_cache(model_config, config.num_pages, config.page_size, self.dtype)
+        self.cache = init_kv_cache(model_config, config.num_pages, config.page_size, self.dtype, config.kv_cache_dtype)
         self.penalty_state = init_penalty_state(config.max_num_seqs, model_config.vocab_size)
         self.fed_back = jnp.zeros(config.max_num_seqs, jnp.int32)  # the last step's tokens (see step.py)
         self.attention = resolve_attention(config.attention)  # loads native kernels before any program
@@ -162,7 +162,8 @@ class ModelRunner:
         if not any(leaf.is_deleted() for leaf in leaves):
             return False
         logger.warning("the KV cache buffers were lost with a failed step; rebuilding the cache")
-        self.cache = init_kv_cache(self.model_config, self.config.num_pages, self.config.page_size, self.dtype)
+        self.cache = init_kv_cache(self.model_config, self.config.num_pages, self.config.page_size, self.dtype,
+                                   self.config.kv_cache_dtype)
         self.penalty_state = init_penalty_state(self.config.max_num_seqs, self.model_config.vocab_size)
         return True
 

@@ -26,6 +26,7 @@ FORCE_REFERENCE_ENV = "MINIVLLM_KERNELS"
 # FFI target name -> symbol in the library
 TARGETS = {
     "minivllm_ragged_paged_attention_f32": "MinivllmRaggedPagedAttentionF32",
+    "minivllm_ragged_paged_attention_int8kv": "MinivllmRaggedPagedAttentionInt8KV",
     "minivllm_matmul_int8_f32": "MinivllmMatmulInt8F32",
     "minivllm_matmul_int4_f32": "MinivllmMatmulInt4F32",
 }

@@ -6,12 +6,19 @@
 // is read once per item, in place (no gather copy), for all of them: an online softmax over the
 // cached pages, then over the step's own new keys (causal). K pages are [hd, page_size] (keys along the fast axis, so a
 // page's scores for one query are page_size-wide multiply-adds); V pages are [page_size, hd].
+// int8 pages (one float scale per token and kv head) are dequantized one (page, head) block at a
+// time into a small buffer that stays in L1, so the scoring code is the same and memory traffic
+// is the int8 bytes.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -214,15 +221,86 @@ inline void Attend(const float* q, int64_t rows, int64_t hd, const KeyBlock& kb,
   AttendBlock(q, rows, hd, kb, visible, m, l, acc);
 }
 
-ffi::Error RaggedPagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
-                                    ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::F32> cache_k,
-                                    ffi::Buffer<ffi::F32> cache_v, ffi::Buffer<ffi::S32> layer_buf,
-                                    ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> query_len,
-                                    ffi::Buffer<ffi::S32> context_len, ffi::Buffer<ffi::S32> page_start,
-                                    ffi::Buffer<ffi::S32> page_ids, ffi::ResultBuffer<ffi::F32> out) {
-  const auto qd = q.dimensions();       // [T, H, hd]
-  const auto kd = k_new.dimensions();   // [T, KVH, hd]
-  const auto cd = cache_k.dimensions(); // [L, P, KVH, hd, ps]
+// Where a (page, kv head) block of this layer comes from. Float pages are read in place, and
+// the next block is prefetched inside `Attend`.
+struct FloatPages {
+  const float* k;  // [L, P, KVH, hd, ps]
+  const float* v;  // [L, P, KVH, ps, hd]
+  int64_t KVH, hd, ps;
+  FloatPages Layer(int64_t layer, int64_t P) const {
+    const int64_t b = layer * P * KVH * hd * ps;
+    return FloatPages{k + b, v + b, KVH, hd, ps};
+  }
+  KeyBlock Block(int64_t page, int64_t h, float*, float*) const {
+    const int64_t b = (page * KVH + h) * hd * ps;
+    return KeyBlock{k + b, ps, v + b, hd, static_cast<int>(ps)};
+  }
+  void Prefetch(int64_t page, int64_t h, const float** next_k, const float** next_v) const {
+    *next_k = page >= 0 ? k + (page * KVH + h) * hd * ps : nullptr;
+    *next_v = page >= 0 ? v + (page * KVH + h) * hd * ps : nullptr;
+  }
+};
+
+// dst[r][c] = src[r][c] * col_scale[c] (col_scale given) or * row_scale[r].
+inline void DequantizeBlock(const int8_t* src, int64_t rows, int64_t cols, const float* col_scale,
+                            const float* row_scale, float* dst) {
+#if defined(__AVX512F__)
+  if (cols % 16 == 0) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; c += 16) {
+        const __m512 x = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + r * cols + c))));
+        const __m512 s = col_scale != nullptr ? _mm512_loadu_ps(col_scale + c) : _mm512_set1_ps(row_scale[r]);
+        _mm512_storeu_ps(dst + r * cols + c, _mm512_mul_ps(x, s));
+      }
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      dst[r * cols + c] = static_cast<float>(src[r * cols + c]) * (col_scale != nullptr ? col_scale[c] : row_scale[r]);
+}
+
+// int8 pages: a block is dequantized into the caller's buffers (K [hd, ps] scaled per key
+// column, V [ps, hd] per key row), the next one prefetched here (its int8 bytes and scales).
+struct Int8Pages {
+  const int8_t* k;
+  const int8_t* v;
+  const float* k_scale;  // [L, P, KVH, ps]
+  const float* v_scale;
+  int64_t KVH, hd, ps;
+  Int8Pages Layer(int64_t layer, int64_t P) const {
+    const int64_t b = layer * P * KVH * hd * ps, sb = layer * P * KVH * ps;
+    return Int8Pages{k + b, v + b, k_scale + sb, v_scale + sb, KVH, hd, ps};
+  }
+  KeyBlock Block(int64_t page, int64_t h, float* k_buf, float* v_buf) const {
+    const int64_t b = (page * KVH + h) * hd * ps, sb = (page * KVH + h) * ps;
+    DequantizeBlock(k + b, hd, ps, k_scale + sb, nullptr, k_buf);
+    DequantizeBlock(v + b, ps, hd, nullptr, v_scale + sb, v_buf);
+    return KeyBlock{k_buf, ps, v_buf, hd, static_cast<int>(ps)};
+  }
+  void Prefetch(int64_t page, int64_t h, const float** next_k, const float** next_v) const {
+    *next_k = *next_v = nullptr;
+    if (page < 0) return;
+    const int64_t b = (page * KVH + h) * hd * ps, sb = (page * KVH + h) * ps;
+    for (int64_t off = 0; off < hd * ps; off += 64) {
+      __builtin_prefetch(k + b + off);
+      __builtin_prefetch(v + b + off);
+    }
+    __builtin_prefetch(k_scale + sb);
+    __builtin_prefetch(v_scale + sb);
+  }
+};
+
+template <typename Pages>
+ffi::Error RaggedPagedAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
+                                ffi::Span<const int64_t> cd, Pages pages,
+                                ffi::Buffer<ffi::S32> layer_buf, ffi::Buffer<ffi::S32> query_start,
+                                ffi::Buffer<ffi::S32> query_len, ffi::Buffer<ffi::S32> context_len,
+                                ffi::Buffer<ffi::S32> page_start, ffi::Buffer<ffi::S32> page_ids,
+                                ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions();  // [T, H, hd]
+  const auto kd = k_new.dimensions();  // [T, KVH, hd]; cd: the cache K's [L, P, KVH, hd, ps]
   if (qd.size() != 3 || kd.size() != 3 || cd.size() != 5) {
     return ffi::Error::InvalidArgument("ragged_paged_attention: q/k_new must be rank 3, the cache rank 5");
   }
@@ -241,10 +319,7 @@ ffi::Error RaggedPagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F3
   const float* qp = q.typed_data();
   const float* knp = k_new.typed_data();
   const float* vnp = v_new.typed_data();
-  // This layer's pages: [P, KVH, hd, ps] of K and [P, KVH, ps, hd] of V.
-  const int64_t block = KVH * hd * ps;
-  const float* kc = cache_k.typed_data() + layer * P * block;
-  const float* vc = cache_v.typed_data() + layer * P * block;
+  const Pages layer_pages = pages.Layer(layer, P);
   const int32_t* qs = query_start.typed_data();
   const int32_t* ql = query_len.typed_data();
   const int32_t* cl = context_len.typed_data();
@@ -278,7 +353,7 @@ ffi::Error RaggedPagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F3
 
 #pragma omp parallel
   {
-    std::vector<float> qbuf, acc, m, l, k_block(hd * kNewBlock);
+    std::vector<float> qbuf, acc, m, l, k_block(hd * kNewBlock), k_page(hd * ps), v_page(ps * hd);
 #pragma omp for schedule(dynamic, 1)
     for (size_t it = 0; it < items.size(); ++it) {
       const Item& item = items[it];
@@ -311,10 +386,9 @@ ffi::Error RaggedPagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F3
         const int n_keys = static_cast<int>(std::min<int64_t>(ps, ctx - c * ps));
         for (int64_t hh = 0; hh < nh; ++hh) {
           const int64_t h = h_lo + hh;
-          const KeyBlock kb{kc + (page * KVH + h) * hd * ps, ps, vc + (page * KVH + h) * ps * hd, hd,
-                            static_cast<int>(ps)};
-          const float* next_k = next >= 0 ? kc + (next * KVH + h) * hd * ps : nullptr;
-          const float* next_v = next >= 0 ? vc + (next * KVH + h) * ps * hd : nullptr;
+          const float *next_k, *next_v;
+          layer_pages.Prefetch(next, h, &next_k, &next_v);
+          const KeyBlock kb = layer_pages.Block(page, h, k_page.data(), v_page.data());
           Attend(qbuf.data() + hh * R * hd, R, hd, kb, static_cast<int>(ps), [&](int64_t) { return n_keys; },
                  m.data() + hh * R, l.data() + hh * R, acc.data() + hh * R * hd, next_k, next_v);
         }
@@ -354,15 +428,63 @@ ffi::Error RaggedPagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F3
   return ffi::Error::Success();
 }
 
+using S32 = ffi::Buffer<ffi::S32>;
+
+ffi::Error RaggedPagedAttentionF32(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
+                                   ffi::Buffer<ffi::F32> cache_k, ffi::Buffer<ffi::F32> cache_v, S32 layer,
+                                   S32 query_start, S32 query_len, S32 context_len, S32 page_start, S32 page_ids,
+                                   ffi::ResultBuffer<ffi::F32> out) {
+  const auto cd = cache_k.dimensions();
+  if (cd.size() != 5) return ffi::Error::InvalidArgument("ragged_paged_attention: the cache must be rank 5");
+  const FloatPages pages{cache_k.typed_data(), cache_v.typed_data(), cd[2], cd[3], cd[4]};
+  return RaggedPagedAttention(q, k_new, v_new, cd, pages, layer, query_start, query_len, context_len, page_start,
+                              page_ids, out);
+}
+
+ffi::Error RaggedPagedAttentionInt8KV(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
+                                      ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::S8> cache_k,
+                                      ffi::Buffer<ffi::S8> cache_v, ffi::Buffer<ffi::F32> k_scale,
+                                      ffi::Buffer<ffi::F32> v_scale, S32 layer, S32 query_start, S32 query_len,
+                                      S32 context_len, S32 page_start, S32 page_ids, ffi::ResultBuffer<ffi::F32> out) {
+  const auto cd = cache_k.dimensions();
+  if (cd.size() != 5) return ffi::Error::InvalidArgument("ragged_paged_attention: the cache must be rank 5");
+  const int64_t n_scales = cd[0] * cd[1] * cd[2] * cd[4];
+  if (static_cast<int64_t>(k_scale.element_count()) != n_scales ||
+      static_cast<int64_t>(v_scale.element_count()) != n_scales) {
+    return ffi::Error::InvalidArgument("ragged_paged_attention: int8 pages need one scale per token and kv head");
+  }
+  const Int8Pages pages{cache_k.typed_data(), cache_v.typed_data(), k_scale.typed_data(), v_scale.typed_data(),
+                        cd[2], cd[3], cd[4]};
+  return RaggedPagedAttention(q, k_new, v_new, cd, pages, layer, query_start, query_len, context_len, page_start,
+                              page_ids, out);
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MinivllmRaggedPagedAttentionF32, RaggedPagedAttentionImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MinivllmRaggedPagedAttentionF32, RaggedPagedAttentionF32,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k_new
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v_new
                                   .Arg<ffi::Buffer<ffi::F32>>()  // cache K
                                   .Arg<ffi::Buffer<ffi::F32>>()  // cache V
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query_start
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query_len
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // context_len
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_start
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_ids
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MinivllmRaggedPagedAttentionInt8KV, RaggedPagedAttentionInt8KV,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_new
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_new
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // cache K (int8)
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // cache V (int8)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // K scales [L, P, KVH, ps]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // V scales
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_start
                                   .Arg<ffi::Buffer<ffi::S32>>()  // query_len
