@@ -124,11 +124,11 @@ def test_engine_on_native_attention_matches_hf_and_is_batch_invariant():
 @pytest.mark.parametrize("rows", [1, 3, 4, 6, 16])
 def test_native_quantized_matmul_equals_reference(scheme, group_size, rows):
     """Every row-pass size (1-4, and passes of 4 with a remainder), each scheme and int4 group."""
-    from minivllm_jax.quantization import MATMUL, quantize_projection
+    from minivllm_jax.quantization import MATMUL, quantize_projection, to_panels
 
     rng = np.random.default_rng(rows)
     w = rng.standard_normal((256, 192)).astype(np.float32)
-    p = quantize_projection({"kernel": w}, scheme, group_size)
+    p = to_panels(quantize_projection({"kernel": w}, scheme, group_size))  # the layout the kernel reads
     x = jnp.asarray(rng.standard_normal((rows, 256)).astype(np.float32))
     got = np.asarray(jax.jit(MATMUL["native"])(x, p))
     want = np.asarray(jax.jit(MATMUL["reference"])(x, p))

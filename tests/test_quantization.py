@@ -19,6 +19,10 @@ from minivllm_jax.quantization import (
     quantize_int4,
     quantize_int8,
     quantize_params,
+    quantize_projection,
+    serving_layout,
+    from_panels,
+    to_panels,
     unpack_int4,
 )
 from tests.conftest import make_tiny_llama, save_tiny_tokenizer
@@ -90,8 +94,10 @@ def test_policy_quantizes_every_projection_and_shrinks_them():
                     continue
                 assert "kernel" not in qp[name]  # no full-precision copy
                 assert param_bytes(qp[name]) == size(*proj["kernel"].shape) + param_bytes(proj.get("bias", ()))
-        # Quantizing the stored (stacked) layout, as loading and converting do, gives the same arrays.
-        for a, b in zip(jax.tree.leaves(unstack_layers(quantize_params(stacked, scheme))), jax.tree.leaves(q)):
+        # Quantizing the stored (stacked) layout, as loading and converting do, gives the same arrays
+        # (unstacking lays them out as panels for the kernels).
+        served = serving_layout(q)
+        for a, b in zip(jax.tree.leaves(unstack_layers(quantize_params(stacked, scheme))), jax.tree.leaves(served)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -222,3 +228,34 @@ def _float_params(model: str):
     from minivllm_jax.checkpoint import load_converted
 
     return load_converted(resolve_model(model, progress=False))[2]
+
+
+@pytest.mark.parametrize("scheme,key", [("int8", "qweight"), ("int4", "qweight4")])
+@pytest.mark.parametrize("n_out", [192, 200])
+def test_serving_panels_round_trip_and_stand_for_the_same_weights(scheme, key, n_out):
+    """`[rows, out]` weights as panels of 64 columns (the last zero-padded when `out` is not a
+    multiple of 64) come back exactly, and dequantize to the same kernel."""
+    rng = np.random.default_rng(n_out)
+    p = quantize_projection({"kernel": rng.standard_normal((64, n_out)).astype(np.float32)}, scheme)
+    panels = to_panels(p)
+    assert key not in panels and panels[f"{key}_panels"].shape == (-(-n_out // 64), p[key].shape[0], 64)
+    assert not np.any(np.asarray(panels[f"{key}_panels"])[-1, :, n_out % 64 or 64 :])  # padding is zeros
+    np.testing.assert_array_equal(np.asarray(from_panels(panels)[key]), np.asarray(p[key]))
+    np.testing.assert_array_equal(np.asarray(dequantize(panels)), np.asarray(dequantize(p)))
+
+
+def test_served_params_are_panels_and_the_embedding_lookup_reads_them():
+    from minivllm_jax.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=200, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=256,
+                      tie_word_embeddings=True)  # fmt: skip
+    stacked = quantize_params(init_params(cfg, jax.random.PRNGKey(0)), "int8")
+    served = unstack_layers(stacked)
+    for lp in served["layers"]:
+        assert all("qweight_panels" in p for p in lp.values() if isinstance(p, dict))
+    head = served["embed_tokens"]
+    assert head["qweight_panels"].shape == (4, 64, 64)  # vocab 200 -> 4 panels
+    tokens = jax.numpy.asarray([0, 5, 63, 64, 199, 5])
+    np.testing.assert_array_equal(np.asarray(lookup_embedding(head, tokens, np.float32)),
+                                  np.asarray(lookup_embedding(stacked["embed_tokens"], tokens, np.float32)))  # fmt: skip

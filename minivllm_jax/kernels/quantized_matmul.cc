@@ -3,7 +3,8 @@
 // has the layouts and the pure-JAX dequantize this must equal). The weights are read once, in
 // place, and dequantized in registers; a decode step is bound by reading them.
 //
-// Work: blocks of 64 output columns over OpenMP threads. A block walks the input rows, each
+// The weights come in the serving layout (`to_panels` there): panels of 64 output columns, each
+// `[rows, 64]` contiguous. Work: panels over OpenMP threads. A panel is read in order, each input
 // row's 64 weights one cache line (int8) or half of one (int4), and keeps the T rows' 64
 // accumulators; int4 sums x * q per group, then adds scale * sum + min * sum(x) of the group.
 
@@ -28,11 +29,8 @@ typedef float v16u __attribute__((vector_size(64), aligned(4)));
 typedef uint8_t u8x16 __attribute__((vector_size(16), aligned(1)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 
-constexpr int kCols = 64;    // output columns of one work block (4 vectors)
+constexpr int kCols = 64;    // output columns of one panel, the work block (4 vectors)
 constexpr int kMaxRows = 4;  // rows of x per pass over the weights (their accumulators stay in registers)
-// A block's weight rows are `out` bytes apart, which the hardware prefetcher follows poorly:
-// fetching this many rows ahead took a layer-sized matmul from 14-20 to 21-26 GB/s here.
-constexpr int kPrefetchRows = 24;
 
 inline v16 Load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
 inline void Store16(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
@@ -51,13 +49,12 @@ inline v16 S8ToFloat(const uint8_t* p) {
 #endif
 }
 
-// The 64 (or fewer, zero-padded) weights of input row `i` in columns [o0, o0 + 64) as floats.
+// The 64 weights of input row `i` in the panel of columns [o0, o0 + 64) as floats.
 struct Int8Row {
   const int8_t* q;
-  int64_t out;
+  int64_t n_in;
   inline void Get(int64_t i, int64_t o0, v16 w[4]) const {
-    const int8_t* p = q + i * out + o0;
-    __builtin_prefetch(p + kPrefetchRows * out);
+    const int8_t* p = q + (o0 / kCols * n_in + i) * kCols;
     for (int c = 0; c < 4; ++c) w[c] = S8ToFloat(reinterpret_cast<const uint8_t*>(p) + 16 * c);
   }
 };
@@ -65,10 +62,9 @@ struct Int8Row {
 // Rows 2i and 2i + 1 of int4 weights (one byte holds both) as floats 0..15.
 struct Int4Rows {
   const uint8_t* q;
-  int64_t out;
+  int64_t n_in;
   inline void Get(int64_t i2, int64_t o0, v16 lo[4], v16 hi[4]) const {
-    const uint8_t* p = q + i2 * out + o0;
-    __builtin_prefetch(p + kPrefetchRows * out);
+    const uint8_t* p = q + (o0 / kCols * (n_in / 2) + i2) * kCols;
     for (int c = 0; c < 4; ++c) {
       const u8x16 b = *reinterpret_cast<const u8x16*>(p + 16 * c);
       lo[c] = U8ToFloat(b & 15);
@@ -77,7 +73,7 @@ struct Int4Rows {
   }
 };
 
-// Column blocks over the threads; in each, rows of x in passes of up to kMaxRows, each pass a
+// Panels over the threads; in each, rows of x in passes of up to kMaxRows, each pass a
 // compile-time row count so its accumulators are registers.
 template <typename Pass>
 void ForBlocksAndPasses(int64_t T, int64_t out, Pass pass) {
@@ -97,15 +93,15 @@ void ForBlocksAndPasses(int64_t T, int64_t out, Pass pass) {
 ffi::Error MatmulInt8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> qweight, ffi::Buffer<ffi::F32> scales,
                           ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = qweight.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || scales.element_count() != wd[1]) {
-    return ffi::Error::InvalidArgument("matmul_int8: want x [T, in], qweight [in, out], scales [out]");
+  const int64_t out = static_cast<int64_t>(scales.element_count());
+  if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[1] || wd[2] != kCols || wd[0] * kCols != out) {
+    return ffi::Error::InvalidArgument("matmul_int8: want x [T, in], panels [out / 64, in, 64], scales [out]");
   }
-  const int64_t T = xd[0], n_in = wd[0], out = wd[1];
-  if (out % kCols != 0) return ffi::Error::InvalidArgument("matmul_int8: out must be a multiple of 64");
+  const int64_t T = xd[0], n_in = wd[1];
   const float* xp = x.typed_data();
   const float* sp = scales.typed_data();
   float* yp = y->typed_data();
-  const Int8Row rows{qweight.typed_data(), out};
+  const Int8Row rows{qweight.typed_data(), n_in};
   ForBlocksAndPasses(T, out, [&](auto rows_c, int64_t t0, int64_t o0) {
     constexpr int NT = decltype(rows_c)::value;
     v16 acc[NT][4] = {};
@@ -126,20 +122,21 @@ ffi::Error MatmulInt8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> qweight,
 ffi::Error MatmulInt4Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> qweight, ffi::Buffer<ffi::F32> scales,
                           ffi::Buffer<ffi::F32> mins, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = qweight.dimensions(), sd = scales.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || sd.size() != 2 || xd[1] != 2 * wd[0] || sd[1] != wd[1] ||
-      mins.element_count() != scales.element_count()) {
-    return ffi::Error::InvalidArgument("matmul_int4: want x [T, in], qweight4 [in/2, out], scales/mins [in/g, out]");
+  if (xd.size() != 2 || wd.size() != 3 || sd.size() != 2 || xd[1] != 2 * wd[1] || wd[2] != kCols ||
+      wd[0] * kCols != sd[1] || mins.element_count() != scales.element_count()) {
+    return ffi::Error::InvalidArgument(
+        "matmul_int4: want x [T, in], panels [out / 64, in / 2, 64], scales/mins [in / g, out]");
   }
-  const int64_t T = xd[0], n_in = xd[1], out = wd[1], groups = sd[0];
-  if (out % kCols != 0 || n_in % groups != 0 || (n_in / groups) % 2 != 0) {
-    return ffi::Error::InvalidArgument("matmul_int4: out must be a multiple of 64 and groups even-sized");
+  const int64_t T = xd[0], n_in = xd[1], out = sd[1], groups = sd[0];
+  if (n_in % groups != 0 || (n_in / groups) % 2 != 0) {
+    return ffi::Error::InvalidArgument("matmul_int4: groups must be even-sized");
   }
   const int64_t g_size = n_in / groups;
   const float* xp = x.typed_data();
   const float* sp = scales.typed_data();
   const float* mp = mins.typed_data();
   float* yp = y->typed_data();
-  const Int4Rows rows{qweight.typed_data(), out};
+  const Int4Rows rows{qweight.typed_data(), n_in};
   // Each row's sum of x over each group: the minimums' share of the dot product.
   std::vector<float> xsum(T * groups, 0.0f);
   for (int64_t t = 0; t < T; ++t)
@@ -173,14 +170,14 @@ ffi::Error MatmulInt4Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> qweight,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MinivllmMatmulInt8F32, MatmulInt8Impl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::Buffer<ffi::S8>>()   // qweight
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // qweight_panels
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scales
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MinivllmMatmulInt4F32, MatmulInt4Impl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // qweight4
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // qweight4_panels
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scales
                                   .Arg<ffi::Buffer<ffi::F32>>()  // mins
                                   .Ret<ffi::Buffer<ffi::F32>>());

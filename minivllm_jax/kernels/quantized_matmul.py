@@ -1,7 +1,8 @@
 """The native weight-only quantized matmul (`quantized_matmul.cc`) behind the contract of
 `minivllm_jax.quantization.quantized_matmul_reference` (same result to fp32 rounding). It serves
-steps of few rows (decodes), where reading the weights is the cost; float32 activations only,
-and output sizes that are multiples of 64: anything else runs the reference."""
+steps of few rows (decodes), where reading the weights is the cost; weights in the serving
+layout (`quantization.to_panels`), float32 activations, output sizes that are multiples of 64:
+anything else runs the reference."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from minivllm_jax.kernels import FORCE_REFERENCE_ENV, native_available
-from minivllm_jax.quantization import quantized_matmul_reference
+from minivllm_jax.quantization import PANEL, quantized_matmul_reference
 
 MAX_NATIVE_ROWS = 16  # above this XLA's matmul on the dequantized weights is faster (compute-bound)
 TARGETS = {"int8": "minivllm_matmul_int8_f32", "int4": "minivllm_matmul_int4_f32"}
@@ -18,15 +19,16 @@ TARGETS = {"int8": "minivllm_matmul_int8_f32", "int4": "minivllm_matmul_int4_f32
 def quantized_matmul_native(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
     n_out = p["scales"].shape[-1]
     rows = x.size // x.shape[-1]
-    if x.dtype != jnp.float32 or n_out % 64 or rows > MAX_NATIVE_ROWS:
+    served = "qweight_panels" in p or "qweight4_panels" in p  # the layout the kernel reads (`to_panels`)
+    if not served or x.dtype != jnp.float32 or n_out % PANEL or rows > MAX_NATIVE_ROWS:
         return quantized_matmul_reference(x, p)
     if not native_available():
         raise RuntimeError("the native matmul kernel is not available here (not built, not a CPU backend, or "
                            f"{FORCE_REFERENCE_ENV}=reference); use matmul='reference'")  # fmt: skip
     x2 = x.reshape(rows, x.shape[-1])
     out = jax.ShapeDtypeStruct((rows, n_out), jnp.float32)
-    if "qweight" in p:
-        y = jax.ffi.ffi_call(TARGETS["int8"], out)(x2, p["qweight"], p["scales"])
+    if "qweight_panels" in p:
+        y = jax.ffi.ffi_call(TARGETS["int8"], out)(x2, p["qweight_panels"], p["scales"])
     else:
-        y = jax.ffi.ffi_call(TARGETS["int4"], out)(x2, p["qweight4"], p["scales"], p["mins"])
+        y = jax.ffi.ffi_call(TARGETS["int4"], out)(x2, p["qweight4_panels"], p["scales"], p["mins"])
     return y.reshape(*x.shape[:-1], n_out)

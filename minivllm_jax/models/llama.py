@@ -42,7 +42,7 @@ from minivllm_jax.attention import AttentionFn, get_attention
 from minivllm_jax.batch import StepBatch
 from minivllm_jax.config import ModelConfig
 from minivllm_jax.kv_cache import KVCache, write_kv
-from minivllm_jax.quantization import MATMUL, is_quantized, lookup_embedding
+from minivllm_jax.quantization import MATMUL, is_quantized, lookup_embedding, serving_layout
 
 Params = dict[str, Any]
 
@@ -130,7 +130,8 @@ def unstack_layers(params: Params) -> Params:
             lp[name] = {key: jnp.concatenate([p[key] for p in projections], axis=-1) for key in projections[0]}
         return lp
 
-    return {**params, "layers": tuple(layer(i) for i in range(jax.tree.leaves(layers)[0].shape[0]))}
+    # Quantized weights are laid out for the native matmul once merged (`serving_layout`).
+    return serving_layout({**params, "layers": tuple(layer(i) for i in range(jax.tree.leaves(layers)[0].shape[0]))})
 
 
 # ----------------------------------------------------------------------------------------- math
