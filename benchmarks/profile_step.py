@@ -69,12 +69,17 @@ def tiny_config():
     )  # fmt: skip
 
 
-def random_like(a):
-    """Random values for a cache leaf: int8 pages, small positive scales, or float pages."""
+def random_like(a, dtype):
+    """Random values for a cache leaf of a `dtype` model: int8 pages, small positive scales, float
+    pages, or 16-bit float pages stored as bits (`kv_cache.as_bits`)."""
     import jax
     import jax.numpy as jnp
 
+    from minivllm_jax.kv_cache import as_bits
+
     key = jax.random.PRNGKey(1)
+    if a.dtype == jnp.uint16:
+        return as_bits(jax.random.normal(key, a.shape, dtype))
     if a.dtype == jnp.int8:
         return jax.random.randint(key, a.shape, -127, 128, jnp.int8)
     if a.ndim == 4:  # the scales of int8 pages, [L, pages, kv heads, page_size]
@@ -127,7 +132,7 @@ def main(argv=None) -> None:
     matmul = "native" if kernels.native_available() else "reference"  # quantized projections, as the runner
     num_pages = max(2, min(4096, max(sum(B * -(-(C + T) // args.page_size) for B, T, C in g) for g in groups) + 1))
     cache = init_kv_cache(cfg, num_pages, args.page_size, dtype, args.kv_cache_dtype)
-    cache = jax.tree.map(random_like, cache)
+    cache = jax.tree.map(lambda a: random_like(a, dtype), cache)
     penalty_state = init_penalty_state(args.max_num_seqs, cfg.vocab_size)
     fed_back = jnp.zeros(args.max_num_seqs, jnp.int32)  # no placeholders in these batches
     rng = np.random.RandomState(args.seed)

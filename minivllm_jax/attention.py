@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from minivllm_jax.batch import StepBatch, token_sequences
-from minivllm_jax.kv_cache import KVCache, as_stored, dequantize_k_blocks, dequantize_v_blocks
+from minivllm_jax.kv_cache import KVCache, as_stored, from_bits, dequantize_k_blocks, dequantize_v_blocks
 
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, KVCache, jax.Array, StepBatch], jax.Array]
 
@@ -58,7 +58,7 @@ def _gather_kv(cache: KVCache, index: jax.Array, dtype: jnp.dtype) -> tuple[jax.
     """The K and V blocks named by `index`, in `dtype` (int8 pages dequantized by their scales)."""
     k, v = _gather_blocks(cache.k, index), _gather_blocks(cache.v, index)
     if not cache.quantized:
-        return k, v
+        return from_bits(k, dtype), from_bits(v, dtype)  # 16-bit float pages are stored as bits
     k_scale, v_scale = _gather_blocks(cache.k_scale, index), _gather_blocks(cache.v_scale, index)
     return dequantize_k_blocks(k, k_scale, dtype), dequantize_v_blocks(v, v_scale, dtype)
 
@@ -204,7 +204,8 @@ def ragged_paged_attention(
     T, H, hd = q.shape
     KVH = k_new.shape[1]
     G = H // KVH
-    qf = (q.reshape(T, KVH, G, hd) * hd**-0.5).astype(q.dtype if cache.quantized else cache.k.dtype)
+    float_pages = jnp.issubdtype(cache.k.dtype, jnp.floating)  # else int8 values or 16-bit float bits
+    qf = (q.reshape(T, KVH, G, hd) * hd**-0.5).astype(cache.k.dtype if float_pages else q.dtype)
     seq, valid = token_sequences(batch)
     k_new, v_new = as_stored(cache, k_new), as_stored(cache, v_new)
     parts = [_new_tokens(qf, k_new, v_new, seq, valid), _decode_pages(qf, cache, layer, batch)]

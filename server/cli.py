@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "and what stays full precision)")  # fmt: skip
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                    help="KV pages in the model's dtype (auto) or int8 with a scale per token and head "
-                        "(3.6x smaller at head_dim 64: more sequences fit)")  # fmt: skip
+                        "(3.8x smaller at head_dim 64: more sequences fit)")  # fmt: skip
     p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together (largest batch bucket)")
     p.add_argument("--max-model-len", type=int, default=2048, help="prompt + output tokens per sequence")
     p.add_argument("--num-pages", type=int, default=None, help="KV cache pages (default: sized from free memory)")
