@@ -1,10 +1,11 @@
 """Run every benchmark with the settings the README quotes, then rebuild the results table.
 
-    python benchmarks/run_all.py            # the full suite (about 45 minutes on 2 cores)
+    python benchmarks/run_all.py            # the full suite (about 70 minutes on 2 cores, 20-25 of them bench_quant)
     python benchmarks/run_all.py --only throughput decode
-    python benchmarks/run_all.py --report   # only rebuild the table from the JSON results
+    python benchmarks/run_all.py --report   # only rebuild the tables from the JSON results
 
-The table goes to benchmarks/results/SUMMARY.md and between the markers in benchmarks/README.md.
+The table goes to benchmarks/results/SUMMARY.md and between the markers in benchmarks/README.md;
+bench_quant.py's table to results/QUANT.md and between the quant markers of both READMEs.
 
 Each entry is one script run (ours and the PyTorch peer in the same process where the script
 compares them), so each number in the table can be reproduced by the command printed beside
@@ -24,8 +25,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 MARK_START, MARK_END = "<!-- results:start -->", "<!-- results:end -->"
+QUANT_START, QUANT_END = "<!-- quant:start -->", "<!-- quant:end -->"  # bench_quant.py's table
 
-# name -> script arguments. Sizes are chosen so the whole suite fits in about 45 minutes here.
+# name -> script arguments. Sizes are chosen so the whole suite fits in about 70 minutes here.
 SUITE: dict[str, list[str]] = {
     "throughput": ["bench_throughput.py", "--preset", "mixed", "--hf-batch", "8"],
     "throughput_bf16": ["bench_throughput.py", "--preset", "chat", "--num-prompts", "16", "--dtype", "bfloat16",
@@ -40,6 +42,7 @@ SUITE: dict[str, list[str]] = {
     "ablations": ["bench_ablations.py", "--preset", "mixed", "--num-prompts", "24"],
     "interference": ["bench_interference.py"],
     "startup": ["bench_startup.py"],
+    "quant": ["bench_quant.py"],
 }
 
 
@@ -126,6 +129,29 @@ def summary() -> str:
     return "\n".join(lines) + "\n"
 
 
+def _write_between(path: Path, start: str, end: str, table: str) -> None:
+    """Replace what lies between the markers `start` and `end` in `path` (if it has them) by `table`."""
+    if path.exists() and start in (text := path.read_text()):
+        head, rest = text.split(start, 1)
+        path.write_text(head + start + "\n" + table + end + rest.split(end, 1)[1])
+
+
+def quant_report(readmes: list[Path]) -> str | None:
+    """bench_quant.py's table from results/quant.json, written to results/QUANT.md and between
+    the quant markers of each of `readmes`; None when there are no results yet."""
+    quant = _load("quant")
+    if quant is None:
+        return None
+    sys.path.insert(0, str(HERE.parent))
+    from benchmarks.bench_quant import markdown_table
+
+    table = markdown_table(quant)
+    (RESULTS / "QUANT.md").write_text(table)
+    for readme in readmes:
+        _write_between(readme, QUANT_START, QUANT_END, table)
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", nargs="+", choices=sorted(SUITE), help="run just these entries")
@@ -142,10 +168,10 @@ def main(argv: list[str] | None = None) -> int:
             failed.append(name)
     table = summary()
     (RESULTS / "SUMMARY.md").write_text(table)
-    readme = HERE / "README.md"
-    if readme.exists() and MARK_START in (text := readme.read_text()):
-        head, rest = text.split(MARK_START, 1)
-        readme.write_text(head + MARK_START + "\n" + table + MARK_END + rest.split(MARK_END, 1)[1])
+    _write_between(HERE / "README.md", MARK_START, MARK_END, table)
+    qtable = quant_report([HERE / "README.md", HERE.parent / "README.md"])
+    if qtable is not None:
+        print("\n" + qtable)
     print("\n" + table)
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)

@@ -1,0 +1,487 @@
+"""Quantization modes side by side: what each costs (bytes, memory, speed) and what it loses
+(quality against fp32), one engine configuration and one fixed text for all of them.
+
+Modes: fp32, bf16, fp16 (the model dtype), int8, int4, w8a8 (weight schemes, fp32 otherwise)
+and gguf (the GGUF's own Q4 blocks), each with the KV cache in the model dtype ("auto") and in
+int8 (`+kv8`). A mode that does not apply (gguf on a model that is not a GGUF) is listed as
+skipped with the reason.
+
+Every mode runs in its own process (so its peak RSS is its own) on the same token ids:
+  - param bytes (`quantization.param_bytes` of the served params), KV bytes per token (the
+    cache pytree's bytes, scales included, over its slots) and the largest batch of
+    --kv-budget-context-token sequences that fits in --kv-budget-mib of KV;
+  - peak RSS (VmHWM) after load and the speed runs, and again after the quality scoring;
+  - batch-1 greedy decode tok/s (one prompt, --decode-tokens new tokens, best of --reps after a
+    warm-up run), offline throughput (--batch prompts of --batch-input-len text tokens, each
+    --batch-output-len new tokens), TTFT of a --ttft-prompt-len prompt (p50 of --ttft-reps);
+  - quality against fp32 (the reference, always run first): perplexity on a fixed English text
+    (license files of installed packages, >= --min-text-tokens tokens, in --window-token
+    windows), mean KL(fp32 || mode) of the next-token distributions at every position and
+    their top-1 agreement, scored through the mode's own served params and KV cache: each
+    window is fed in --chunk-token chunks, each attending to the previous chunks from the cache
+    (so an int8 cache is read); greedy agreement over the fixed prompts (--gen-tokens each) and
+    vLLM's top-5 rule (`check_logprobs_close`: at the first position where two greedy outputs
+    differ, each chosen token must be in the other run's top-5 logprobs there). The scoring
+    lives in `quant_quality.py`.
+
+    python benchmarks/bench_quant.py                         # every mode (about 20 minutes on 2 cores)
+    python benchmarks/bench_quant.py --modes fp32 int8 --kv auto
+    python benchmarks/bench_quant.py --report                # print the table of --out (run_all.py --report
+                                                             # writes it into the READMEs)
+    python benchmarks/bench_quant.py --quick --model PATH_TO_TINY_HF_DIR --text FILE
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_memory import peak_rss_bytes, rss_bytes  # noqa: E402
+from benchmarks.common import RESULTS, new_figure, percentiles, save_plot, write_result  # noqa: E402
+from benchmarks.quant_quality import DEFAULT_TEXTS, compare_greedy, greedy_outputs, read_text, score_text  # noqa: E402
+
+# base mode -> LLM arguments. The weight schemes keep the model in float32 (activations, norms).
+BASE_MODES: dict[str, dict[str, Any]] = {
+    "fp32": {"dtype": "float32", "quantization": None},
+    "bf16": {"dtype": "bfloat16", "quantization": None},
+    "fp16": {"dtype": "float16", "quantization": None},
+    "int8": {"dtype": "float32", "quantization": "int8"},
+    "int4": {"dtype": "float32", "quantization": "int4"},
+    "w8a8": {"dtype": "float32", "quantization": "w8a8"},
+    "gguf": {"dtype": "float32", "quantization": "gguf"},
+}
+KV_DTYPES = ("auto", "int8")
+REFERENCE = "fp32"  # base mode with the model-dtype KV cache: what quality is measured against
+
+# Greedy-agreement prompts: fixed, varied English (stories, facts, code, lists, instructions).
+PROMPTS = (
+    "Write a short story about a robot learning to paint.",
+    "The capital of France is",
+    "Explain why the sky is blue in simple terms.",
+    "def fibonacci(n):",
+    "Here is a recipe for chocolate chip cookies:",
+    "The three laws of thermodynamics are",
+    "Once upon a time, in a small village by the sea,",
+    "List five tips for staying productive while working from home:",
+    "Q: What is the largest planet in the solar system?\nA:",
+    "The history of the printing press begins",
+    "Translate to French: 'Good morning, how are you?'",
+    "import numpy as np\n\ndef normalize(x):",
+    "A haiku about autumn leaves:",
+    "The main causes of the First World War were",
+    "Photosynthesis is the process by which",
+    "Dear hiring manager, I am writing to apply for",
+    "The difference between a list and a tuple in Python is",
+    "In 1969, the Apollo 11 mission",
+    "Five fun facts about octopuses:",
+    "How to change a flat tire, step by step:",
+    "The best way to learn a new language is",
+    "SELECT name, email FROM users WHERE",
+    "The theory of evolution by natural selection states that",
+    "My favorite thing about winter is",
+)
+DECODE_PROMPT = PROMPTS[0]
+
+
+# The sizes recorded with a result.
+SETTINGS = ("window", "chunk", "decode_tokens", "reps", "batch", "batch_input_len", "batch_output_len",
+            "ttft_prompt_len", "ttft_reps", "kv_budget_mib", "kv_budget_context", "quick")  # fmt: skip
+
+
+def mode_name(base: str, kv: str) -> str:
+    return base if kv == "auto" else f"{base}+kv8"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m", help="alias, converted dir, HF folder or .gguf")
+    p.add_argument("--modes", nargs="+", default=list(BASE_MODES), choices=list(BASE_MODES),
+                   help=f"base modes (default: all; {REFERENCE}, the reference, always runs)")  # fmt: skip
+    p.add_argument("--kv", nargs="+", default=list(KV_DTYPES), choices=KV_DTYPES, help="KV cache dtypes of each mode")
+    p.add_argument("--text", nargs="+", default=None, metavar="FILE",
+                   help="perplexity text files (default: licence files of installed packages: "
+                        + ", ".join(f"{d} {f}" for d, f in DEFAULT_TEXTS) + ")")  # fmt: skip
+    p.add_argument("--min-text-tokens", type=int, default=5000, help="the scored text must have at least this many")
+    p.add_argument("--window", type=int, default=512, help="perplexity window (tokens; windows do not overlap)")
+    p.add_argument("--chunk", type=int, default=64, help="tokens fed per step when scoring a window")
+    p.add_argument("--num-prompts", type=int, default=len(PROMPTS), help=f"greedy prompts (at most {len(PROMPTS)})")
+    p.add_argument("--gen-tokens", type=int, default=64, help="greedy tokens per prompt")
+    p.add_argument("--decode-tokens", type=int, default=128, help="batch-1 decode: new tokens")
+    p.add_argument("--reps", type=int, default=3, help="batch-1 decode: timed runs (best counts) after a warm-up")
+    p.add_argument("--batch", type=int, default=32, help="offline throughput: prompts")
+    p.add_argument("--batch-input-len", type=int, default=128, help="offline throughput: prompt tokens (text slices)")
+    p.add_argument("--batch-output-len", type=int, default=64, help="offline throughput: new tokens per prompt")
+    p.add_argument("--ttft-prompt-len", type=int, default=256, help="TTFT: prompt tokens (text slices)")
+    p.add_argument("--ttft-reps", type=int, default=5, help="TTFT: prompts timed (p50 reported)")
+    p.add_argument("--kv-budget-mib", type=float, default=64.0, help="KV budget for the largest-batch column")
+    p.add_argument("--kv-budget-context", type=int, default=512, help="tokens per sequence for that column")
+    p.add_argument("--child-timeout", type=float, default=3600.0, help="seconds one mode may take")
+    p.add_argument("--keep-workdir", action="store_true", help="keep the reference logprobs and child logs")
+    p.add_argument("--quick", action="store_true", help="tiny sizes for smoke tests (a tiny model, any text)")
+    p.add_argument("--report", action="store_true", help="only print/rebuild the table from --out")
+    p.add_argument("--out", default=str(RESULTS / "quant.json"))
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: run one mode
+    p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.min_text_tokens, args.window, args.chunk = 0, 64, 16
+        args.num_prompts, args.gen_tokens, args.decode_tokens, args.reps = 4, 8, 8, 1
+        args.batch, args.batch_input_len, args.batch_output_len = 4, 16, 8
+        args.ttft_prompt_len, args.ttft_reps, args.kv_budget_context = 32, 2, 64
+    if args.window % args.chunk:
+        p.error(f"--window ({args.window}) must be a multiple of --chunk ({args.chunk})")
+    args.num_prompts = min(args.num_prompts, len(PROMPTS))
+    return args
+
+
+# ---------------------------------------------------------------- which modes can run
+
+
+def skip_reason(model: str, base: str, kv: str) -> str | None:
+    """Why this mode does not apply to `model` (None: it does): gguf needs a GGUF model."""
+    quant = BASE_MODES[base]["quantization"]
+    if quant == "gguf":
+        from convert.quantize import gguf_source_of
+
+        try:
+            gguf_source_of(model)
+        except ValueError as e:
+            return f"not applicable: {e}"
+    return None
+
+
+def plan_modes(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Every requested (base, kv) pair, the reference first, with a skip reason where it cannot run."""
+    pairs = [(REFERENCE, "auto")] + [(b, kv) for b in args.modes for kv in args.kv if (b, kv) != (REFERENCE, "auto")]
+    plan = {}
+    for base, kv in pairs:
+        reason = skip_reason(args.model, base, kv)
+        plan[mode_name(base, kv)] = {"base": base, **BASE_MODES[base], "kv_cache_dtype": kv,
+                                     **({"status": "skipped", "reason": reason} if reason else {})}  # fmt: skip
+    return plan
+
+
+# ---------------------------------------------------------------- inputs (the same token ids for every mode)
+
+
+def build_inputs(args: argparse.Namespace) -> dict[str, Any]:
+    """Tokenize the text and prompts once (the reference model's tokenizer): token ids for all modes."""
+    from transformers import AutoTokenizer
+
+    from benchmarks.common import local_model_dir
+
+    folder = local_model_dir(args.model)
+    if folder is None:
+        raise SystemExit(f"{args.model}: no local model folder with a tokenizer")
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    text, sources = read_text(args.text)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    windows = len(ids) // args.window
+    scored = windows * args.window
+    if windows == 0 or scored < args.min_text_tokens:
+        raise SystemExit(f"the text has {len(ids)} tokens: {windows} windows of {args.window} give {scored}, "
+                         f"need >= {args.min_text_tokens} (--text more files, or --min-text-tokens)")  # fmt: skip
+
+    def slices(n: int, length: int, offset: int) -> list[list[int]]:  # distinct text slices, wrapping around
+        return [[ids[(offset + i * length + j) % len(ids)] for j in range(length)] for i in range(n)]
+
+    prompts = [tok(p)["input_ids"] for p in PROMPTS[: args.num_prompts]]
+    return {
+        "text": {"sources": sources, "tokens": len(ids), "window": args.window, "chunk": args.chunk,
+                 "windows": windows, "scored_tokens": scored},  # fmt: skip
+        "ids": ids[:scored],
+        "prompts": prompts,
+        "decode_prompt": tok(DECODE_PROMPT)["input_ids"],
+        "batch_prompts": slices(args.batch, args.batch_input_len, 0),
+        "ttft_prompts": slices(args.ttft_reps, args.ttft_prompt_len, len(ids) // 2),
+    }
+
+
+# ---------------------------------------------------------------- one mode (runs in its own process)
+
+
+def kv_budget(bytes_per_token: float, page_size: int, budget_mib: float, context: int) -> dict[str, Any]:
+    """How many whole pages, tokens and `context`-token sequences fit in `budget_mib` of KV."""
+    pages = int(budget_mib * 2**20 // (bytes_per_token * page_size))
+    return {"budget_mib": budget_mib, "context": context, "pages": pages, "tokens": pages * page_size,
+            "max_batch": pages // -(-context // page_size)}  # fmt: skip
+
+
+def _pages(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+def build_mode_llm(args: argparse.Namespace, spec: dict[str, Any], inputs: dict[str, Any]):
+    """The mode's LLM, sized for every run of this tool, prefix caching off (repeated prompts
+    must be recomputed, and scoring writes pages of the idle engine's cache)."""
+    from minivllm_jax import LLM
+
+    ps = 16
+    lens = [args.window, args.ttft_prompt_len + 1, len(inputs["decode_prompt"]) + args.decode_tokens,
+            args.batch_input_len + args.batch_output_len,
+            max(map(len, inputs["prompts"])) + args.gen_tokens]  # fmt: skip
+    num_pages = 1 + max(_pages(max(lens), ps), args.batch * _pages(lens[3], ps),
+                        len(inputs["prompts"]) * _pages(lens[4], ps))  # fmt: skip
+    kw: dict[str, Any] = dict(dtype=spec["dtype"], quantization=spec["quantization"], page_size=ps,
+                              max_num_seqs=max(args.batch, len(inputs["prompts"])),
+                              max_model_len=_pages(max(lens), ps) * ps, num_pages=num_pages,
+                              enable_prefix_caching=False, use_tqdm=False)  # fmt: skip
+    if spec["kv_cache_dtype"] != "auto":  # passed only when asked, so engines without the argument run "auto"
+        kw["kv_cache_dtype"] = spec["kv_cache_dtype"]
+    return LLM(args.model, **kw)
+
+
+def _greedy(max_tokens: int):
+    from minivllm_jax import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def measure_speed(llm, args: argparse.Namespace, inputs: dict[str, Any]) -> dict[str, Any]:
+    """Batch-1 decode (best of --reps after a warm-up run), TTFT (p50) and offline throughput."""
+    runs = []
+    for _ in range(args.reps + 1):
+        (out,) = llm.generate([inputs["decode_prompt"]], _greedy(args.decode_tokens), use_tqdm=False)
+        m, n = out.metrics, len(out.outputs[0].token_ids)
+        runs.append({"decode_tok_s": (n - 1) / (m.last_token_time - m.first_token_time), "ttft_s": m.ttft})
+    timed = runs[1:]
+    ttft = []
+    for prompt in inputs["ttft_prompts"]:
+        (out,) = llm.generate([prompt], _greedy(1), use_tqdm=False)
+        ttft.append(out.metrics.ttft)
+    start = time.perf_counter()
+    outs = llm.generate(inputs["batch_prompts"], _greedy(args.batch_output_len), use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    in_tokens = sum(map(len, inputs["batch_prompts"]))
+    return {
+        "decode_b1": {"tokens": args.decode_tokens, "decode_tok_s": max(r["decode_tok_s"] for r in timed),
+                      "median_tok_s": statistics.median(r["decode_tok_s"] for r in timed), "runs": timed},  # fmt: skip
+        "ttft": {"prompt_tokens": args.ttft_prompt_len, **percentiles(ttft)},
+        "offline": {"prompts": len(outs), "input_tokens": in_tokens, "output_tokens": out_tokens,
+                    "elapsed_s": elapsed, "output_tok_s": out_tokens / elapsed,
+                    "total_tok_s": (in_tokens + out_tokens) / elapsed},  # fmt: skip
+    }
+
+
+def run_mode(args: argparse.Namespace) -> dict[str, Any]:
+    """The child: one mode, everything measured in this process."""
+    import jax
+
+    from minivllm_jax.quantization import param_bytes
+
+    workdir = Path(args.workdir)
+    name = args.child
+    spec = json.loads((workdir / "plan.json").read_text())[name]
+    inputs = json.loads((workdir / "inputs.json").read_text())
+    start = time.perf_counter()
+    llm = build_mode_llm(args, spec, inputs)
+    load_s = time.perf_counter() - start
+    print(f"{name}: loaded and warmed up in {load_s:.1f} s", flush=True)  # the child's log
+    runner = llm.engine.runner
+    leaves = jax.tree.leaves(runner.cache)
+    slots = runner.config.num_pages * runner.config.page_size
+    per_token = sum(x.size * x.dtype.itemsize for x in leaves) / slots
+    result: dict[str, Any] = {
+        "param_bytes": param_bytes(runner.params),
+        "kv_bytes_per_token": per_token,
+        "kv_cache_leaf_dtypes": sorted({str(x.dtype) for x in leaves}),
+        "kv_budget": kv_budget(per_token, runner.config.page_size, args.kv_budget_mib, args.kv_budget_context),
+        "engine": {"max_num_seqs": runner.config.max_num_seqs, "max_model_len": runner.config.max_model_len,
+                   "num_pages": runner.config.num_pages, "page_size": runner.config.page_size,
+                   "attention": runner.attention, "matmul": runner.matmul},  # fmt: skip
+        "load_s": load_s,
+        "warmup_s": llm.warmup_seconds,
+        "rss_after_load_bytes": rss_bytes(),
+    }
+    compiles = llm.engine.num_compiles
+    result.update(measure_speed(llm, args, inputs))
+    result["compiles_during_run"] = llm.engine.num_compiles - compiles
+    result["peak_rss_bytes"] = peak_rss_bytes()  # serving: load, warm-up and the speed runs
+    print(f"{name}: speed runs done at {time.perf_counter() - start:.1f} s", flush=True)
+    is_ref = name == REFERENCE
+    result["quality"] = score_text(runner, inputs["ids"], args.window, args.chunk, workdir, is_ref)
+    print(f"{name}: text scored at {time.perf_counter() - start:.1f} s", flush=True)
+    greedy = greedy_outputs(llm, inputs["prompts"], args.gen_tokens)
+    (workdir / f"{name}.greedy.json").write_text(json.dumps(greedy))
+    result["peak_rss_with_scoring_bytes"] = peak_rss_bytes()
+    return result
+
+
+def child_main(args: argparse.Namespace) -> int:
+    result = run_mode(args)
+    (Path(args.workdir) / f"{args.child}.json").write_text(json.dumps(result))
+    return 0
+
+
+def run_child(args: argparse.Namespace, argv: list[str], name: str, workdir: Path) -> dict[str, Any]:
+    """Run one mode in a fresh interpreter; its result, or an error with its log's tail."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--child", name, "--workdir", str(workdir)]
+    log = workdir / f"{name}.log"
+    start = time.perf_counter()
+    try:
+        with log.open("w") as f:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.child_timeout).returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    wall = time.perf_counter() - start
+    out = workdir / f"{name}.json"
+    if rc != 0 or not out.is_file():
+        tail = log.read_text(errors="replace").strip().splitlines()[-12:] or ["(no output)"]
+        return {"status": "error", "reason": f"exit {rc}: {tail[-1]}", "log_tail": tail, "wall_s": wall}
+    return {"status": "ok", **json.loads(out.read_text()), "wall_s": wall}
+
+
+# ---------------------------------------------------------------- report
+
+
+def _mb(b: float | None) -> str:
+    return "n/a" if b is None else f"{b / 1e6:,.1f}"
+
+
+def _f(x: float | None, digits: int = 1, scale: float = 1.0) -> str:
+    return "n/a" if x is None else f"{x * scale:,.{digits}f}"
+
+
+def _kl(x: float | None) -> str:
+    return "n/a" if x is None else "0" if x == 0 else f"{x:.1e}" if x < 1e-3 else f"{x:.4f}"
+
+
+def markdown_table(result: dict[str, Any]) -> str:
+    """The README table: one row per mode that ran, then the skipped ones with their reasons."""
+    modes = result.get("modes") or {}
+    budget = next((m["kv_budget"] for m in modes.values() if m.get("status") == "ok"), {})
+    head = ["mode", "params MB", "KV B/token", f"max batch ({_f(budget.get('budget_mib'), 0)} MiB KV, "
+            f"{budget.get('context', '?')} tok)", "peak RSS MB", "b1 decode tok/s", "offline out tok/s",
+            "TTFT p50 ms", "perplexity", "mean KL", "top-1 agree %", "greedy agree %", "top-5 rule %"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    not_run: dict[str, list[str]] = {}  # "skipped: reason" -> modes
+    for name, m in modes.items():
+        if m.get("status") != "ok":
+            not_run.setdefault(f"{m.get('status')}: {m.get('reason')}", []).append(f"`{name}`")
+            continue
+        q, g = m.get("quality") or {}, m.get("greedy") or {}
+        lines.append("| " + " | ".join([
+            f"`{name}`", _mb(m["param_bytes"]), _f(m["kv_bytes_per_token"], 0), str(m["kv_budget"]["max_batch"]),
+            _mb(m["peak_rss_bytes"]), _f(m["decode_b1"]["decode_tok_s"]), _f(m["offline"]["output_tok_s"]),
+            _f(m["ttft"]["p50"], 0, 1e3), _f(q.get("perplexity"), 3), _kl(q.get("mean_kl")),
+            _f(q.get("top1_agreement"), 1, 100), _f(g.get("position_agreement"), 1, 100),
+            _f(g.get("top5_rule_pass_share"), 0, 100),
+        ]) + " |")  # fmt: skip
+    text = result.get("text") or {}
+    files = ", ".join(f"{s['package']} {s['version']} {Path(s['file']).name}" if "package" in s
+                      else Path(s["file"]).name for s in text.get("sources", []))  # fmt: skip
+    machine = result.get("machine") or {}
+    lines.append("")
+    lines.append(f"Quality against `{REFERENCE}` on {text.get('scored_tokens', 0):,} tokens of text ({files}; "
+                 f"{text.get('windows', '?')} windows of {text.get('window', '?')}, fed {text.get('chunk', '?')} "
+                 f"at a time through the KV cache) and {result.get('greedy_prompts', '?')} prompts x "
+                 f"{result.get('gen_tokens', '?')} greedy tokens. Measured {result.get('timestamp', 'not yet')} "
+                 f"on {machine.get('cpu', '?')}, "
+                 f"{machine.get('cpu_count', '?')} cores (`python benchmarks/bench_quant.py`).")  # fmt: skip
+    if not_run:
+        lines.append("\nNot measured:\n")
+        lines += [f"- {', '.join(names)}: {why}" for why, names in not_run.items()]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], out: Path) -> None:
+    """Speed vs quality: batch-1 decode tok/s against perplexity, offline tok/s against mean KL."""
+    fig, axes = new_figure(2, width=6.0, height=4.2)
+    ok = {n: m for n, m in result["modes"].items() if m.get("status") == "ok"}
+    for name, m in ok.items():
+        q = m["quality"]
+        style = {"color": "C0"} if m["kv_cache_dtype"] == "auto" else {"facecolors": "none", "edgecolors": "C3"}
+        for ax, x, y in ((axes[0][0], m["decode_b1"]["decode_tok_s"], q["perplexity"]),
+                         (axes[0][1], m["offline"]["output_tok_s"], q["mean_kl"])):  # fmt: skip
+            ax.scatter([x], [y], s=40, **style)
+            ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    axes[0][0].set(xlabel="batch-1 decode tok/s", ylabel="perplexity (lower is better)",
+                   title="decode speed vs perplexity")
+    axes[0][1].set(xlabel="offline output tok/s", ylabel=f"mean KL vs {REFERENCE} (symlog)", title="throughput vs KL")
+    axes[0][1].set_yscale("symlog", linthresh=1e-4)
+    axes[0][0].scatter([], [], color="C0", label="KV cache in the model dtype")
+    axes[0][0].scatter([], [], facecolors="none", edgecolors="C3", label="int8 KV cache (+kv8)")
+    axes[0][0].legend(fontsize=8)
+    for ax in axes[0]:
+        ax.grid(alpha=0.3)
+    save_plot(fig, out)
+
+
+def report(out: Path) -> str:
+    table = markdown_table(json.loads(out.read_text()))
+    print(table)
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.child:
+        return child_main(args)
+    out = Path(args.out)
+    if args.report:
+        report(out)
+        return 0
+    plan = plan_modes(args)
+    workdir = Path(tempfile.mkdtemp(prefix="bench_quant-"))
+    try:
+        inputs = build_inputs(args)
+        (workdir / "plan.json").write_text(json.dumps(plan))
+        (workdir / "inputs.json").write_text(json.dumps(inputs))
+        modes: dict[str, dict[str, Any]] = {}
+        for name, spec in plan.items():
+            if spec.get("status") == "skipped":
+                print(f"{name}: skipped ({spec['reason']})", flush=True)
+                modes[name] = spec
+                continue
+            if name != REFERENCE and modes[REFERENCE]["status"] != "ok":
+                modes[name] = {**spec, "status": "skipped", "reason": f"the reference ({REFERENCE}) failed"}
+                continue
+            print(f"{name}: running", flush=True)
+            modes[name] = {**spec, **run_child(args, argv, name, workdir)}
+            m = modes[name]
+            if m["status"] == "ok":
+                greedy = json.loads((workdir / f"{name}.greedy.json").read_text())
+                ref = json.loads((workdir / f"{REFERENCE}.greedy.json").read_text())
+                m["greedy"] = compare_greedy(ref, greedy)
+                q = m["quality"]
+                print(f"{name}: {m['decode_b1']['decode_tok_s']:.1f} tok/s batch-1, {m['offline']['output_tok_s']:.1f} "
+                      f"offline, perplexity {q['perplexity']:.3f}, mean KL {q['mean_kl']:.4f}, {m['wall_s']:.0f} s",
+                      flush=True)  # fmt: skip
+            else:
+                print(f"{name}: {m['status']}: {m['reason']}", flush=True)
+    finally:
+        if args.keep_workdir:
+            print(f"kept {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    result = {
+        "benchmark": "quantization",
+        "model": args.model,
+        "reference": REFERENCE,
+        "text": inputs["text"],
+        "greedy_prompts": len(inputs["prompts"]),
+        "gen_tokens": args.gen_tokens,
+        "settings": {k: getattr(args, k) for k in SETTINGS},
+        "modes": modes,
+    }
+    write_result(result, out)
+    if any(m.get("status") == "ok" for m in modes.values()):
+        plot(result, out)
+    report(out)
+    return 0 if all(m.get("status") in ("ok", "skipped") for m in modes.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
