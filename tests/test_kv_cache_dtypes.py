@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.conftest import make_tiny_llama, save_tiny_tokenizer
 from minivllm_jax import LLM, SamplingParams
 from minivllm_jax.config import EngineConfig, ModelConfig
 from minivllm_jax.kv_cache import as_stored, init_kv_cache, kv_bytes_per_token, write_kv
@@ -72,11 +71,8 @@ def test_bad_kv_cache_dtype_is_a_clear_error(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("kv8") / "tiny"
-    make_tiny_llama(path)
-    save_tiny_tokenizer(path)
-    return str(path)
+def tiny_model(tiny_model_with_tokenizer):
+    return str(tiny_model_with_tokenizer)
 
 
 PROMPTS = [[3 + (7 * i + j) % 120 for j in range(5 + 11 * i)] for i in range(6)]  # 5..60 tokens
