@@ -40,7 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+    p.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8"],
                    help="weight-only quantization of the random weights (native matmul where built)")  # fmt: skip
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"], help="int8 KV pages with scales")
     p.add_argument("--seed", type=int, default=0)

@@ -1,4 +1,4 @@
-"""`minivllm-convert SRC OUT [--dtype ...] [--quantize int8|int4|gguf] [--overwrite]`: errors print one
+"""`minivllm-convert SRC OUT [--dtype ...] [--quantize int8|int4|w8a8|gguf] [--overwrite]`: errors print one
 line and exit 2."""
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="output directory (created atomically)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="params dtype (default float32)")
     parser.add_argument("--quantize", choices=LLM_QUANTIZATIONS, default=None,
-                        help="store the layers' projections quantized (int8 per channel, int4 per group, or gguf: "
-                             "a Q4_0/Q4_1 GGUF's own blocks); LLM(OUT) then loads them as they are")  # fmt: skip
+                        help="store the layers' projections quantized (int8 per channel, int4 per group, w8a8: "
+                             "int8 per channel packed for the int8-activation matmul, or gguf: a Q4_0/Q4_1 GGUF's "
+                             "own blocks); LLM(OUT) then loads them as they are")  # fmt: skip
     parser.add_argument("--group-size", type=int, choices=INT4_GROUP_SIZES, default=32, help="int4 group size")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")

@@ -1,5 +1,5 @@
-"""Weight-only quantization: the schemes, their pure-JAX dequantize (the reference every
-quantized matmul must equal), and the policy of which weights are quantized.
+"""Quantization: the schemes, their pure-JAX references (every quantized matmul must equal
+them), and the policy of which weights are quantized.
 
 A quantized projection replaces `{"kernel": [in, out]}` in the per-layer params
 (`models.llama.unstack_layers`) by arrays only, so it stays an ordinary pytree:
@@ -13,6 +13,13 @@ A quantized projection replaces `{"kernel": [in, out]}` in the per-layer params
   blocks, so those (and Q4_0's, `min = -8 * scale`) map onto this layout exactly: "gguf" serves
   a GGUF's own blocks (`convert.gguf_source.read_int4_projections`). Q8_0 blocks (a scale per 32
   inputs) have no exact place in per-channel int8, so that mode refuses them.
+- w8a8 (vLLM's INT8 W8A8): int8's weights, with int8 activations quantized per row on the fly:
+  `{"qweight_a8": int8 [ceil(in / 4), 4 * out], "scales": f32 [out]}`, the weights packed for
+  AVX-512 VNNI: element `(k, 4 o + j)` is input row `4 k + j` of column `o` (rows past `in` are
+  zero), so 64 bytes are 16 columns x 4 inputs, one operand of `vpdpbusd`, and projections
+  merged along `out` (`unstack_layers`) stay packed. The matmul (`w8a8_matmul_reference`) sums
+  int8 x int8 in int32, exactly, so the native kernel gives the same numbers bit for bit; it
+  pays where fp32 is bound by the float peak (prefill, big batches).
 
 The arrays keep any leading axes: stored (stacked `[L, ...]`) params quantize the same as the
 serving layout, and `minivllm-convert --quantize` writes them so (`quantized_shapes`).
@@ -20,14 +27,16 @@ serving layout, and `minivllm-convert --quantize` writes them so (`quantized_sha
 Served, the weights are laid out for the native kernels (`serving_layout`, applied by
 `models.llama.unstack_layers` after it merges projections): `qweight` / `qweight4` become
 `qweight_panels` / `qweight4_panels`, `[ceil(out / 64), rows, 64]`: panels of 64 output columns,
-each contiguous (zero columns pad the last), so a batch-1 matmul streams memory in order
+each contiguous (zero columns pad the last; w8a8's `qweight_a8_panels` are `[ceil(out / 64),
+ceil(in / 4), 256]`, 64 columns x 4 inputs a row), so a batch-1 matmul streams memory in order
 instead of reading 64 bytes every `out` bytes (measured here: 2-3x the bandwidth of the
 `[rows, out]` layout). The scales stay as they are (their length is the true `out`); every
 reader takes either layout (`from_panels`).
 
 Policy: the seven projections of every layer (q/k/v/o, gate/up/down; merged as the serving
 layout merges them) are quantized by the scheme, and the output head by int8 per vocabulary
-entry whatever the scheme (as llama.cpp's 4-bit files keep it at 8 bits): the head is read
+entry whatever the scheme, w8a8 included (as llama.cpp's 4-bit files keep it at 8 bits; it sees
+one row per sequence, few next to a prefill's tokens, so weight-only suits it): the head is read
 whole for every decode step (SmolLM2's tied embedding is 21% of its parameters, and after the
 layers shrink most of the bytes per token). A tied embedding is stored once, as that head
 (`{"qweight": int8 [hidden, vocab], "scales": f32 [vocab]}`), and the token lookup reads its
@@ -43,7 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-QUANTIZATIONS = ("int8", "int4")
+QUANTIZATIONS = ("int8", "int4", "w8a8")
 # What `LLM(quantization=...)` takes: a scheme applied to float weights, or "gguf": a GGUF
 # model's own Q4_0/Q4_1 blocks served as int4 as they are (`with_int4_projections`).
 LLM_QUANTIZATIONS = (*QUANTIZATIONS, "gguf")
@@ -60,6 +69,28 @@ def quantize_int8(kernel: Any) -> dict[str, jax.Array]:
     scales = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
     q = np.clip(np.rint(w / scales[..., None, :]), -127, 127).astype(np.int8)
     return {"qweight": jnp.asarray(q), "scales": jnp.asarray(scales)}
+
+
+def pack_vnni(q: np.ndarray) -> np.ndarray:
+    """`[..., in, out]` int8 -> `[..., ceil(in / 4), 4 * out]`, the w8a8 layout (`in` padded with
+    zero rows)."""
+    *lead, n_in, n_out = q.shape
+    pad = -n_in % 4
+    q = np.pad(q, [(0, 0)] * len(lead) + [(0, pad), (0, 0)])
+    q = q.reshape(*lead, (n_in + pad) // 4, 4, n_out)
+    return np.ascontiguousarray(np.swapaxes(q, -1, -2)).reshape(*lead, (n_in + pad) // 4, 4 * n_out)
+
+
+def unpack_vnni(packed: jax.Array) -> jax.Array:
+    """Inverse of `pack_vnni` (traceable): `[in4, 4 * out]` -> `[4 * in4, out]`, the padding rows kept."""
+    in4, n4 = packed.shape
+    return jnp.swapaxes(packed.reshape(in4, n4 // 4, 4), -1, -2).reshape(4 * in4, n4 // 4)
+
+
+def quantize_w8a8(kernel: Any) -> dict[str, jax.Array]:
+    """int8's weights of a `[..., in, out]` kernel, packed for the w8a8 matmul (`pack_vnni`)."""
+    p = quantize_int8(kernel)
+    return {"qweight_a8": jnp.asarray(pack_vnni(np.asarray(p["qweight"]))), "scales": p["scales"]}
 
 
 def pack_int4(q: np.ndarray) -> np.ndarray:
@@ -91,30 +122,34 @@ def quantize_int4(kernel: Any, group_size: int = 32) -> dict[str, jax.Array]:
 
 
 PANEL = 64  # output columns of one panel of the serving layout (the native matmul's work block)
-_PANEL_KEYS = ("qweight", "qweight4")  # what `serving_layout` lays out as panels
+# What `serving_layout` lays out as panels, and the array columns of one output column (w8a8
+# keeps each column's 4 inputs side by side, so its panel rows are 4 * PANEL bytes).
+_PANEL_KEYS = {"qweight": 1, "qweight4": 1, "qweight_a8": 4}
 
 
 def to_panels(p: dict[str, Any]) -> dict[str, Any]:
     """A quantized projection with its `[..., rows, out]` weights as `[..., ceil(out / PANEL),
     rows, PANEL]` panels (the module docstring); anything else as it is. Traceable."""
-    for key in _PANEL_KEYS:
+    for key, per_column in _PANEL_KEYS.items():
         if key in p:
             w = jnp.asarray(p[key])
-            *lead, rows, n_out = w.shape
-            blocks = -(-n_out // PANEL)
-            w = jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, blocks * PANEL - n_out)])
-            panels = jnp.swapaxes(w.reshape(*lead, rows, blocks, PANEL), -3, -2)
+            *lead, rows, n_cols = w.shape
+            width = PANEL * per_column
+            blocks = -(-n_cols // width)
+            w = jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, blocks * width - n_cols)])
+            panels = jnp.swapaxes(w.reshape(*lead, rows, blocks, width), -3, -2)
             return {f"{key}_panels": panels, **{k: v for k, v in p.items() if k != key}}
     return p
 
 
 def from_panels(p: dict[str, Any]) -> dict[str, Any]:
     """Inverse of `to_panels` (traceable): the `[..., rows, out]` weights, padding dropped."""
-    for key in _PANEL_KEYS:
+    for key, per_column in _PANEL_KEYS.items():
         panels = p.get(f"{key}_panels")
         if panels is not None:
             *lead, blocks, rows, width = panels.shape
-            w = jnp.swapaxes(panels, -3, -2).reshape(*lead, rows, blocks * width)[..., : p["scales"].shape[-1]]
+            w = jnp.swapaxes(panels, -3, -2).reshape(*lead, rows, blocks * width)
+            w = w[..., : p["scales"].shape[-1] * per_column]
             return {key: w, **{k: v for k, v in p.items() if k != f"{key}_panels"}}
     return p
 
@@ -138,8 +173,11 @@ def is_quantized(p: Any) -> bool:
 
 
 def dequantize(p: dict[str, jax.Array], dtype: Any = jnp.float32) -> jax.Array:
-    """The `[in, out]` kernel a quantized projection stands for (pure JAX, traceable)."""
+    """The `[in, out]` kernel a quantized projection stands for (pure JAX, traceable; w8a8's
+    with `in` padded to a multiple of 4 by zero rows)."""
     p = from_panels(p)
+    if "qweight_a8" in p:
+        return (unpack_vnni(p["qweight_a8"]).astype(jnp.float32) * p["scales"]).astype(dtype)
     if "qweight" in p:
         return (p["qweight"].astype(jnp.float32) * p["scales"]).astype(dtype)
     q = unpack_int4(p["qweight4"]).astype(jnp.float32)
@@ -148,15 +186,47 @@ def dequantize(p: dict[str, jax.Array], dtype: Any = jnp.float32) -> jax.Array:
     return w.reshape(-1, n_out).astype(dtype)
 
 
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """w8a8's activations: `[T, in]` float -> int8 `[T, in]` and f32 scales `[T, 1]`, symmetric per
+    row: `s = max|x| * f32(1 / 127)` (1 for a zero row), `q = round_half_even(x * (1 / s))`.
+    Multiplications by reciprocals, as XLA rewrites divisions by a constant or a broadcast (for
+    some shapes and not others), so that the numbers are these whatever XLA does and a kernel
+    can give them bit for bit."""
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    s = jnp.where(amax > 0, amax * np.float32(1 / 127), np.float32(1))
+    return jnp.clip(jnp.round(x * (1 / s)), -127, 127).astype(jnp.int8), s
+
+
+def w8a8_matmul_reference(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+    """`x @ W` the w8a8 way: rows of `x` quantized (`quantize_rows`), an exact int8 x int8 -> int32
+    dot against the packed weights, then `(float(acc) * s_row) * s_column`."""
+    p = from_panels(p)
+    in4, n4 = p["qweight_a8"].shape
+    n_in, n_out = x.shape[-1], n4 // 4
+    q, s = quantize_rows(x.reshape(-1, n_in))
+    q = jnp.pad(q, ((0, 0), (0, 4 * in4 - n_in))).reshape(-1, in4, 4)
+    acc = jax.lax.dot_general(q, p["qweight_a8"].reshape(in4, n_out, 4), (((1, 2), (0, 2)), ((), ())),
+                              preferred_element_type=jnp.int32)  # fmt: skip
+    y = acc.astype(jnp.float32) * s * p["scales"]
+    return y.reshape(*x.shape[:-1], n_out).astype(x.dtype)
+
+
 def quantized_matmul_reference(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
-    """`x @ W` for a quantized projection `p`: the contract every quantized matmul keeps."""
+    """`x @ W` for a quantized projection `p`: the contract every quantized matmul keeps (weight-only
+    schemes: `x @ dequantize(p)`; w8a8: `w8a8_matmul_reference`)."""
+    if "qweight_a8" in p or "qweight_a8_panels" in p:
+        return w8a8_matmul_reference(x, p)
     return x @ dequantize(p, x.dtype)
 
 
 def _native_matmul(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
-    from minivllm_jax.kernels.quantized_matmul import quantized_matmul_native  # loads a shared library
+    # these load a shared library
+    from minivllm_jax.kernels.quantized_matmul import quantized_matmul_native
+    from minivllm_jax.kernels.w8a8_matmul import w8a8_matmul_native
 
-    return quantized_matmul_native(x, p)
+    w8a8 = "qweight_a8" in p or "qweight_a8_panels" in p
+    return w8a8_matmul_native(x, p) if w8a8 else quantized_matmul_native(x, p)
 
 
 # Implementations by name: a static argument of the step (`models.llama.forward(matmul=...)`).
@@ -170,6 +240,8 @@ def quantize_projection(p: dict[str, Any], scheme: str, group_size: int = 32) ->
         return {**quantize_int8(p["kernel"]), **rest}
     if scheme == "int4":
         return {**quantize_int4(p["kernel"], group_size), **rest}
+    if scheme == "w8a8":
+        return {**quantize_w8a8(p["kernel"]), **rest}
     raise ValueError(f"unknown quantization {scheme!r}; use one of {QUANTIZATIONS} or None")
 
 
@@ -221,6 +293,8 @@ def quantized_shapes(params_shapes: dict[str, Any], scheme: str, group_size: int
         *lead, n_in, n_out = p["kernel"].shape
         sds = lambda dtype, *shape: jax.ShapeDtypeStruct((*lead, *shape), dtype)  # noqa: E731
         rest = {k: v for k, v in p.items() if k != "kernel"}
+        if scheme == "w8a8":
+            return {"qweight_a8": sds(jnp.int8, -(-n_in // 4), 4 * n_out), "scales": sds(jnp.float32, n_out), **rest}
         if not int4:
             return {"qweight": sds(jnp.int8, n_in, n_out), "scales": sds(jnp.float32, n_out), **rest}
         return {"qweight4": sds(jnp.uint8, n_in // 2, n_out), "scales": sds(jnp.float32, n_in // group, n_out),

@@ -75,9 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the server's own; '*' for any (default: none)")  # fmt: skip
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="the model's float dtype (weights left full precision, activations, KV pages)")  # fmt: skip
-    p.add_argument("--quantization", default=None, choices=["int8", "int4", "gguf"],
-                   help="weight-only quantization of every layer's projections (default: none; gguf: a GGUF "
-                        "model's own Q4_0/Q4_1 blocks as int4; see minivllm_jax/quantization.py for the schemes "
+    p.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8", "gguf"],
+                   help="quantization of every layer's projections (default: none; int8/int4 weight-only, w8a8: "
+                        "int8 weights and activations; gguf: a GGUF model's own Q4_0/Q4_1 blocks as int4; see "
+                        "minivllm_jax/quantization.py for the schemes "
                         "and what stays full precision)")  # fmt: skip
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                    help="KV pages in the model's dtype (auto) or int8 with a scale per token and head "

@@ -29,6 +29,7 @@ TARGETS = {
     "minivllm_ragged_paged_attention_int8kv": "MinivllmRaggedPagedAttentionInt8KV",
     "minivllm_matmul_int8_f32": "MinivllmMatmulInt8F32",
     "minivllm_matmul_int4_f32": "MinivllmMatmulInt4F32",
+    "minivllm_matmul_w8a8_f32": "MinivllmMatmulW8A8F32",
 }
 
 
