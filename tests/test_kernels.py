@@ -121,7 +121,7 @@ def test_engine_on_native_attention_matches_hf_and_is_batch_invariant():
 
 @pytest.mark.skipif(not kernels.native_available(), reason="native kernels not available (not built, or MINIVLLM_KERNELS=reference)")
 @pytest.mark.parametrize("scheme,group_size", [("int8", 32), ("int4", 32), ("int4", 64), ("int4", 128)])
-@pytest.mark.parametrize("rows", [1, 3, 4, 6, 16])
+@pytest.mark.parametrize("rows", [1, 3, 4, 6, 16, 64])
 def test_native_quantized_matmul_equals_reference(scheme, group_size, rows):
     """Every row-pass size (1-4, and passes of 4 with a remainder), each scheme and int4 group."""
     from minivllm_jax.quantization import MATMUL, quantize_projection, to_panels
