@@ -128,6 +128,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--child-timeout", type=float, default=3600.0, help="seconds one mode may take")
     p.add_argument("--keep-workdir", action="store_true", help="keep the reference logprobs and child logs")
     p.add_argument("--quick", action="store_true", help="tiny sizes for smoke tests (a tiny model, any text)")
+    p.add_argument("--no-llamacpp", action="store_true", help="skip llama.cpp's batch-1 decode on the model's own GGUF")
     p.add_argument("--report", action="store_true", help="only print/rebuild the table from --out")
     p.add_argument("--out", default=str(RESULTS / "quant.json"))
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: run one mode
@@ -389,6 +390,10 @@ def markdown_table(result: dict[str, Any]) -> str:
                  f"{result.get('gen_tokens', '?')} greedy tokens. Measured {result.get('timestamp', 'not yet')} "
                  f"on {machine.get('cpu', '?')}, "
                  f"{machine.get('cpu_count', '?')} cores (`python benchmarks/bench_quant.py`).")  # fmt: skip
+    peer = result.get("llamacpp") or {}
+    if peer.get("status") == "ok":
+        lines.append(f"\nllama.cpp on the same GGUF ({peer['gguf']}), same prompt and run: batch-1 decode "
+                     f"{peer['decode_tok_s']:.1f} tok/s.")  # fmt: skip
     if not_run:
         lines.append("\nNot measured:\n")
         lines += [f"- {', '.join(names)}: {why}" for why, names in not_run.items()]
@@ -422,6 +427,25 @@ def report(out: Path) -> str:
     table = markdown_table(json.loads(out.read_text()))
     print(table)
     return table
+
+
+def llamacpp_decode(args: argparse.Namespace, inputs: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's batch-1 greedy decode on the model's own GGUF (the peer of `gguf`), measured
+    as ours is: the same prompt and token count, best of --reps after a warm-up run."""
+    from benchmarks import llamacpp_peer
+
+    ok, why = llamacpp_peer.available()
+    path = llamacpp_peer.source_gguf(args.model)
+    if not ok or path is None:
+        return {"status": "skipped", "reason": why if not ok else f"{args.model} is not a GGUF model"}
+    runs = []
+    with llamacpp_peer.LlamaCppPeer(path, 2) as peer:
+        for _ in range(args.reps + 1):
+            r = peer.run([inputs["decode_prompt"]], [args.decode_tokens], 1)
+            t = r.token_times[0]
+            runs.append((len(t) - 1) / max(t[-1] - t[0], 1e-9))
+    print(f"llama.cpp {path.name}: {max(runs[1:]):.1f} tok/s batch-1", flush=True)
+    return {"status": "ok", "gguf": path.name, "decode_tok_s": max(runs[1:]), "runs": runs[1:]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -476,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {k: getattr(args, k) for k in SETTINGS},
         "modes": modes,
     }
+    if not args.quick and not args.no_llamacpp:
+        result["llamacpp"] = llamacpp_decode(args, inputs)
     write_result(result, out)
     if any(m.get("status") == "ok" for m in modes.values()):
         plot(result, out)
