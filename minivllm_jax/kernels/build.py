@@ -3,7 +3,8 @@
     python -m minivllm_jax.kernels.build        # what `make setup` runs after installing
 
 Flags suit the CPU it runs on (`-march=native`: the library is built on the machine that uses
-it, at install time), with OpenMP for the threads. The XLA FFI headers come with jaxlib
+it, at install time). The kernels split their work over XLA's own CPU thread pool (`parallel.h`),
+so no threading library is linked. The XLA FFI headers come with jaxlib
 (`jax.ffi.include_dir()`). Without a compiler this prints one warning and exits 0: the package
 then runs every op on its pure-JAX reference.
 """
@@ -19,11 +20,15 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 LIBRARY = HERE / "_build" / "libminivllm_kernels.so"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno"]
+FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno"]
 
 
 def sources() -> list[Path]:
     return sorted(HERE.glob("*.cc"))
+
+
+def headers() -> list[Path]:
+    return sorted(HERE.glob("*.h"))
 
 
 def is_stale() -> bool:
@@ -31,7 +36,7 @@ def is_stale() -> bool:
     if not LIBRARY.is_file():
         return True
     built = LIBRARY.stat().st_mtime
-    return any(src.stat().st_mtime > built for src in sources())
+    return any(src.stat().st_mtime > built for src in sources() + headers())
 
 
 def build(verbose: bool = True) -> bool:

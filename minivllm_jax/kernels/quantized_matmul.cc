@@ -4,7 +4,7 @@
 // place, and dequantized in registers; a decode step is bound by reading them.
 //
 // The weights come in the serving layout (`to_panels` there): panels of 64 output columns, each
-// `[rows, 64]` contiguous. Work: panels over OpenMP threads. A panel is read in order, each input
+// `[rows, 64]` contiguous. Work: panels over XLA's CPU threads (parallel.h). A panel is read in order, each input
 // row's 64 weights one cache line (int8) or half of one (int4), and keeps the T rows' 64
 // accumulators; int4 sums x * q per group, then adds scale * sum + min * sum(x) of the group.
 
@@ -18,6 +18,7 @@
 #include <immintrin.h>
 #endif
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -76,21 +77,23 @@ struct Int4Rows {
 // Panels over the threads; in each, rows of x in passes of up to kMaxRows, each pass a
 // compile-time row count so its accumulators are registers.
 template <typename Pass>
-void ForBlocksAndPasses(int64_t T, int64_t out, Pass pass) {
-#pragma omp parallel for schedule(static)
-  for (int64_t o0 = 0; o0 < out; o0 += kCols) {
-    for (int64_t t0 = 0; t0 < T; t0 += kMaxRows) {
-      switch (std::min<int64_t>(kMaxRows, T - t0)) {
-        case 1: pass(std::integral_constant<int, 1>{}, t0, o0); break;
-        case 2: pass(std::integral_constant<int, 2>{}, t0, o0); break;
-        case 3: pass(std::integral_constant<int, 3>{}, t0, o0); break;
-        default: pass(std::integral_constant<int, 4>{}, t0, o0); break;
+void ForBlocksAndPasses(ffi::ThreadPool& pool, int64_t T, int64_t out, Pass pass) {
+  minivllm::ParallelFor(pool, out / kCols, [&] {
+    return [&](int64_t panel) {
+      const int64_t o0 = panel * kCols;
+      for (int64_t t0 = 0; t0 < T; t0 += kMaxRows) {
+        switch (std::min<int64_t>(kMaxRows, T - t0)) {
+          case 1: pass(std::integral_constant<int, 1>{}, t0, o0); break;
+          case 2: pass(std::integral_constant<int, 2>{}, t0, o0); break;
+          case 3: pass(std::integral_constant<int, 3>{}, t0, o0); break;
+          default: pass(std::integral_constant<int, 4>{}, t0, o0); break;
+        }
       }
-    }
-  }
+    };
+  });
 }
 
-ffi::Error MatmulInt8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> qweight, ffi::Buffer<ffi::F32> scales,
+ffi::Error MatmulInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> qweight, ffi::Buffer<ffi::F32> scales,
                           ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = qweight.dimensions();
   const int64_t out = static_cast<int64_t>(scales.element_count());
@@ -102,7 +105,7 @@ ffi::Error MatmulInt8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> qweight,
   const float* sp = scales.typed_data();
   float* yp = y->typed_data();
   const Int8Row rows{qweight.typed_data(), n_in};
-  ForBlocksAndPasses(T, out, [&](auto rows_c, int64_t t0, int64_t o0) {
+  ForBlocksAndPasses(pool, T, out, [&](auto rows_c, int64_t t0, int64_t o0) {
     constexpr int NT = decltype(rows_c)::value;
     v16 acc[NT][4] = {};
     for (int64_t i = 0; i < n_in; ++i) {
@@ -119,7 +122,7 @@ ffi::Error MatmulInt8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> qweight,
   return ffi::Error::Success();
 }
 
-ffi::Error MatmulInt4Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> qweight, ffi::Buffer<ffi::F32> scales,
+ffi::Error MatmulInt4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> qweight, ffi::Buffer<ffi::F32> scales,
                           ffi::Buffer<ffi::F32> mins, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = qweight.dimensions(), sd = scales.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || sd.size() != 2 || xd[1] != 2 * wd[1] || wd[2] != kCols ||
@@ -141,7 +144,7 @@ ffi::Error MatmulInt4Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> qweight,
   std::vector<float> xsum(T * groups, 0.0f);
   for (int64_t t = 0; t < T; ++t)
     for (int64_t i = 0; i < n_in; ++i) xsum[t * groups + i / g_size] += xp[t * n_in + i];
-  ForBlocksAndPasses(T, out, [&](auto rows_c, int64_t t0, int64_t o0) {
+  ForBlocksAndPasses(pool, T, out, [&](auto rows_c, int64_t t0, int64_t o0) {
     constexpr int NT = decltype(rows_c)::value;
     v16 acc[NT][4] = {};
     for (int64_t g = 0; g < groups; ++g) {
@@ -169,6 +172,7 @@ ffi::Error MatmulInt4Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> qweight,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MinivllmMatmulInt8F32, MatmulInt8Impl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .Arg<ffi::Buffer<ffi::S8>>()   // qweight_panels
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scales
@@ -176,6 +180,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MinivllmMatmulInt8F32, MatmulInt8Impl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MinivllmMatmulInt4F32, MatmulInt4Impl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .Arg<ffi::Buffer<ffi::U8>>()   // qweight4_panels
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scales

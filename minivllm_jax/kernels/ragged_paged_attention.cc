@@ -1,7 +1,7 @@
 // Ragged paged attention on the CPU: the contract of minivllm_jax/attention.py (its module
 // docstring), as an XLA FFI custom call. The pure-JAX reference there is what this must equal.
 //
-// Work items are (sequence, kv head, tile of query tokens), spread over OpenMP threads. One item
+// Work items are (sequence, kv head, tile of query tokens), spread over XLA's CPU threads (parallel.h). One item
 // keeps the queries of its tile and the whole group (tile x G rows) together, so every K/V page
 // is read once per item, in place (no gather copy), for all of them: an online softmax over the
 // cached pages, then over the step's own new keys (causal). K pages are [hd, page_size] (keys along the fast axis, so a
@@ -20,6 +20,7 @@
 #include <immintrin.h>
 #endif
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -293,7 +294,7 @@ struct Int8Pages {
 };
 
 template <typename Pages>
-ffi::Error RaggedPagedAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
+ffi::Error RaggedPagedAttention(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
                                 ffi::Span<const int64_t> cd, Pages pages,
                                 ffi::Buffer<ffi::S32> layer_buf, ffi::Buffer<ffi::S32> query_start,
                                 ffi::Buffer<ffi::S32> query_len, ffi::Buffer<ffi::S32> context_len,
@@ -351,11 +352,11 @@ ffi::Error RaggedPagedAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k
     }
   }
 
-#pragma omp parallel
-  {
-    std::vector<float> qbuf, acc, m, l, k_block(hd * kNewBlock), k_page(hd * ps), v_page(ps * hd);
-#pragma omp for schedule(dynamic, 1)
-    for (size_t it = 0; it < items.size(); ++it) {
+  minivllm::ParallelFor(pool, static_cast<int64_t>(items.size()), [&] {
+    // Each participant's scratch.
+    return [&, qbuf = std::vector<float>(), acc = std::vector<float>(), m = std::vector<float>(),
+            l = std::vector<float>(), k_block = std::vector<float>(hd * kNewBlock),
+            k_page = std::vector<float>(hd * ps), v_page = std::vector<float>(ps * hd)](int64_t it) mutable {
       const Item& item = items[it];
       const int64_t s = item.s, i_lo = item.i_lo, i_hi = item.i_hi, h_lo = item.h_lo, nh = item.h_hi - h_lo;
       const int64_t ctx = cl[s], q0 = qs[s];
@@ -423,25 +424,25 @@ ffi::Error RaggedPagedAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k
             for (int64_t d = 0; d < hd; ++d) dst[d] = a[d] * inv;
           }
       }
-    }
-  }
+    };
+  });
   return ffi::Error::Success();
 }
 
 using S32 = ffi::Buffer<ffi::S32>;
 
-ffi::Error RaggedPagedAttentionF32(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
+ffi::Error RaggedPagedAttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
                                    ffi::Buffer<ffi::F32> cache_k, ffi::Buffer<ffi::F32> cache_v, S32 layer,
                                    S32 query_start, S32 query_len, S32 context_len, S32 page_start, S32 page_ids,
                                    ffi::ResultBuffer<ffi::F32> out) {
   const auto cd = cache_k.dimensions();
   if (cd.size() != 5) return ffi::Error::InvalidArgument("ragged_paged_attention: the cache must be rank 5");
   const FloatPages pages{cache_k.typed_data(), cache_v.typed_data(), cd[2], cd[3], cd[4]};
-  return RaggedPagedAttention(q, k_new, v_new, cd, pages, layer, query_start, query_len, context_len, page_start,
+  return RaggedPagedAttention(pool, q, k_new, v_new, cd, pages, layer, query_start, query_len, context_len, page_start,
                               page_ids, out);
 }
 
-ffi::Error RaggedPagedAttentionInt8KV(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
+ffi::Error RaggedPagedAttentionInt8KV(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
                                       ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::S8> cache_k,
                                       ffi::Buffer<ffi::S8> cache_v, ffi::Buffer<ffi::F32> k_scale,
                                       ffi::Buffer<ffi::F32> v_scale, S32 layer, S32 query_start, S32 query_len,
@@ -455,7 +456,7 @@ ffi::Error RaggedPagedAttentionInt8KV(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
   }
   const Int8Pages pages{cache_k.typed_data(), cache_v.typed_data(), k_scale.typed_data(), v_scale.typed_data(),
                         cd[2], cd[3], cd[4]};
-  return RaggedPagedAttention(q, k_new, v_new, cd, pages, layer, query_start, query_len, context_len, page_start,
+  return RaggedPagedAttention(pool, q, k_new, v_new, cd, pages, layer, query_start, query_len, context_len, page_start,
                               page_ids, out);
 }
 
@@ -463,6 +464,7 @@ ffi::Error RaggedPagedAttentionInt8KV(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MinivllmRaggedPagedAttentionF32, RaggedPagedAttentionF32,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k_new
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v_new
@@ -478,6 +480,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MinivllmRaggedPagedAttentionF32, RaggedPagedAttent
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MinivllmRaggedPagedAttentionInt8KV, RaggedPagedAttentionInt8KV,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k_new
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v_new

@@ -12,8 +12,8 @@
 // unsigned by signed bytes, so the weights are read unsigned as w + 128 (an xor) and each row
 // gives back 128 * sum(xq) at the end.
 //
-// Work: tiles of up to kRowBlock rows x one panel over OpenMP threads (panels outer, so a
-// thread walks one panel's rows while its weights stay in cache); a tile in micro-tiles of
+// Work: tiles of up to kRowBlock rows x one panel over XLA's CPU threads (parallel.h), panels
+// outer, so neighbouring tiles share a panel while it is in cache; a tile in micro-tiles of
 // 6 rows x 4 vectors, 24 int32 accumulators in registers. A build for a CPU
 // without AVX-512 VNNI gets a plain loop with the same sums and the same float steps.
 
@@ -30,6 +30,7 @@
 #include <immintrin.h>
 #endif
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -187,7 +188,7 @@ void Tile(int64_t t0, int64_t t1, const int8_t* xq, int64_t kp, const int8_t* pa
 }
 #endif
 
-ffi::Error MatmulW8A8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> qweight, ffi::Buffer<ffi::F32> scales,
+ffi::Error MatmulW8A8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> qweight, ffi::Buffer<ffi::F32> scales,
                           ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = qweight.dimensions();
   const int64_t out = scales.element_count();
@@ -206,19 +207,16 @@ ffi::Error MatmulW8A8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> qweight,
   std::vector<float> sx(T);
   std::vector<int32_t> xsum(T);
   const int64_t row_blocks = (T + kRowBlock - 1) / kRowBlock, col_blocks = wd[0];
-#pragma omp parallel
-  {
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; ++t) QuantizeRow(xp + t * n_in, n_in, kp, xq.data() + t * kp, &sx[t], &xsum[t]);
-#pragma omp for collapse(2) schedule(static)
-    for (int64_t cb = 0; cb < col_blocks; ++cb) {
-      for (int64_t rb = 0; rb < row_blocks; ++rb) {
-        const int64_t t0 = rb * kRowBlock;
-        Tile(t0, std::min(T, t0 + kRowBlock), xq.data(), kp, wp + cb * in4 * kPanel, out, 16 * kNR * cb, sx.data(),
-             xsum.data(), sw, yp);
-      }
-    }
-  }
+  minivllm::ParallelFor(pool, T, [&] {
+    return [&](int64_t t) { QuantizeRow(xp + t * n_in, n_in, kp, xq.data() + t * kp, &sx[t], &xsum[t]); };
+  });
+  minivllm::ParallelFor(pool, col_blocks * row_blocks, [&] {
+    return [&](int64_t tile) {  // panels outer: neighbouring tiles share a panel
+      const int64_t cb = tile / row_blocks, t0 = tile % row_blocks * kRowBlock;
+      Tile(t0, std::min(T, t0 + kRowBlock), xq.data(), kp, wp + cb * in4 * kPanel, out, 16 * kNR * cb, sx.data(),
+           xsum.data(), sw, yp);
+    };
+  });
   return ffi::Error::Success();
 }
 
@@ -226,6 +224,7 @@ ffi::Error MatmulW8A8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> qweight,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MinivllmMatmulW8A8F32, MatmulW8A8Impl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .Arg<ffi::Buffer<ffi::S8>>()   // qweight_a8_panels
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scales
