@@ -70,8 +70,9 @@ def main(argv: list[str] | None = None) -> int:
                     operands["wq"], operands["p"])  # fmt: skip
             times: dict[str, list[float]] = {name: [] for name in impls}
             for name, f in impls.items():
-                # One implementation at a time: right after the native kernel its OpenMP threads
-                # spin for a while, and XLA's matmul run then got half of its speed here.
+                # One implementation at a time, each warmed up: interleaved, one's threads could
+                # still be spinning when the other starts (with OpenMP kernels, XLA's matmul got
+                # half of its speed here).
                 for _ in range(2):
                     f(*call).block_until_ready()
                 for _ in range(args.reps):
