@@ -12,7 +12,10 @@ Every mode runs in its own process (so its peak RSS is its own) on the same toke
     --kv-budget-context-token sequences that fits in --kv-budget-mib of KV;
   - peak RSS (VmHWM) after load and the speed runs, and again after the quality scoring;
   - batch-1 greedy decode tok/s (one prompt, --decode-tokens new tokens, best of --reps after a
-    warm-up run), offline throughput (--batch prompts of --batch-input-len text tokens, each
+    warm-up run), its ratio to fp32's, and its share of the bandwidth bound: the machine's read
+    bandwidth (the best of `bench_roofline.measure_bandwidth` before and after all modes) over the
+    weight bytes one decode step reads (every served param byte, less an untied input embedding,
+    of which a step gathers one row); offline throughput (--batch prompts of --batch-input-len text tokens, each
     --batch-output-len new tokens), TTFT of a --ttft-prompt-len prompt (p50 of --ttft-reps);
   - quality against fp32 (the reference, always run first): perplexity on a fixed English text
     (license files of installed packages, >= --min-text-tokens tokens, in --window-token
@@ -47,6 +50,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_memory import peak_rss_bytes, rss_bytes  # noqa: E402
+from benchmarks.bench_roofline import measure_bandwidth  # noqa: E402
 from benchmarks.common import RESULTS, new_figure, percentiles, save_plot, write_result  # noqa: E402
 from benchmarks.quant_quality import DEFAULT_TEXTS, compare_greedy, greedy_outputs, read_text, score_text  # noqa: E402
 
@@ -125,6 +129,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ttft-reps", type=int, default=5, help="TTFT: prompts timed (p50 reported)")
     p.add_argument("--kv-budget-mib", type=float, default=64.0, help="KV budget for the largest-batch column")
     p.add_argument("--kv-budget-context", type=int, default=512, help="tokens per sequence for that column")
+    p.add_argument("--bandwidth-mb", type=int, default=512, help="array size of the bandwidth probe (>> caches)")
     p.add_argument("--child-timeout", type=float, default=3600.0, help="seconds one mode may take")
     p.add_argument("--keep-workdir", action="store_true", help="keep the reference logprobs and child logs")
     p.add_argument("--quick", action="store_true", help="tiny sizes for smoke tests (a tiny model, any text)")
@@ -139,6 +144,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.num_prompts, args.gen_tokens, args.decode_tokens, args.reps = 4, 8, 8, 1
         args.batch, args.batch_input_len, args.batch_output_len = 4, 16, 8
         args.ttft_prompt_len, args.ttft_reps, args.kv_budget_context = 32, 2, 64
+        args.bandwidth_mb = 64
     if args.window % args.chunk:
         p.error(f"--window ({args.window}) must be a multiple of --chunk ({args.chunk})")
     args.num_prompts = min(args.num_prompts, len(PROMPTS))
@@ -242,6 +248,15 @@ def build_mode_llm(args: argparse.Namespace, spec: dict[str, Any], inputs: dict[
     return LLM(args.model, **kw)
 
 
+def decode_bytes_per_token(params: Any) -> int:
+    """Weight bytes a batch-1 decode step reads: every param byte, less an untied input embedding
+    (a step gathers one row of it; tied, it is the output head and read whole)."""
+    from minivllm_jax.quantization import param_bytes
+
+    untied = "lm_head" in params
+    return param_bytes(params) - (param_bytes(params["embed_tokens"]) if untied else 0)
+
+
 def _greedy(max_tokens: int):
     from minivllm_jax import SamplingParams
 
@@ -295,6 +310,7 @@ def run_mode(args: argparse.Namespace) -> dict[str, Any]:
     per_token = sum(x.size * x.dtype.itemsize for x in leaves) / slots
     result: dict[str, Any] = {
         "param_bytes": param_bytes(runner.params),
+        "decode_bytes_per_token": decode_bytes_per_token(runner.params),
         "kv_bytes_per_token": per_token,
         "kv_cache_leaf_dtypes": sorted({str(x.dtype) for x in leaves}),
         "kv_budget": kv_budget(per_token, runner.config.page_size, args.kv_budget_mib, args.kv_budget_context),
@@ -362,8 +378,11 @@ def markdown_table(result: dict[str, Any]) -> str:
     """The README table: one row per mode that ran, then the skipped ones with their reasons."""
     modes = result.get("modes") or {}
     budget = next((m["kv_budget"] for m in modes.values() if m.get("status") == "ok"), {})
+    ref_tok_s = ((modes.get(REFERENCE) or {}).get("decode_b1") or {}).get("decode_tok_s")
+    bandwidth = (result.get("bandwidth") or {}).get("best_gb_s")
     head = ["mode", "params MB", "KV B/token", f"max batch ({_f(budget.get('budget_mib'), 0)} MiB KV, "
-            f"{budget.get('context', '?')} tok)", "peak RSS MB", "b1 decode tok/s", "offline out tok/s",
+            f"{budget.get('context', '?')} tok)", "peak RSS MB", "b1 decode tok/s", f"b1 x {REFERENCE}",
+            "b1 % of bound", "offline out tok/s",
             "TTFT p50 ms", "perplexity", "mean KL", "top-1 agree %", "greedy agree %", "top-5 rule %"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     not_run: dict[str, list[str]] = {}  # "skipped: reason" -> modes
@@ -372,9 +391,12 @@ def markdown_table(result: dict[str, Any]) -> str:
             not_run.setdefault(f"{m.get('status')}: {m.get('reason')}", []).append(f"`{name}`")
             continue
         q, g = m.get("quality") or {}, m.get("greedy") or {}
+        tok_s, read = m["decode_b1"]["decode_tok_s"], m.get("decode_bytes_per_token")
+        share = tok_s * read / (bandwidth * 1e9) if bandwidth and read else None
         lines.append("| " + " | ".join([
             f"`{name}`", _mb(m["param_bytes"]), _f(m["kv_bytes_per_token"], 0), str(m["kv_budget"]["max_batch"]),
-            _mb(m["peak_rss_bytes"]), _f(m["decode_b1"]["decode_tok_s"]), _f(m["offline"]["output_tok_s"]),
+            _mb(m["peak_rss_bytes"]), _f(tok_s), _f(tok_s / ref_tok_s if ref_tok_s else None, 2), _f(share, 0, 100),
+            _f(m["offline"]["output_tok_s"]),
             _f(m["ttft"]["p50"], 0, 1e3), _f(q.get("perplexity"), 3), _kl(q.get("mean_kl")),
             _f(q.get("top1_agreement"), 1, 100), _f(g.get("position_agreement"), 1, 100),
             _f(g.get("top5_rule_pass_share"), 0, 100),
@@ -389,7 +411,9 @@ def markdown_table(result: dict[str, Any]) -> str:
                  f"at a time through the KV cache) and {result.get('greedy_prompts', '?')} prompts x "
                  f"{result.get('gen_tokens', '?')} greedy tokens. Measured {result.get('timestamp', 'not yet')} "
                  f"on {machine.get('cpu', '?')}, "
-                 f"{machine.get('cpu_count', '?')} cores (`python benchmarks/bench_quant.py`).")  # fmt: skip
+                 f"{machine.get('cpu_count', '?')} cores (`python benchmarks/bench_quant.py`). The bound of a "
+                 f"batch-1 decode is the read bandwidth ({_f(bandwidth)} GB/s, the best probe of the run) over "
+                 f"the weight bytes a step reads.")  # fmt: skip
     peer = result.get("llamacpp") or {}
     if peer.get("status") == "ok":
         lines.append(f"\nllama.cpp on the same GGUF ({peer['gguf']}), same prompt and run: batch-1 decode "
@@ -458,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
         report(out)
         return 0
     plan = plan_modes(args)
+    # The machine's speed drifts: probe the bandwidth before and after the modes, the best is the bound.
+    bandwidth = {"before": measure_bandwidth(args.bandwidth_mb, args.reps)}
     workdir = Path(tempfile.mkdtemp(prefix="bench_quant-"))
     try:
         inputs = build_inputs(args)
@@ -490,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kept {workdir}")
         else:
             shutil.rmtree(workdir, ignore_errors=True)
+    bandwidth["after"] = measure_bandwidth(args.bandwidth_mb, args.reps)
+    bandwidth["best_gb_s"] = max(v for probe in bandwidth.values() for v in probe.values())
     result = {
         "benchmark": "quantization",
         "model": args.model,
@@ -499,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
         "gen_tokens": args.gen_tokens,
         "settings": {k: getattr(args, k) for k in SETTINGS},
         "modes": modes,
+        "bandwidth": bandwidth,
     }
     if not args.quick and not args.no_llamacpp:
         result["llamacpp"] = llamacpp_decode(args, inputs)

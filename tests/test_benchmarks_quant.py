@@ -53,6 +53,7 @@ def test_quick_run_json_png_and_table(tiny_model, text_file, tmp_path):
             continue
         assert m["status"] == "ok", (name, m.get("reason"))
         assert m["param_bytes"] > 0 and m["kv_bytes_per_token"] > 0 and m["compiles_during_run"] == 0
+        assert 0 < m["decode_bytes_per_token"] <= m["param_bytes"]
         assert m["peak_rss_with_scoring_bytes"] >= m["peak_rss_bytes"] >= m["rss_after_load_bytes"] > 0
         b = m["kv_budget"]
         page = m["kv_bytes_per_token"] * m["engine"]["page_size"]
@@ -75,6 +76,7 @@ def test_quick_run_json_png_and_table(tiny_model, text_file, tmp_path):
     assert "int8" in modes["int4+kv8"]["kv_cache_leaf_dtypes"]
     assert "int8" not in modes["int4"]["kv_cache_leaf_dtypes"]
 
+    assert r["bandwidth"]["best_gb_s"] == max(v for k in ("before", "after") for v in r["bandwidth"][k].values()) > 0
     table = bench_quant.markdown_table(r)
     assert "| `fp32` |" in table and "| `int4` |" in table and "`gguf`" in table.split("Not measured", 1)[1]
     assert bench_quant.main(["--report", "--out", str(out)]) == 0
@@ -114,3 +116,14 @@ def test_run_all_report_writes_the_quant_table(tmp_path, monkeypatch):
     text = readme.read_text()
     assert "old" not in text and table in text and text.endswith(f"{run_all.QUANT_END}\nafter\n")
     assert "- `w8a8`: skipped: not supported" in table and (tmp_path / "QUANT.md").read_text() == table
+
+
+def test_decode_bytes_per_token_counts_a_tied_head_but_not_an_untied_embedding():
+    import numpy as np
+
+    layer = {"w": np.zeros((4, 8), np.float32)}  # 128 bytes
+    embed = np.zeros((16, 4), np.float32)  # 256 bytes
+    tied = {"embed_tokens": embed, "layers": (layer,), "norm": np.zeros(4, np.float32)}
+    untied = {**tied, "lm_head": np.zeros((4, 16), np.int8)}  # 64 bytes
+    assert bench_quant.decode_bytes_per_token(tied) == 256 + 128 + 16
+    assert bench_quant.decode_bytes_per_token(untied) == 128 + 16 + 64
