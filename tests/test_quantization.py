@@ -374,15 +374,27 @@ def _float_params(model: str):
 @pytest.mark.parametrize("scheme,key", [("int8", "qweight"), ("int4", "qweight4")])
 @pytest.mark.parametrize("n_out", [192, 200])
 def test_serving_panels_round_trip_and_stand_for_the_same_weights(scheme, key, n_out):
-    """`[rows, out]` weights as panels of 64 columns (the last zero-padded when `out` is not a
-    multiple of 64) come back exactly, and dequantize to the same kernel."""
+    """`[rows, out]` weights as panels of 64 columns (int8: the last zero-padded when `out` is not
+    a multiple of 64; int4: only when it is, with the scales and minimums as panels too) come
+    back exactly, and dequantize to the same kernel."""
     rng = np.random.default_rng(n_out)
     p = quantize_projection({"kernel": rng.standard_normal((64, n_out)).astype(np.float32)}, scheme)
     panels = to_panels(p)
+    np.testing.assert_array_equal(np.asarray(dequantize(panels)), np.asarray(dequantize(p)))
+    if scheme == "int4" and n_out % 64:
+        assert panels is p  # stays as it is (the native kernel takes multiples of 64 only)
+        return
     assert key not in panels and panels[f"{key}_panels"].shape == (-(-n_out // 64), p[key].shape[0], 64)
     assert not np.any(np.asarray(panels[f"{key}_panels"])[-1, :, n_out % 64 or 64 :])  # padding is zeros
-    np.testing.assert_array_equal(np.asarray(from_panels(panels)[key]), np.asarray(p[key]))
-    np.testing.assert_array_equal(np.asarray(dequantize(panels)), np.asarray(dequantize(p)))
+    back = from_panels(panels)
+    for name in p:
+        np.testing.assert_array_equal(np.asarray(back[name]), np.asarray(p[name]))
+    if scheme == "int4":
+        assert "scales" not in panels and panels["scales_mins_panels"].shape == (n_out // 64, 64 // 32, 2, 64)
+        # byte 8j + 2k + e of a panel row holds column 16k + 2j + e
+        got, rows = np.asarray(panels["qweight4_panels"]), np.asarray(p["qweight4"])
+        for pos, col in [(0, 0), (1, 1), (2, 16), (8, 2), (15, 51), (63, 63)]:
+            np.testing.assert_array_equal(got[0, :, pos], rows[:, col])
 
 
 def test_served_params_are_panels_and_the_embedding_lookup_reads_them():
