@@ -44,6 +44,10 @@ typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 constexpr int kCols = 64;    // output columns of one panel, the work block (4 vectors)
 constexpr int kMaxRows = 4;  // rows of x per pass over the weights (their accumulators stay in registers)
+// Weight rows fetched ahead of use. A panel is short (18-110 KB) and the hardware prefetcher
+// ramps up per stream, so without this a batch-1 matmul waited on memory: measured in the model,
+// int4 gate/up 57 -> 43 us, down 31 -> 24 us.
+constexpr int kAheadRows = 16;
 
 inline v16 Load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
 inline void Store16(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
@@ -125,6 +129,7 @@ ffi::Error MatmulInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
     constexpr int NT = decltype(rows_c)::value;
     v16 acc[NT][4] = {};
     for (int64_t i = 0; i < n_in; ++i) {
+      __builtin_prefetch(rows.q + (o0 / kCols * n_in + i + kAheadRows) * kCols);
       v16 w[4];
       rows.Get(i, o0, w);
       for (int t = 0; t < NT; ++t) {
@@ -201,7 +206,10 @@ ffi::Error MatmulInt4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
       __m512 part[NT][4];
       for (int t = 0; t < NT; ++t)
         for (int c = 0; c < 4; ++c) part[t][c] = _mm512_setzero_ps();
+      const float* next_group = group_params(o0, std::min(g + 1, groups - 1));
+      for (int k = 0; k < 2 * kCols; k += 16) __builtin_prefetch(next_group + k);
       for (int64_t i = g * g_size; i < (g + 1) * g_size; i += 2) {
+        __builtin_prefetch(panel + (i / 2 + kAheadRows) * kCols);
         const __m512i bytes = _mm512_loadu_si512(panel + i / 2 * kCols);
         __m512bh h[NT], l[NT];
         for (int t = 0; t < NT; ++t) {
