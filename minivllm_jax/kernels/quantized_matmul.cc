@@ -110,7 +110,7 @@ void ForBlocksAndPasses(ffi::ThreadPool& pool, int64_t T, int64_t out, Pass pass
         }
       }
     };
-  });
+  }, /*in_runs=*/true);
 }
 
 ffi::Error MatmulInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> qweight, ffi::Buffer<ffi::F32> scales,

@@ -216,7 +216,7 @@ ffi::Error MatmulW8A8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
       Tile(t0, std::min(T, t0 + kRowBlock), xq.data(), kp, wp + cb * in4 * kPanel, out, 16 * kNR * cb, sx.data(),
            xsum.data(), sw, yp);
     };
-  });
+  }, /*in_runs=*/true);
   return ffi::Error::Success();
 }
 
