@@ -31,8 +31,10 @@ each contiguous (zero columns pad the last; w8a8's `qweight_a8_panels` are `[cei
 ceil(in / 4), 256]`, 64 columns x 4 inputs a row), so a batch-1 matmul streams memory in order
 instead of reading 64 bytes every `out` bytes (measured here: 2-3x the bandwidth of the
 `[rows, out]` layout). int4 panels also order the bytes of each row so that the kernel's
-nibble-to-bf16 step reaches them (`INT4_PANEL_ORDER`). The scales stay as they are (their length
-is the true `out`); every reader takes either layout (`from_panels`).
+nibble-to-bf16 step reaches them (`INT4_PANEL_ORDER`), and int4's scales and minimums become
+panels beside them (`scales_mins_panels`, when `out` is a multiple of 64); int8's and w8a8's
+scales stay as they are (their length is the true `out`). Every reader takes either layout
+(`from_panels`).
 
 Policy: the seven projections of every layer (q/k/v/o, gate/up/down; merged as the serving
 layout merges them) are quantized by the scheme, and the output head by int8 per vocabulary
