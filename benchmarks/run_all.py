@@ -43,6 +43,7 @@ SUITE: dict[str, list[str]] = {
     "interference": ["bench_interference.py"],
     "startup": ["bench_startup.py"],
     "quant": ["bench_quant.py"],
+    "scaling": ["bench_scaling.py"],
 }
 
 

@@ -74,7 +74,7 @@ def load_params(path: str | Path, cfg: ModelConfig, dtype: Any = None, quantizat
         for key, want in wanted.items():
             if tuple(saved[key].shape) != want.shape:
                 raise CheckpointError(f"{path}: {key} has shape {saved[key].shape}, config implies {want.shape}")
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # this process's (several may load)
         abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), target)
         return ckptr.restore(path, abstract)
 

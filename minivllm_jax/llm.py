@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
+from minivllm_jax import distributed
 from minivllm_jax.attention import resolve_attention
-from minivllm_jax.models.llama import unstack_layers
 from minivllm_jax.config import EngineConfig, ModelConfig, check_kv_cache_dtype
 from minivllm_jax.engine.engine import LLMEngine
+from minivllm_jax.engine.router import PrefixRouter
 from minivllm_jax.kv_cache import kv_bytes_per_page
+from minivllm_jax.models.llama import Params, unstack_layers
 from minivllm_jax.outputs import RequestOutput
+from minivllm_jax.parallel import check_tensor_parallel, make_mesh
 from minivllm_jax.quantization import CHECKPOINT_KEY, LLM_QUANTIZATIONS
 from minivllm_jax.runtime import available_memory_bytes, enable_compilation_cache, keep_freed_memory
 from minivllm_jax.sampling_params import SamplingParams
@@ -26,13 +32,40 @@ KV_MEMORY_FRACTION = 0.25
 
 
 def auto_num_pages(cfg: ModelConfig, max_num_seqs: int, max_model_len: int, page_size: int, dtype: Any,
-                   kv_cache_dtype: str = "auto") -> int:  # fmt: skip
+                   kv_cache_dtype: str = "auto", replicas: int = 1) -> int:  # fmt: skip
     """num_pages = 1 + min(max_num_seqs * ceil(max_model_len / page_size),
-    KV_MEMORY_FRACTION * MemAvailable // bytes_per_page): never more than the engine can use,
-    and at least one full-length sequence."""
+    KV_MEMORY_FRACTION * MemAvailable / replicas // bytes_per_page): never more than the engine
+    can use, and at least one full-length sequence. (`replicas`: data-parallel engines share
+    the budget.)"""
     per_seq = -(-max_model_len // page_size)
-    fits = int(KV_MEMORY_FRACTION * available_memory_bytes()) // kv_bytes_per_page(cfg, page_size, dtype, kv_cache_dtype)
+    budget = KV_MEMORY_FRACTION * available_memory_bytes() / replicas
+    fits = int(budget) // kv_bytes_per_page(cfg, page_size, dtype, kv_cache_dtype)
     return 1 + max(per_seq, min(max_num_seqs * per_seq, fits))
+
+
+def replica_meshes(tensor_parallel_size: int, data_parallel_size: int) -> list[Mesh | None]:
+    """The devices of each data-parallel replica: consecutive slices of `tensor_parallel_size`
+    devices, `data_parallel_size` of them (`[None]`, the default device, for 1 x 1)."""
+    if data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    devices = jax.devices()
+    if distributed.is_multiprocess():  # one engine, its mesh over every process's devices
+        if data_parallel_size != 1 or tensor_parallel_size != len(devices):
+            raise ValueError(f"a run of {jax.process_count()} processes serves one tensor-parallel model over all "
+                             f"{len(devices)} devices: use tensor_parallel_size={len(devices)} and data_parallel_size=1 "
+                             f"(got {tensor_parallel_size} and {data_parallel_size})")  # fmt: skip
+        return [make_mesh(tensor_parallel_size, devices)]
+    if tensor_parallel_size == data_parallel_size == 1:
+        return [None]
+    need = tensor_parallel_size * data_parallel_size
+    if need > len(devices):
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} x data_parallel_size={data_parallel_size} needs "
+                         f"{need} devices; {len(devices)} {devices[0].platform} device(s) available (on CPU, "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count=N makes N)")  # fmt: skip
+    tp = tensor_parallel_size
+    return [make_mesh(tp, devices[r * tp : (r + 1) * tp]) for r in range(data_parallel_size)]
 
 
 def _eos_ids(cfg: ModelConfig, model_dir: Path, tokenizer: Any) -> set[int]:
@@ -67,6 +100,8 @@ class LLM:
         async_scheduling: bool = True,
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
         seed: int = 0,
         warmup: bool = True,
         use_tqdm: bool = True,
@@ -81,6 +116,7 @@ class LLM:
         if quantization is not None and quantization not in LLM_QUANTIZATIONS:
             raise ValueError(f"unknown quantization {quantization!r}; use one of {LLM_QUANTIZATIONS} or None")
         check_kv_cache_dtype(kv_cache_dtype)
+        meshes = replica_meshes(tensor_parallel_size, data_parallel_size)
         enable_compilation_cache(compilation_cache_dir)
         keep_freed_memory()
         model_dir = resolve_model(model, dtype=dtype, progress=use_tqdm)
@@ -91,13 +127,15 @@ class LLM:
                              f"quantization=None (or {saved['scheme']!r}), or convert the float model again")  # fmt: skip
         if saved is None:  # weight-only quantization; the full-precision kernels are dropped here
             params = quantize_model_params(params, quantization, model, cfg.num_layers)
+        if tensor_parallel_size > 1:  # before anything is built: says which sizes would work
+            check_tensor_parallel(cfg, tensor_parallel_size)
         params = unstack_layers(params)  # the serving layout (merged projections, one tree a layer)
         self.quantization = saved["scheme"] if saved is not None else quantization
         self.model_dir = model_dir
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         max_model_len = min(max_model_len or 2048, cfg.max_position_embeddings)
         if num_pages is None:
-            num_pages = auto_num_pages(cfg, max_num_seqs, max_model_len, page_size, dtype, kv_cache_dtype)
+            num_pages = auto_num_pages(cfg, max_num_seqs, max_model_len, page_size, dtype, kv_cache_dtype, len(meshes))
         config = EngineConfig(
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
@@ -113,8 +151,44 @@ class LLM:
             kv_cache_dtype=kv_cache_dtype,
         )
         eos = _eos_ids(cfg, model_dir, self.tokenizer)
-        self.engine = LLMEngine(cfg, config, params, self.tokenizer, eos_token_ids=eos, seed=seed)
-        self.warmup_seconds = self.engine.warmup(progress=use_tqdm) if warmup else 0.0
+        # Data parallelism: one engine per replica, each on its own slice of the devices; the
+        # replicas' seeds differ so that unseeded sampling does not repeat across them.
+        self.engines = [
+            LLMEngine(cfg, config, params, self.tokenizer, eos_token_ids=eos, seed=seed + r, mesh=mesh)
+            for r, mesh in enumerate(meshes)
+        ]
+        del params  # each engine placed its own copy on its devices
+        self.engine = self.engines[0]
+        self.router = PrefixRouter(len(self.engines), page_size)
+        self.warmup_seconds = sum(e.warmup(progress=use_tqdm) for e in self.engines) if warmup else 0.0
+        if distributed.is_multiprocess() and distributed.is_leader():
+            atexit.register(self.shutdown)  # followers must not wait for a leader that is gone
+
+    # ------------------------------------------------------------------ several processes
+
+    def follow(self) -> None:
+        """On every process but the leader of a multi-process run (`minivllm_jax.distributed`):
+        run the leader's steps until the leader calls `shutdown()` (or exits)."""
+        self.engine.runner.follow()
+
+    def shutdown(self) -> None:
+        """On the leader of a multi-process run: release the followers (also done at exit)."""
+        self.engine.runner.stop_followers()
+
+    @property
+    def params(self) -> Params:
+        """The loaded params in the serving layout (`unstack_layers`), as the first replica holds them."""
+        return self.engine.runner.params
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.engine.model_config
+
+    def _route(self, prompt: Prompt) -> LLMEngine:
+        if len(self.engines) == 1:
+            return self.engine
+        ids = self.engine.tokenize(prompt)[1]
+        return self.engines[self.router.pick(ids, [len(e.requests) for e in self.engines])]
 
     # ------------------------------------------------------------------ generation
 
@@ -138,30 +212,36 @@ class LLM:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
 
-        ids: list[str] = []
+        ids: list[tuple[LLMEngine, str]] = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params_list)):
-                ids.append(self.engine.add_request(prompt, p, priority=priority[i] if priority else 0, streaming=False))
+                engine = self._route(prompt)
+                ids.append((engine, engine.add_request(prompt, p, priority=priority[i] if priority else 0,
+                                                       streaming=False)))  # fmt: skip
         except Exception:
-            for request_id in ids:  # all or nothing: don't leave half a batch queued
-                self.engine.abort(request_id)
+            for engine, request_id in ids:  # all or nothing: don't leave half a batch queued
+                engine.abort(request_id)
             raise
-        finished: dict[str, RequestOutput] = {}
+        finished: dict[tuple[int, str], RequestOutput] = {}
+        busy = [e for e in self.engines if any(e is engine for engine, _ in ids)]
         with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
             while len(finished) < len(ids):
-                for out in self.engine.step(only_finished=True):
-                    if out.finished:
-                        finished[out.request_id] = out
-                        bar.update(1)
-        return [finished[i] for i in ids]
+                # Steps are dispatched asynchronously: the replicas' devices run side by side.
+                for engine in busy:
+                    for out in engine.step(only_finished=True):
+                        if out.finished:
+                            finished[id(engine), out.request_id] = out
+                            bar.update(1)
+        return [finished[id(engine), i] for engine, i in ids]
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas of one prompt as they are generated (first sample when n > 1)."""
-        request_id = self.engine.add_request(prompt, sampling_params or SamplingParams())
+        engine = self._route(prompt)
+        request_id = engine.add_request(prompt, sampling_params or SamplingParams())
         sent = 0
         try:
             while True:
-                for out in self.engine.step():
+                for out in engine.step():
                     if out.request_id != request_id:
                         continue
                     if out.error is not None:  # its step failed; the engine serves on
@@ -173,7 +253,7 @@ class LLM:
                     if out.finished:
                         return
         finally:
-            self.engine.abort(request_id)  # no-op when finished; frees pages if the caller stopped early
+            engine.abort(request_id)  # no-op when finished; frees pages if the caller stopped early
 
     def chat(
         self,

@@ -94,19 +94,35 @@ def _cpu_identity() -> str:
 def program_key(name: tuple, args: tuple, static: dict[str, Any]) -> str:
     """A digest of the program's identity: environment, name, static arguments, argument types."""
     leaves, treedef = jax.tree.flatten(args)
-    types = [(np.shape(x), str(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype), getattr(x, "weak_type", False))
-             for x in leaves]  # fmt: skip
+    types = [(np.shape(x), str(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype), getattr(x, "weak_type", False),
+              _placement(x)) for x in leaves]  # fmt: skip
     text = repr((_environment_digest(), name, sorted(static.items()), str(treedef), types))
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _placement(x: Any) -> tuple[str, list[int]] | None:
+    """How an argument is laid out and on which devices, in order (a mesh's repr names no
+    devices): the same shapes on another replica's devices or mesh are another program."""
+    sharding = getattr(x, "sharding", None)
+    if sharding is None:
+        return None
+    mesh = getattr(sharding, "mesh", None)
+    ids = [d.id for d in mesh.devices.flat] if mesh is not None else sorted(d.id for d in sharding.device_set)
+    return str(sharding), ids
 
 
 class ProgramCache:
     """`load_or_compile(name, fn, args, static)`: the compiled jitted `fn` for these arguments
     and whether it was loaded from `directory` (else compiled now, and stored there). With no
-    directory it only compiles. Safe to call from several threads."""
+    directory it only compiles. Safe to call from several threads.
 
-    def __init__(self, directory: str | Path | None) -> None:
+    `devices`: the devices the programs run on, in order (default: the first device). A loaded
+    executable is bound to them; left to itself, JAX would bind it to every device of the
+    backend, and a one-device program then refused its one-device arguments."""
+
+    def __init__(self, directory: str | Path | None, devices: list[jax.Device] | None = None) -> None:
         self.directory = Path(directory) if directory else None
+        self.devices = devices
 
     def load_or_compile(self, name: tuple, fn: Any, args: tuple, static: dict[str, Any]) -> tuple[Any, bool]:
         if self.directory is None:
@@ -132,7 +148,8 @@ class ProgramCache:
             if hashlib.sha256(payload).digest() != digest:
                 raise ValueError("checksum mismatch (truncated or corrupt file)")
             serialized, in_tree, out_tree = pickle.loads(payload)
-            program = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree)
+            devices = self.devices or jax.devices()[:1]
+            program = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree, execution_devices=devices)
         except Exception as e:  # noqa: BLE001  any bad file is a miss: compile instead
             logger.warning("ignoring the stored program %s: %s", path.name, e)
             path.unlink(missing_ok=True)

@@ -29,7 +29,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import Mesh
 
+from minivllm_jax import parallel
 from minivllm_jax.batch import StepBatch, token_sequences
 from minivllm_jax.config import ModelConfig
 from minivllm_jax.kv_cache import KVCache
@@ -86,13 +88,18 @@ def engine_step(
     cfg: ModelConfig,
     attention: str = "reference",
     matmul: str = "reference",
+    mesh: Mesh | None = None,
 ) -> tuple[SampleResult, KVCache, PenaltyState, jax.Array]:
     """Returns the sampled rows, the cache, the penalty state, and the tokens again padded to
-    `fed_back`'s length (what the next step takes as its `fed_back`)."""
+    `fed_back`'s length (what the next step takes as its `fed_back`).
+
+    With a `mesh` the model runs tensor-parallel over it (`minivllm_jax.parallel`: `params` and
+    `cache` sharded as `shard_params`/`cache_shardings` place them, `cfg` their `stored_config`);
+    the sampler runs on the gathered logits, the same on every device."""
     pending = batch.tokens < 0
     tokens = jnp.where(pending, fed_back[jnp.where(pending, -batch.tokens - 1, 0)], batch.tokens)
     batch = dataclasses.replace(batch, tokens=tokens)
-    logits, cache = forward(params, cache, batch, cfg, attention, matmul=matmul)
+    logits, cache = model_forward(params, cache, batch, cfg, attention, matmul, mesh)
     penalty_state = _mark_fed_tokens(penalty_state, batch, penalty_rows)
     slots = penalty_rows.slots
 
@@ -105,7 +112,17 @@ def engine_step(
     return result, cache, penalty_state, fed_back.at[: result.tokens.shape[0]].set(result.tokens)
 
 
-engine_step_jit = jax.jit(engine_step, static_argnames=("cfg", "attention", "matmul"),
+def model_forward(params: Params, cache: KVCache, batch: StepBatch, cfg: ModelConfig, attention: str, matmul: str,
+                  mesh: Mesh | None, all_logits: bool = False) -> tuple[jax.Array, KVCache]:  # fmt: skip
+    """`forward` on one device, or tensor-parallel over `mesh` (each device runs its shard)."""
+    if mesh is None:
+        return forward(params, cache, batch, cfg, attention, all_logits, matmul)
+    local = parallel.local_config(cfg, mesh.shape[parallel.TP_AXIS])
+    shard = lambda p, c, b, axis: forward(p, c, b, local, attention, all_logits, matmul, axis)  # noqa: E731
+    return parallel.sharded(mesh, shard)(params, cache, batch)
+
+
+engine_step_jit = jax.jit(engine_step, static_argnames=("cfg", "attention", "matmul", "mesh"),
                           donate_argnames=("cache", "penalty_state"))  # fmt: skip
 forward_jit = jax.jit(forward, static_argnames=("cfg", "attention", "all_logits", "matmul"), donate_argnames=("cache",))
 

@@ -102,6 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step's tokens before scheduling the next (default: the next step is "
                         "dispatched while the current one runs)")  # fmt: skip
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over this many devices (heads, MLP and vocabulary; docs/scaling.md)")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="serve this many replicas (each on tensor-parallel-size devices) behind one API; a "
+                        "request goes to the replica that cached its prefix, else the least loaded")  # fmt: skip
+    p.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
+                   help="several processes (hosts): process 0's address (also MINIVLLM_COORDINATOR)")
+    p.add_argument("--num-processes", type=int, default=None, help="several processes: how many (also MINIVLLM_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=int, default=None,
+                   help="several processes: this one's id; 0 serves the API, the others follow its steps "
+                        "(also MINIVLLM_PROCESS_ID)")  # fmt: skip
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-queue", type=int, default=256, help="requests in flight before new ones get 429")
@@ -111,6 +122,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def load_llm(args: argparse.Namespace):
+    from minivllm_jax import LLM
+
+    return LLM(
+        args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+        page_size=args.page_size, num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching, seed=args.seed, use_tqdm=sys.stderr.isatty(),
+        target_tpot_ms=args.target_tpot_ms, target_ttft_ms=args.target_ttft_ms,
+        max_batch_wait_ms=args.max_batch_wait_ms, attention=args.attention, quantization=args.quantization,
+        async_scheduling=not args.no_async_scheduling, kv_cache_dtype=args.kv_cache_dtype,
+        tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+    )  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -118,21 +143,17 @@ def main(argv: list[str] | None = None) -> int:
     if not _is_loopback(args.host) and not args.api_key:
         log.warning("binding %s without --api-key: anyone who can reach this port can use the model", args.host)
 
+    from minivllm_jax import distributed
+
+    # Several processes: join them before anything uses JAX; all but process 0 only follow.
+    if distributed.initialize(args.coordinator_address, args.num_processes, args.process_id) and not distributed.is_leader():
+        log.info("process %d: loading the model, then following process 0's steps", args.process_id)
+        load_llm(args).follow()
+        return 0
+
     import uvicorn
 
     from server.app import create_app
-
-    def load_llm():  # runs on the loader thread while uvicorn already answers /health
-        from minivllm_jax import LLM
-
-        return LLM(
-            args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-            page_size=args.page_size, num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
-            enable_prefix_caching=not args.no_prefix_caching, seed=args.seed, use_tqdm=sys.stderr.isatty(),
-            target_tpot_ms=args.target_tpot_ms, target_ttft_ms=args.target_ttft_ms,
-            max_batch_wait_ms=args.max_batch_wait_ms, attention=args.attention, quantization=args.quantization,
-            async_scheduling=not args.no_async_scheduling, kv_cache_dtype=args.kv_cache_dtype,
-        )  # fmt: skip
 
     load_errors: list[BaseException] = []
 
@@ -141,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         server.should_exit = True
 
     app = create_app(
-        load_llm, model_name=args.model, api_key=args.api_key, max_queue=args.max_queue,
+        lambda: load_llm(args), model_name=args.model, api_key=args.api_key, max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes, on_load_error=on_load_error,
         allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts), allowed_origins=args.allowed_origins,
     )  # fmt: skip

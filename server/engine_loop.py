@@ -12,18 +12,22 @@ Faults: a failed device step fails only its batch (the engine returns their outp
 host-side bug) fails every request in flight with `EngineStopped`, recovers the engine and
 serves again on the same thread, at most `max_restarts` times in `restart_window_s`; past that
 the loop stays down and `alive` is False.
+
+`DataParallelEngine`: several replicas (`LLM(data_parallel_size=M)`), one `AsyncEngine` each.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from minivllm_jax.engine.router import PrefixRouter
 from minivllm_jax.outputs import RequestOutput
 from minivllm_jax.sampling_params import SamplingParams
 from server.metrics import EngineStats, ServerMetrics
@@ -328,6 +332,49 @@ class AsyncEngine:
             preemptions=e.scheduler.num_preemptions,
             steps=self._steps,
         )
+
+
+class DataParallelEngine:
+    """Data-parallel replicas behind the one server: an `AsyncEngine` (its own thread) per
+    replica's `LLMEngine`, with `AsyncEngine`'s surface. Each request goes where `PrefixRouter`
+    sends it: the replica that got its leading pages before (so its prefix cache hits), else the
+    one with the fewest requests in flight. `max_queue` bounds all replicas together."""
+
+    def __init__(self, engines: Sequence[Any], page_size: int, *, max_queue: int = 256,
+                 metrics: ServerMetrics | None = None, **kwargs: Any) -> None:  # fmt: skip
+        self.metrics = metrics or ServerMetrics()
+        self.replicas = [AsyncEngine(e, max_queue=max_queue, metrics=self.metrics, **kwargs) for e in engines]
+        self.router = PrefixRouter(len(self.replicas), page_size)
+        self.max_queue = max_queue
+
+    def start(self) -> None:
+        for replica in self.replicas:
+            replica.start()
+
+    @property
+    def alive(self) -> bool:
+        return all(r.alive for r in self.replicas)
+
+    @property
+    def num_in_flight(self) -> int:
+        return sum(r.num_in_flight for r in self.replicas)
+
+    @property
+    def stats(self) -> EngineStats:
+        """The replicas' counters summed."""
+        snapshots = [r.stats for r in self.replicas]
+        return EngineStats(**{f.name: sum(getattr(s, f.name) for s in snapshots) for f in dataclasses.fields(EngineStats)})
+
+    async def add(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str,
+                  arrival: float | None = None) -> RequestStream:  # fmt: skip
+        if self.num_in_flight >= self.max_queue:
+            raise QueueFull(f"{self.num_in_flight} requests in flight (max_queue={self.max_queue})")
+        replica = self.replicas[self.router.pick(prompt_ids, [r.num_in_flight for r in self.replicas])]
+        return await replica.add(prompt_ids, params, request_id, arrival)
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        for replica in self.replicas:
+            replica.stop(timeout)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:

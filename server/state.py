@@ -8,7 +8,7 @@ import time
 from typing import Any, Protocol
 
 from minivllm_jax.sampling_params import SamplingParams
-from server.engine_loop import AsyncEngine, EngineStopped, QueueFull, RequestFailed, RequestStream
+from server.engine_loop import AsyncEngine, DataParallelEngine, EngineStopped, QueueFull, RequestFailed, RequestStream
 from server.metrics import ServerMetrics
 from server.preprocess import Preprocessor, TokenTable
 from server.protocol import APIError, ChatMessage, invalid, param_from_message
@@ -45,7 +45,7 @@ class ServerState:
         self.metrics = ServerMetrics()
         self.created = int(time.time())
         self.llm: LLMLike | None = None
-        self.engine: AsyncEngine | None = None
+        self.engine: AsyncEngine | DataParallelEngine | None = None
         self.pre: Preprocessor | None = None
         self.table: TokenTable | None = None
 
@@ -55,7 +55,12 @@ class ServerState:
         """Wrap a loaded, warmed-up LLM and start its engine loop (any thread may call this)."""
         self.table = TokenTable(llm.tokenizer)
         self.pre = Preprocessor(llm.tokenizer, llm.engine.config.max_model_len, self.table.max_token_bytes)
-        engine = AsyncEngine(llm.engine, max_queue=self.max_queue, metrics=self.metrics)
+        replicas = getattr(llm, "engines", [llm.engine])  # data parallelism: several
+        if len(replicas) > 1:
+            engine = DataParallelEngine(replicas, llm.engine.config.page_size, max_queue=self.max_queue,
+                                        metrics=self.metrics)  # fmt: skip
+        else:
+            engine = AsyncEngine(llm.engine, max_queue=self.max_queue, metrics=self.metrics)
         engine.start()
         self.llm, self.engine = llm, engine
         self.status = "ready"  # last: handlers check it before touching the fields above

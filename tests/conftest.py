@@ -64,6 +64,23 @@ def pytest_runtest_setup(item) -> None:
         require_smollm2()
 
 
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """The shipped SmolLM2 as an HF transformers model (float32, dequantized from its GGUF): the
+    reference the engine's SmolLM2 tests compare with, loaded once (about 20 s) for all of them."""
+    require_smollm2()
+    import torch
+    import transformers
+
+    from convert.resolve import alias_source
+
+    path = alias_source("smollm2-135m")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32,
+        quantization_config=transformers.GgufConfig(dequantize=True),
+    ).eval()  # fmt: skip
+
+
 # ---------------------------------------------------------------- process hygiene
 
 

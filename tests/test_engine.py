@@ -44,17 +44,10 @@ def test_batched_greedy_equals_batch_of_one(llm):
     assert free_pages(llm) == llm.engine.config.num_pages - 1
 
 
-def test_batched_greedy_matches_hf_generate(llm):
+def test_batched_greedy_matches_hf_generate(llm, smollm2_hf):
     import torch
-    import transformers
 
-    from convert.resolve import alias_source
-
-    path = alias_source("smollm2-135m")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32,
-        quantization_config=transformers.GgufConfig(dequantize=True),
-    ).eval()  # fmt: skip
+    hf = smollm2_hf
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     with torch.no_grad():
         for out in outs:

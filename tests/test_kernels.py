@@ -92,11 +92,8 @@ def test_registry_auto_and_forced_reference(monkeypatch):
 
 @requires_smollm2
 @pytest.mark.skipif(not kernels.native_available(), reason="native kernels not available (not built, or MINIVLLM_KERNELS=reference)")
-def test_engine_on_native_attention_matches_hf_and_is_batch_invariant():
+def test_engine_on_native_attention_matches_hf_and_is_batch_invariant(smollm2_hf):
     import torch
-    import transformers
-
-    from convert.resolve import alias_source
 
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea, "
                "there lived an old fisherman who " * 4, "Q: What is 2 + 2?\nA:"]  # fmt: skip
@@ -107,15 +104,10 @@ def test_engine_on_native_attention_matches_hf_and_is_batch_invariant():
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
     alone = [llm.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     assert batched == alone
-    path = alias_source("smollm2-135m")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32,
-        quantization_config=transformers.GgufConfig(dequantize=True),
-    ).eval()  # fmt: skip
     with torch.no_grad():
         for prompt, ours in zip(prompts, batched):
             ids = torch.tensor([llm.tokenizer(prompt)["input_ids"]])
-            ref = hf.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
+            ref = smollm2_hf.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
             assert ours == ref[0, ids.shape[1] :].tolist(), prompt
 
 

@@ -39,18 +39,13 @@ def gguf_path() -> Path:
 
 
 @pytest.fixture(scope="module")
-def hf():
+def hf(smollm2_hf):
     import torch
     import transformers
 
     path = gguf_path()
     torch.set_num_threads(2)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent),
-        gguf_file=path.name,
-        dtype=torch.float32,
-        quantization_config=transformers.GgufConfig(dequantize=True),
-    ).eval()
+    model = smollm2_hf
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return model, tokenizer
 

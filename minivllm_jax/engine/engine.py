@@ -13,6 +13,8 @@ import random
 import time
 from collections.abc import Sequence as Seq
 
+from jax.sharding import Mesh
+
 from minivllm_jax.config import EngineConfig, ModelConfig
 from minivllm_jax.detokenizer import IncrementalDetokenizer
 from minivllm_jax.engine.block_manager import BlockManager
@@ -71,7 +73,9 @@ class LLMEngine:
         *,
         eos_token_ids: Seq[int] = (),
         seed: int = 0,
+        mesh: Mesh | None = None,
     ) -> None:
+        """`mesh`: the devices this engine's model runs on, tensor-parallel (`ModelRunner`)."""
         if config.num_pages - 1 < config.max_pages_per_seq:
             raise ValueError(
                 f"num_pages={config.num_pages} cannot hold one max_model_len={config.max_model_len} sequence "
@@ -84,7 +88,7 @@ class LLMEngine:
         self.seed = seed
         self.block_manager = BlockManager(config.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(model_config, config, params)
+        self.runner = ModelRunner(model_config, config, params, mesh)
         self.requests: dict[str, _Request] = {}
         self._request_counter = itertools.count()
         self._seed_rng = random.Random(seed)

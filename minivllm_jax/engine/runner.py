@@ -21,20 +21,22 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from minivllm_jax import kernels
+from minivllm_jax import distributed, kernels, parallel
 from minivllm_jax.attention import resolve_attention
 from minivllm_jax.batch import Chunk, StepBatch, build_step_batch
 from minivllm_jax.config import EngineConfig, ModelConfig, bucket_for
+from minivllm_jax.distributed import StepChannel
 from minivllm_jax.engine.scheduler import ScheduledBatch
 from minivllm_jax.engine.sequence import Sequence
-from minivllm_jax.kv_cache import SCRATCH_PAGE, init_kv_cache
+from minivllm_jax.kv_cache import SCRATCH_PAGE, KVCache, init_kv_cache
 from minivllm_jax.models.llama import Params, model_dtype, unstack_layers
 from minivllm_jax.program_cache import ProgramCache
 from minivllm_jax.runtime import program_cache_dir
 from minivllm_jax.sampler import SampleResult, make_sampling_arrays
-from minivllm_jax.step import PenaltyRows, engine_step_jit, init_penalty_state, load_penalty_row_jit
+from minivllm_jax.step import PenaltyRows, PenaltyState, engine_step_jit, init_penalty_state, load_penalty_row_jit
 
 logger = logging.getLogger(__name__)
 
@@ -68,25 +70,69 @@ class PendingStep:
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, config: EngineConfig, params: Params) -> None:
+    """`mesh`: the devices the model runs on. Several: tensor-parallel (`minivllm_jax.parallel`):
+    params and cache split over them, the sampler's state on all of them. One: everything on
+    that device (a data-parallel replica). None: the default device."""
+
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, params: Params, mesh: Mesh | None = None) -> None:
         self.model_config = model_config
         self.config = config
-        self.params = unstack_layers(params)  # the layout the step reads without copying weights
         self.dtype = model_dtype(params)
-        self.cache = init_kv_cache(model_config, config.num_pages, config.page_size, self.dtype, config.kv_cache_dtype)
-        self.penalty_state = init_penalty_state(config.max_num_seqs, model_config.vocab_size)
-        self.fed_back = jnp.zeros(config.max_num_seqs, jnp.int32)  # the last step's tokens (see step.py)
+        params = unstack_layers(params)  # the layout the step reads without copying weights
+        self.device = mesh.devices.flat[0] if mesh is not None and mesh.size == 1 else None
+        self.mesh = mesh if mesh is not None and mesh.size > 1 else None
+        if self.mesh is None:
+            self.step_config = model_config
+            self.params = params if self.device is None else jax.device_put(params, self.device)
+        else:  # KV heads as stored when there are fewer than devices (repeated)
+            self.step_config = parallel.stored_config(model_config, mesh.size)
+            self.params = parallel.shard_params(params, model_config, mesh)
+        # Where the host's per-step arrays go: the default device needs no placing; a replica's
+        # device or a mesh (whole on each device) does, since a compiled program takes its
+        # arguments where it was compiled for them.
+        self.host_sharding = (None if self.device is None and self.mesh is None else
+                              jax.sharding.SingleDeviceSharding(self.device) if self.mesh is None else
+                              jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))  # fmt: skip
+        self._new_device_state()
         self.attention = resolve_attention(config.attention)  # loads native kernels before any program
         self.matmul = "native" if kernels.native_available() else "reference"  # quantized projections
         self._programs: dict[tuple, Any] = {}
-        self._program_cache = ProgramCache(program_cache_dir())
+        devices = list(mesh.devices.flat) if mesh is not None else None  # in the mesh's order
+        # Several processes: no stored programs (each would have to load the same ones).
+        self.channel = StepChannel() if distributed.is_multiprocess() else None
+        self._program_cache = ProgramCache(program_cache_dir() if self.channel is None else None, devices)
         self.num_compiles = 0  # programs made, compiled or loaded whole from the program cache
         self.num_loaded = 0  # of which loaded
         self.compile_seconds = 0.0
         self._warm = False
         self._compile_lock = threading.Lock()
 
+    def _new_device_state(self) -> None:
+        """An empty KV cache, penalty state and fed-back tokens (the last step's tokens, see
+        step.py), made where the step reads them: on a mesh the cache split by KV head and the
+        rest whole on each device, each process making only its own shards."""
+        cfg = self.config
+
+        def make() -> tuple[KVCache, PenaltyState, jax.Array]:
+            cache = init_kv_cache(self.step_config, cfg.num_pages, cfg.page_size, self.dtype, cfg.kv_cache_dtype)
+            return cache, init_penalty_state(cfg.max_num_seqs, self.model_config.vocab_size), jnp.zeros(cfg.max_num_seqs, jnp.int32)
+
+        if self.host_sharding is None:
+            self.cache, self.penalty_state, self.fed_back = make()
+            return
+        cache = jax.eval_shape(make)[0]
+        cache_sharding = self.host_sharding if self.mesh is None else parallel.cache_shardings(cache, self.mesh)
+        out = (cache_sharding, self.host_sharding, self.host_sharding)
+        self.cache, self.penalty_state, self.fed_back = jax.jit(make, out_shardings=out)()
+
     # ------------------------------------------------------------------ compilation
+
+    def _abstract(self, tree: Any) -> Any:
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=self.host_sharding),
+                            tree)  # fmt: skip
+
+    def _place(self, tree: Any) -> Any:
+        return tree if self.host_sharding is None else jax.device_put(tree, self.host_sharding)
 
     def _program(self, key: tuple, fn: Any, *args: Any, **static: Any) -> Any:
         program = self._programs.get(key)
@@ -106,17 +152,15 @@ class ModelRunner:
         program = self._programs.get(("step", num_tokens, num_seqs))
         if program is not None:  # every step after warm-up: no abstract arguments to build
             return program
-        batch = _abstract(_empty_batch(self.config, num_tokens, num_seqs))
-        sampling = _abstract(make_sampling_arrays([], num_seqs))
-        penalty_rows = _abstract(PenaltyRows(np.zeros(num_seqs, np.int32), np.zeros(num_seqs, np.int32), np.bool_(False)))
+        inputs = self._abstract(_step_inputs(self.config, num_tokens, num_seqs))
         return self._program(("step", num_tokens, num_seqs), engine_step_jit, self.params, self.cache,
-                             self.penalty_state, self.fed_back, batch, sampling, penalty_rows,
-                             cfg=self.model_config, attention=self.attention, matmul=self.matmul)  # fmt: skip
+                             self.penalty_state, self.fed_back, *inputs,
+                             cfg=self.step_config, attention=self.attention, matmul=self.matmul,
+                             mesh=self.mesh)  # fmt: skip
 
     def _load_penalty_program(self) -> Any:
-        i32 = jax.ShapeDtypeStruct((), jnp.int32)
-        tokens = jax.ShapeDtypeStruct((self.config.max_model_len,), jnp.int32)
-        return self._program(("load_penalty_row",), load_penalty_row_jit, self.penalty_state, i32, tokens, i32, i32)
+        inputs = self._abstract(_penalty_row_inputs(self.config))
+        return self._program(("load_penalty_row",), load_penalty_row_jit, self.penalty_state, *inputs)
 
     def warmup(self, progress: bool = True) -> float:
         """Compile every bucket shape now, one program per core at a time (XLA compiles and
@@ -148,9 +192,7 @@ class ModelRunner:
         batch = build_step_batch(chunks, ps, num_tokens, num_seqs, self.config.num_listed_pages(num_seqs))
         scratch = np.full(num_seqs, self.penalty_state.scratch_slot, np.int32)
         rows = PenaltyRows(scratch, np.zeros(num_seqs, np.int32), np.bool_(True))
-        _, self.cache, self.penalty_state, _ = self._step_program(num_tokens, num_seqs)(
-            self.params, self.cache, self.penalty_state, self.fed_back, batch, make_sampling_arrays([], num_seqs), rows
-        )
+        self._run_step(num_tokens, num_seqs, (batch, make_sampling_arrays([], num_seqs), rows))
 
     # ------------------------------------------------------------------ running
 
@@ -162,9 +204,7 @@ class ModelRunner:
         if not any(leaf.is_deleted() for leaf in leaves):
             return False
         logger.warning("the KV cache buffers were lost with a failed step; rebuilding the cache")
-        self.cache = init_kv_cache(self.model_config, self.config.num_pages, self.config.page_size, self.dtype,
-                                   self.config.kv_cache_dtype)
-        self.penalty_state = init_penalty_state(self.config.max_num_seqs, self.model_config.vocab_size)
+        self._new_device_state()
         return True
 
     def run(self, batch: ScheduledBatch) -> PendingStep:
@@ -176,12 +216,43 @@ class ModelRunner:
         num_seqs = step_batch.num_seqs
         self._load_new_penalty_rows(seqs)
         sampling = make_sampling_arrays([(s.params, s.seed, s.index, len(s.output_token_ids)) for s in seqs], num_seqs)
-        program = self._step_program(step_batch.num_tokens, num_seqs)
-        result, self.cache, self.penalty_state, self.fed_back = program(
-            self.params, self.cache, self.penalty_state, self.fed_back, step_batch, sampling,
-            self._penalty_rows(seqs, num_seqs),
-        )  # fmt: skip
+        inputs = (step_batch, sampling, self._penalty_rows(seqs, num_seqs))
+        if self.channel is not None:  # the other processes run this step too
+            self.channel.announce(distributed.STEP, step_batch.num_tokens, num_seqs, inputs)
+        result = self._run_step(step_batch.num_tokens, num_seqs, inputs)
         return PendingStep(result, len(seqs), any(s.params.logprobs is not None for s in seqs))
+
+    def _run_step(self, num_tokens: int, num_seqs: int, inputs: tuple) -> SampleResult:
+        program = self._step_program(num_tokens, num_seqs)
+        result, self.cache, self.penalty_state, self.fed_back = program(
+            self.params, self.cache, self.penalty_state, self.fed_back, *self._place(inputs)
+        )
+        return result
+
+    def _load_penalty_row(self, inputs: tuple) -> None:
+        self.penalty_state = self._load_penalty_program()(self.penalty_state, *self._place(inputs))
+
+    def follow(self) -> None:
+        """On a process other than the leader (`minivllm_jax.distributed`): run each program the
+        leader announces, with its inputs, until it announces the stop."""
+        if self.channel is None or distributed.is_leader():
+            raise RuntimeError("follow() runs on the processes other than process 0 of a multi-process run")
+        while True:
+            op, a, b = self.channel.next_op()
+            if op == distributed.STOP:
+                return
+            if op == distributed.STEP:
+                self._run_step(a, b, self.channel.payload(_step_inputs(self.config, a, b)))
+            elif op == distributed.LOAD_PENALTY_ROW:
+                self._load_penalty_row(self.channel.payload(_penalty_row_inputs(self.config)))
+            else:
+                raise RuntimeError(f"unknown op {op} from the leader")
+
+    def stop_followers(self) -> None:
+        """Leader: release the followers from `follow()` (the end of serving)."""
+        if self.channel is not None and distributed.is_leader():
+            self.channel.announce(distributed.STOP)
+            self.channel = None
 
     def prepare(self, batch: ScheduledBatch) -> StepBatch:
         """The flat host arrays of the step, in the smallest bucket that holds it."""
@@ -212,17 +283,23 @@ class ModelRunner:
             tokens = np.zeros(self.config.max_model_len, np.int32)
             known = seq.num_computed_tokens
             tokens[:known] = seq.token_ids[:known]
-            self.penalty_state = self._load_penalty_program()(
-                self.penalty_state, np.int32(seq.penalty_slot), tokens, np.int32(known),
-                np.int32(len(seq.prompt_token_ids)),
-            )  # fmt: skip
+            inputs = (np.int32(seq.penalty_slot), tokens, np.int32(known), np.int32(len(seq.prompt_token_ids)))
+            if self.channel is not None:
+                self.channel.announce(distributed.LOAD_PENALTY_ROW, payload=inputs)
+            self._load_penalty_row(inputs)
             seq.penalty_loaded = True
 
+
+def _step_inputs(config: EngineConfig, num_tokens: int, num_seqs: int) -> tuple:
+    """Host inputs of a step of this bucket (empty): their shapes and dtypes."""
+    rows = PenaltyRows(np.zeros(num_seqs, np.int32), np.zeros(num_seqs, np.int32), np.bool_(False))
+    return _empty_batch(config, num_tokens, num_seqs), make_sampling_arrays([], num_seqs), rows
+
+
+def _penalty_row_inputs(config: EngineConfig) -> tuple:
+    return np.int32(0), np.zeros(config.max_model_len, np.int32), np.int32(0), np.int32(0)
 
 
 def _empty_batch(config: EngineConfig, num_tokens: int, num_seqs: int) -> StepBatch:
     return build_step_batch([], config.page_size, num_tokens, num_seqs, config.num_listed_pages(num_seqs))
 
-
-def _abstract(tree: Any) -> Any:
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), tree)

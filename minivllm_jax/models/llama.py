@@ -174,9 +174,14 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 QuantizedMatmul = Callable[[jax.Array, Params], jax.Array]
 
 
-def _linear(matmul: QuantizedMatmul, x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
-    # A quantized projection (`minivllm_jax.quantization`) goes to the quantized matmul.
+def _linear(matmul: QuantizedMatmul, x: jax.Array, p: dict[str, jax.Array], axis: str | None = None) -> jax.Array:
+    """`x @ kernel + bias`; a quantized projection (`minivllm_jax.quantization`) goes to the
+    quantized matmul. With `axis` the kernel's input rows are split over that mesh axis (o_proj
+    and down_proj under tensor parallelism, `minivllm_jax.parallel`): the partial products are
+    summed over the devices (one all-reduce) before the bias is added, once."""
     y = matmul(x, p) if is_quantized(p) else x @ p["kernel"]
+    if axis is not None:
+        y = lax.psum(y, axis)
     return y + p["bias"] if "bias" in p else y
 
 
@@ -188,12 +193,12 @@ def _attention_inputs(cfg: ModelConfig, matmul: QuantizedMatmul, lp: Params, x: 
             v.reshape(T, cfg.num_kv_heads, cfg.head_dim))  # fmt: skip
 
 
-def _attention_output_and_mlp(cfg: ModelConfig, matmul: QuantizedMatmul, lp: Params, x: jax.Array,
-                              attn: jax.Array) -> jax.Array:  # fmt: skip
-    x = x + _linear(matmul, attn, lp["o_proj"])
+def _attention_output_and_mlp(cfg: ModelConfig, matmul: QuantizedMatmul, axis: str | None, lp: Params,
+                              x: jax.Array, attn: jax.Array) -> jax.Array:  # fmt: skip
+    x = x + _linear(matmul, attn, lp["o_proj"], axis)
     h = rms_norm(x, lp["post_attention_layernorm"], cfg.rms_norm_eps)
     gate, up = jnp.split(_linear(matmul, h, lp["gate_up_proj"]), 2, axis=-1)
-    return x + _linear(matmul, jax.nn.silu(gate) * up, lp["down_proj"])
+    return x + _linear(matmul, jax.nn.silu(gate) * up, lp["down_proj"], axis)
 
 
 def _with_layer(layers: Sequence[Params], layer: jax.Array, fn, *args):
@@ -202,8 +207,9 @@ def _with_layer(layers: Sequence[Params], layer: jax.Array, fn, *args):
     return lax.switch(layer, [functools.partial(fn, lp) for lp in layers], *args)
 
 
-def _layer(cfg: ModelConfig, attention: AttentionFn, matmul: QuantizedMatmul, x: jax.Array, layers: Sequence[Params],
-           cache: KVCache, layer: jax.Array, cos: jax.Array, sin: jax.Array, batch: StepBatch):  # fmt: skip
+def _layer(cfg: ModelConfig, attention: AttentionFn, matmul: QuantizedMatmul, axis: str | None, x: jax.Array,
+           layers: Sequence[Params], cache: KVCache, layer: jax.Array, cos: jax.Array, sin: jax.Array,
+           batch: StepBatch):  # fmt: skip
     T = x.shape[0]
     with jax.named_scope("qkv"):
         q, k, v = _with_layer(layers, layer, functools.partial(_attention_inputs, cfg, matmul), x)
@@ -212,7 +218,7 @@ def _layer(cfg: ModelConfig, attention: AttentionFn, matmul: QuantizedMatmul, x:
     with jax.named_scope("attention"):
         attn = attention(q, k, v, cache, layer, batch).reshape(T, cfg.num_heads * cfg.head_dim)
     with jax.named_scope("mlp"):
-        x = _with_layer(layers, layer, functools.partial(_attention_output_and_mlp, cfg, matmul), x, attn)
+        x = _with_layer(layers, layer, functools.partial(_attention_output_and_mlp, cfg, matmul, axis), x, attn)
     return x, k, v
 
 
@@ -224,6 +230,7 @@ def forward(
     attention: str = "reference",
     all_logits: bool = False,
     matmul: str = "reference",
+    axis: str | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """One ragged step: embed the new tokens, run the layers over the paged cache, write their K/V.
 
@@ -233,9 +240,14 @@ def forward(
     Returns float32 logits at each sequence's last new token (`[S, V]`; a padded sequence
     gives a row of no meaning), or at every token (`[T, V]`) when `all_logits`, and the
     updated cache. `attention` names the implementation (`minivllm_jax.attention.ATTENTION`).
+
+    `axis`: run as one shard of a tensor-parallel model (inside `shard_map` over that mesh
+    axis, `minivllm_jax.parallel`): `cfg` counts this device's heads and `params`/`cache` are its
+    slices; the row-split projections are all-reduced, and an embedding or head split by vocab
+    is looked up locally and summed, or all-gathered into full logits.
     """
     attend, qmatmul = get_attention(attention), MATMUL[matmul]
-    x = lookup_embedding(params["embed_tokens"], batch.tokens, model_dtype(params))  # [T, d]
+    x = _embed(params["embed_tokens"], batch.tokens, cfg, model_dtype(params), axis)  # [T, d]
     freqs = batch.positions[:, None].astype(jnp.float32) * rope_inv_freq(cfg)
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
@@ -243,7 +255,7 @@ def forward(
     layers = unstack_layers(params)["layers"]
 
     def body(x, layer):
-        x, k, v = _layer(cfg, attend, qmatmul, x, layers, cache, layer, cos, sin, batch)
+        x, k, v = _layer(cfg, attend, qmatmul, axis, x, layers, cache, layer, cos, sin, batch)
         return x, (k, v)
 
     x, (new_k, new_v) = jax.lax.scan(body, x, jnp.arange(cfg.num_layers, dtype=jnp.int32))
@@ -257,4 +269,20 @@ def forward(
     if is_quantized(head):  # int8 per vocabulary entry (`quantization.quantize_head`)
         return qmatmul(x, head).astype(jnp.float32), cache
     head = head.T if cfg.tie_word_embeddings else head
-    return jnp.einsum("...d,dv->...v", x, head, preferred_element_type=jnp.float32), cache
+    logits = jnp.einsum("...d,dv->...v", x, head, preferred_element_type=jnp.float32)
+    if axis is not None and logits.shape[-1] < cfg.vocab_size:  # this device's slice of the vocabulary
+        logits = lax.all_gather(logits, axis, axis=logits.ndim - 1, tiled=True)
+    return logits, cache
+
+
+def _embed(table: Any, tokens: jax.Array, cfg: ModelConfig, dtype: Any, axis: str | None) -> jax.Array:
+    """The tokens' embeddings. A table split by vocabulary over `axis` (tensor parallelism)
+    holds rows `[i * rows, (i + 1) * rows)` on device `i`: each device looks up the tokens it
+    holds, zeros the others, and the sum over devices is every token's row."""
+    rows = table.shape[0] if not isinstance(table, dict) else cfg.vocab_size
+    if axis is None or rows == cfg.vocab_size:
+        return lookup_embedding(table, tokens, dtype)
+    local = tokens - lax.axis_index(axis) * rows
+    mine = (local >= 0) & (local < rows)
+    x = lookup_embedding(table, jnp.where(mine, local, 0), dtype)
+    return lax.psum(jnp.where(mine[:, None], x, jnp.zeros_like(x)), axis)
