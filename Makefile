@@ -30,8 +30,9 @@ serve: setup
 run: setup
 	$(PY) -m minivllm_jax --model smollm2-135m --prompt "$(or $(PROMPT),Write a haiku about the sea.)"
 
+# --durations: the slowest tests in the log, to keep the suite inside CI's time.
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 # The llama.cpp peer (the `peer` extra), built once. If it cannot build, this warns and the
 # benchmarks run without it (each prints why it skipped the peer); the next `make bench` retries.

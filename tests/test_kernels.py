@@ -99,7 +99,7 @@ def test_engine_on_native_attention_matches_hf_and_is_batch_invariant(smollm2_hf
                "there lived an old fisherman who " * 4, "Q: What is 2 + 2?\nA:"]  # fmt: skip
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     llm = LLM("smollm2-135m", max_num_seqs=4, max_model_len=256, max_num_batched_tokens=32, num_pages=64,
-              attention="native", use_tqdm=False)  # fmt: skip  (32-token budget: the long prompt is chunked)
+              attention="native", use_tqdm=False, warmup=False)  # fmt: skip  (32-token budget: the long prompt is chunked; compiles what it runs)
     assert llm.engine.config.attention == "native"
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
     alone = [llm.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
@@ -137,7 +137,7 @@ def test_engine_quantized_native_matmul_matches_reference_matmul(monkeypatch):
         if impl == "reference":
             monkeypatch.setenv(kernels.FORCE_REFERENCE_ENV, "reference")
         llm = LLM("smollm2-135m", quantization="int4", max_num_seqs=2, max_model_len=128,
-                  max_num_batched_tokens=32, use_tqdm=False)  # fmt: skip
+                  max_num_batched_tokens=32, use_tqdm=False, warmup=False)  # fmt: skip  (compiles what it runs)
         assert llm.engine.runner.matmul == impl
         prompts = ["The capital of France is", "def fibonacci(n):"]
         res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
