@@ -57,6 +57,14 @@ def make_mesh(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = 
 
 def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
     """Raise a ValueError saying why `cfg` cannot be split `tp` ways (see the module docstring)."""
+    problems = _split_problems(cfg, tp)
+    if problems:
+        divisors = [d for d in range(1, cfg.num_heads + 1) if not _split_problems(cfg, d)]
+        raise ValueError(f"tensor_parallel_size={tp} does not divide {', '.join(problems)}; "
+                         f"this model splits {divisors} ways")  # fmt: skip
+
+
+def _split_problems(cfg: ModelConfig, tp: int) -> list[str]:
     problems = []
     if cfg.num_heads % tp:
         problems.append(f"num_attention_heads={cfg.num_heads}")
@@ -64,15 +72,7 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
         problems.append(f"num_key_value_heads={cfg.num_kv_heads} (nor is {tp} a multiple of it)")
     if cfg.intermediate_size % tp:
         problems.append(f"intermediate_size={cfg.intermediate_size}")
-    if problems:
-        divisors = [d for d in range(1, cfg.num_heads + 1) if _splits(cfg, d)]
-        raise ValueError(f"tensor_parallel_size={tp} does not divide {', '.join(problems)}; "
-                         f"this model splits {divisors} ways")  # fmt: skip
-
-
-def _splits(cfg: ModelConfig, tp: int) -> bool:
-    return (cfg.num_heads % tp == 0 and (cfg.num_kv_heads % tp == 0 or tp % cfg.num_kv_heads == 0)
-            and cfg.intermediate_size % tp == 0)  # fmt: skip
+    return problems
 
 
 def kv_replicas(cfg: ModelConfig, tp: int) -> int:

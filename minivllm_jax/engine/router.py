@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 MAX_ROUTED_PAGES = 1 << 16  # page digests remembered (oldest forgotten first)
 MAX_AFFINITY_PAGES = 64  # leading pages of a prompt looked at
@@ -44,9 +44,8 @@ class PrefixRouter:
             digests.append(h)
         return digests
 
-    def pick(self, prompt_ids: Sequence[int], loads: Sequence[int] | Callable[[int], int]) -> int:
-        load = loads if callable(loads) else loads.__getitem__
-        current = [load(i) for i in range(self.num_replicas)]
+    def pick(self, prompt_ids: Sequence[int], loads: Sequence[int]) -> int:
+        current = list(loads)
         least = min(range(self.num_replicas), key=lambda i: (current[i], i))
         digests = self._digests(prompt_ids)
         choice = None
