@@ -61,12 +61,15 @@ class Chunk:
     pages: Sequence[int]
 
 
-def build_step_batch(chunks: Sequence[Chunk], page_size: int, num_tokens: int, num_seqs: int, num_listed: int) -> StepBatch:
+def build_step_batch(chunks: Sequence[Chunk], page_size: int, num_tokens: int, num_seqs: int, num_listed: int,
+                     lookahead: int = 0) -> StepBatch:  # fmt: skip
     """Host (numpy) arrays of a ragged step, padded to the bucket `(num_tokens, num_seqs,
-    num_listed)`. Raises ValueError if the chunks do not fit it."""
+    num_listed)`. Raises ValueError if the chunks do not fit it. `lookahead`: list each
+    sequence's pages for that many tokens more than its context (a multi-step decode's later
+    steps read them)."""
     lens = np.array([len(c.token_ids) for c in chunks], np.int64)
     context = np.array([c.context_len for c in chunks], np.int64)
-    cached_pages = -(-context // page_size)
+    cached_pages = -(-(context + lookahead) // page_size)
     total, listed = int(lens.sum()), int(cached_pages.sum())
     if len(chunks) > num_seqs or total > num_tokens or listed > num_listed:
         raise ValueError(f"{len(chunks)} sequences, {total} tokens, {listed} pages do not fit the bucket "

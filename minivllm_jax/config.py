@@ -139,6 +139,10 @@ class EngineConfig:
     - `kv_cache_dtype`: "int8" stores K/V pages as int8 with a scale per token and KV head
       (`minivllm_jax.kv_cache`): 3.8x fewer KV bytes per token at head_dim 64, so more sequences
       fit and attention reads less.
+    - `num_scheduler_steps`: k > 1 runs k decode steps in one device program whenever a step
+      would only decode (nobody waiting, no prompt work): one dispatch and one read for k
+      tokens a row. Rows that stop inside it drop their extra tokens; streams get up to k
+      tokens at a time, and a new request waits up to k steps for its first.
     """
 
     max_num_seqs: int = 64  # sequences in one step (and running at once)
@@ -153,9 +157,10 @@ class EngineConfig:
     attention: str = "auto"  # "native" where the kernels are built, else "reference"
     async_scheduling: bool = True
     kv_cache_dtype: str = "auto"  # "auto": pages in the model's dtype; "int8": int8 with scales (kv_cache.py)
+    num_scheduler_steps: int = 1  # decode steps per program when only decodes run (1: off)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_model_len", "page_size", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_model_len", "page_size", "max_num_batched_tokens", "num_scheduler_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_pages < 2:
@@ -200,6 +205,12 @@ class EngineConfig:
     def step_shapes(self) -> list[tuple[int, int]]:
         """(tokens, sequences) of every step program."""
         return [(t, s) for t in self.token_buckets for s in self.seq_buckets(t)]
+
+    def multi_step_shapes(self) -> list[tuple[int, int]]:
+        """(tokens, sequences) of the multi-step decode programs: the decode-only buckets."""
+        if self.num_scheduler_steps == 1:
+            return []
+        return [(t, s) for t, s in self.step_shapes() if t <= min(self.max_num_seqs, self.max_num_batched_tokens)]
 
 
 # Auto TPOT target: 2x a decode-only step is the ceiling; aim lower, since step times are

@@ -33,7 +33,7 @@ ENV_NUM_PROCESSES = "MINIVLLM_NUM_PROCESSES"
 ENV_PROCESS_ID = "MINIVLLM_PROCESS_ID"
 
 # Header ops: what the leader runs next.
-STOP, STEP, LOAD_PENALTY_ROW = 0, 1, 2
+STOP, STEP, LOAD_PENALTY_ROW, MULTI_STEP = 0, 1, 2, 3
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,

@@ -100,6 +100,7 @@ class LLM:
         async_scheduling: bool = True,
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
+        num_scheduler_steps: int = 1,
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
         seed: int = 0,
@@ -149,6 +150,7 @@ class LLM:
             attention=resolve_attention(attention),
             async_scheduling=async_scheduling,
             kv_cache_dtype=kv_cache_dtype,
+            num_scheduler_steps=num_scheduler_steps,
         )
         eos = _eos_ids(cfg, model_dir, self.tokenizer)
         # Data parallelism: one engine per replica, each on its own slice of the devices; the

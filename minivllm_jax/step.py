@@ -112,6 +112,51 @@ def engine_step(
     return result, cache, penalty_state, fed_back.at[: result.tokens.shape[0]].set(result.tokens)
 
 
+def engine_multi_step(
+    params: Params,
+    cache: KVCache,
+    penalty_state: PenaltyState,
+    fed_back: jax.Array,
+    batch: StepBatch,
+    sampling: SamplingArrays,
+    penalty_rows: PenaltyRows,
+    *,
+    cfg: ModelConfig,
+    attention: str = "reference",
+    matmul: str = "reference",
+    mesh: Mesh | None = None,
+    num_steps: int = 1,
+) -> tuple[SampleResult, KVCache, PenaltyState, jax.Array]:
+    """`num_steps` decode steps of a decode-only `batch` (token `i` is sequence `i`'s) in one
+    program: step `j` feeds what step `j - 1` sampled, at the next position, as `engine_step`
+    would if the host fed it back. The batch lists each sequence's pages for the positions of
+    every step (`build_step_batch(..., lookahead=num_steps)`). Returns the `SampleResult`s
+    stacked on a leading `[num_steps]` axis; rows that stop early are cut by the host."""
+    seq, valid = token_sequences(batch)
+    page_size = cache.page_size
+    live = (batch.query_len > 0).astype(jnp.int32)
+
+    def decode(carry: tuple, j: jax.Array) -> tuple[tuple, SampleResult]:
+        cache, penalty_state, fed_back = carry
+        positions = batch.positions + j
+        page = batch.page_ids[jnp.clip(batch.page_start[seq] + positions // page_size, 0, batch.page_ids.shape[0] - 1)]
+        step = dataclasses.replace(
+            batch,
+            tokens=jnp.where((j > 0) & valid, -(seq + 1), batch.tokens),  # row s's token of step j - 1
+            positions=positions,
+            slot_mapping=jnp.where(valid, page * page_size + positions % page_size, batch.slot_mapping),
+            context_len=batch.context_len + j * live,
+        )
+        rows = dataclasses.replace(sampling, steps=sampling.steps + j)
+        result, cache, penalty_state, fed_back = engine_step(params, cache, penalty_state, fed_back, step, rows,
+                                                             penalty_rows, cfg=cfg, attention=attention,
+                                                             matmul=matmul, mesh=mesh)  # fmt: skip
+        return (cache, penalty_state, fed_back), result
+
+    (cache, penalty_state, fed_back), results = lax.scan(decode, (cache, penalty_state, fed_back), jnp.arange(num_steps))
+    return results, cache, penalty_state, fed_back
+
+
 def model_forward(params: Params, cache: KVCache, batch: StepBatch, cfg: ModelConfig, attention: str, matmul: str,
                   mesh: Mesh | None, all_logits: bool = False) -> tuple[jax.Array, KVCache]:  # fmt: skip
     """`forward` on one device, or tensor-parallel over `mesh` (each device runs its shard)."""
@@ -124,6 +169,8 @@ def model_forward(params: Params, cache: KVCache, batch: StepBatch, cfg: ModelCo
 
 engine_step_jit = jax.jit(engine_step, static_argnames=("cfg", "attention", "matmul", "mesh"),
                           donate_argnames=("cache", "penalty_state"))  # fmt: skip
+engine_multi_step_jit = jax.jit(engine_multi_step, static_argnames=("cfg", "attention", "matmul", "mesh", "num_steps"),
+                               donate_argnames=("cache", "penalty_state"))  # fmt: skip
 forward_jit = jax.jit(forward, static_argnames=("cfg", "attention", "all_logits", "matmul"), donate_argnames=("cache",))
 
 

@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step's tokens before scheduling the next (default: the next step is "
                         "dispatched while the current one runs)")  # fmt: skip
+    p.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="decode steps run in one device program when only decodes run (default: 1; e.g. 4 or "
+                        "8 cut host round trips, streams then get up to that many tokens at a time)")  # fmt: skip
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over this many devices (heads, MLP and vocabulary; docs/scaling.md)")
     p.add_argument("--data-parallel-size", type=int, default=1,
@@ -132,7 +135,7 @@ def load_llm(args: argparse.Namespace):
         target_tpot_ms=args.target_tpot_ms, target_ttft_ms=args.target_ttft_ms,
         max_batch_wait_ms=args.max_batch_wait_ms, attention=args.attention, quantization=args.quantization,
         async_scheduling=not args.no_async_scheduling, kv_cache_dtype=args.kv_cache_dtype,
-        tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+        num_scheduler_steps=args.num_scheduler_steps, tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
     )  # fmt: skip
 
 

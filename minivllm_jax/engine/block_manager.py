@@ -139,12 +139,13 @@ class BlockManager:
         child.num_computed_tokens = full * self.page_size
         child.num_cached_tokens = parent.num_cached_tokens  # prefix-cache hits only, as the parent
 
-    def can_append(self, seq: Sequence) -> bool:
-        return self.pages_for(len(seq)) - len(seq.pages) <= self.num_free_pages
+    def can_append(self, seq: Sequence, lookahead: int = 0) -> bool:
+        return self.pages_for(len(seq) + lookahead) - len(seq.pages) <= self.num_free_pages
 
-    def append(self, seq: Sequence) -> None:
-        """Make sure the sequence has pages for all its tokens (decode grows one token a step)."""
-        while len(seq.pages) < self.pages_for(len(seq)):
+    def append(self, seq: Sequence, lookahead: int = 0) -> None:
+        """Make sure the sequence has pages for all its tokens and `lookahead` more (decode
+        grows one token a step; a multi-step decode or a draft writes several ahead)."""
+        while len(seq.pages) < self.pages_for(len(seq) + lookahead):
             seq.pages.append(self._take_fresh_page())
 
     def commit(self, seq: Sequence) -> None:

@@ -48,7 +48,8 @@ class _Request:
 @dataclasses.dataclass(frozen=True)
 class _InFlight:
     """A dispatched step: its batch, its device results, and for each of its sequences the
-    index in `output_token_ids` of the placeholder for the token it samples (None: none)."""
+    index in `output_token_ids` of the placeholder for the first token it samples (None: none;
+    a multi-step batch samples `batch.num_steps` tokens a row, in consecutive places)."""
 
     batch: ScheduledBatch
     pending: PendingStep
@@ -229,13 +230,14 @@ class LLMEngine:
         """Book a dispatched step as done before its tokens are known: each sequence's fed
         tokens count as computed, and each sampled token is a placeholder `-(row + 1)`."""
         slots = []
+        k = batch.num_steps  # a multi-step row also feeds itself the first k - 1 of its k tokens
         for i, seq in enumerate(batch.seqs):
             samples = batch.samples_next_token(i)
-            seq.num_computed_tokens += batch.num_new_tokens[i]
+            seq.num_computed_tokens += batch.num_new_tokens[i] + k - 1
             if samples:
                 slots.append(len(seq.output_token_ids))
-                seq.output_token_ids.append(-(i + 1))
-                seq.num_pending += 1
+                seq.output_token_ids.extend([-(i + 1)] * k)
+                seq.num_pending += k
             else:
                 slots.append(None)
         return _InFlight(batch, pending, tuple(slots), now)
@@ -243,15 +245,16 @@ class LLMEngine:
     def _read(self, step: _InFlight, only_finished: bool) -> list[RequestOutput]:
         """Wait for a dispatched step's tokens and process them."""
         try:
-            result = step.pending.fetch()
+            results = step.pending.fetch()
         except Exception as e:  # failed while running: its work and whatever was fed from it are lost
             logger.exception("step over %d sequences failed; failing their requests", len(step.batch.seqs))
             return self._fail_running_step(step, f"{type(e).__name__}: {e}")
         ready = time.monotonic()
         # With a step in flight before it, this one could only start when that one ended.
-        self.scheduler.costs.observe(step.batch.num_tokens, ready - max(step.dispatched, self._last_ready))
+        seconds = (ready - max(step.dispatched, self._last_ready)) / step.batch.num_steps
+        self.scheduler.costs.observe(step.batch.num_tokens, seconds)
         self._last_ready = ready
-        return self._process(step, result, only_finished)
+        return self._process(step, results, only_finished)
 
     def _fail_batch(self, batch: ScheduledBatch, error: str) -> list[RequestOutput]:
         """Finish the failed step's suspects (all samples of each) with finish_reason "error".
@@ -310,7 +313,8 @@ class LLMEngine:
         if self.runner.reset_cache_if_lost():
             self.block_manager.clear_cache()
 
-    def _process(self, step: _InFlight, result: StepResult, only_finished: bool = False) -> list[RequestOutput]:
+    def _process(self, step: _InFlight, results: list[StepResult], only_finished: bool = False) -> list[RequestOutput]:
+        """`results`: one per decode step the program ran (several for a multi-step batch)."""
         now = time.monotonic()
         batch = step.batch
         changed: dict[str, _Request] = {}
@@ -319,29 +323,21 @@ class LLMEngine:
             if request is None or seq.is_finished:
                 continue  # aborted, or stopped by the step before (this row's token is dropped)
             slot = step.slots[i]
-            if slot is not None:
-                token = int(result.tokens[i])
-                seq.output_token_ids[slot] = token
-                seq.num_pending -= 1
-            self.block_manager.commit(seq)  # every token below num_computed_tokens is known now
+            if slot is not None:  # all of them first: every token below num_computed_tokens is known
+                for j, result in enumerate(results):
+                    seq.output_token_ids[slot + j] = int(result.tokens[i])
+            self.block_manager.commit(seq)
             if i >= batch.num_decodes:
                 self.num_prompt_tokens += batch.num_new_tokens[i]
             if request.held and seq.status == SequenceStatus.RUNNING and seq.num_computed_tokens >= len(request.prompt_token_ids):
                 self._fork(request, seq)  # before a stop can free the parent's pages
             if slot is None:
                 continue
-            self.num_generated_tokens += 1
-            seq.cumulative_logprob += float(result.logprobs[i])
-            if seq.params.logprobs is not None:
-                k = seq.params.logprobs
-                entry = {token: float(result.logprobs[i])}
-                entry.update(zip(result.top_ids[i, :k].tolist(), result.top_logprobs[i, :k].tolist()))
-                seq.logprobs.append(entry)
-            request.metrics.first_token_time = request.metrics.first_token_time or now
-            request.metrics.last_token_time = now
-            self._check_stop(seq, token, slot + 1, request.detokenizers[seq.index])
-            if seq.is_finished:
-                _drop_pending(seq)  # a row the next step spent on it: its token is never read
+            for j, result in enumerate(results):
+                self._accept(seq, request, result, i, slot + j, now)
+                if seq.is_finished:
+                    _drop_pending(seq)  # tokens past the stop, and a row the next step spent on it
+                    break
             changed[request.request_id] = request
         outputs = []
         for request in changed.values():
@@ -351,6 +347,22 @@ class LLMEngine:
                 request.metrics.finished_time = now
                 del self.requests[request.request_id]
         return outputs
+
+    def _accept(self, seq: Sequence, request: _Request, result: StepResult, row: int, slot: int, now: float) -> None:
+        """Take the sampled token at `output_token_ids[slot]` (row `row` of `result`) as read:
+        logprobs, metrics, stop conditions."""
+        token = seq.output_token_ids[slot]
+        seq.num_pending -= 1
+        self.num_generated_tokens += 1
+        seq.cumulative_logprob += float(result.logprobs[row])
+        if seq.params.logprobs is not None:
+            k = seq.params.logprobs
+            entry = {token: float(result.logprobs[row])}
+            entry.update(zip(result.top_ids[row, :k].tolist(), result.top_logprobs[row, :k].tolist()))
+            seq.logprobs.append(entry)
+        request.metrics.first_token_time = request.metrics.first_token_time or now
+        request.metrics.last_token_time = now
+        self._check_stop(seq, token, slot + 1, request.detokenizers[seq.index])
 
     def _fork(self, request: _Request, parent: Sequence) -> None:
         """Start the held samples on the parent's computed prompt: they share its full pages by

@@ -36,7 +36,8 @@ from minivllm_jax.models.llama import Params, model_dtype, unstack_layers
 from minivllm_jax.program_cache import ProgramCache
 from minivllm_jax.runtime import program_cache_dir
 from minivllm_jax.sampler import SampleResult, make_sampling_arrays
-from minivllm_jax.step import PenaltyRows, PenaltyState, engine_step_jit, init_penalty_state, load_penalty_row_jit
+from minivllm_jax.step import (PenaltyRows, PenaltyState, engine_multi_step_jit, engine_step_jit, init_penalty_state,
+                               load_penalty_row_jit)
 
 logger = logging.getLogger(__name__)
 
@@ -55,18 +56,23 @@ class StepResult:
 class PendingStep:
     """A dispatched step whose results are still on the device; `fetch()` waits for them."""
 
-    result: SampleResult
+    result: SampleResult  # of a multi-step program: stacked, [num_steps, ...]
     num_seqs: int
     with_logprobs: bool
+    num_steps: int = 1
 
-    def fetch(self) -> StepResult:
+    def fetch(self) -> list[StepResult]:
+        """One `StepResult` per decode step the program ran, in order."""
         r, n = self.result, self.num_seqs
         if self.with_logprobs:
             tokens, logprobs, top_ids, top_logprobs = jax.device_get((r.tokens, r.logprobs, r.top_ids, r.top_logprobs))
         else:  # the logprob arrays are placeholders: leave them on the device
             tokens, logprobs = jax.device_get((r.tokens, r.logprobs))
             top_ids = top_logprobs = None
-        return StepResult(tokens[:n], logprobs[:n], top_ids, top_logprobs)
+        if self.num_steps == 1:
+            return [StepResult(tokens[:n], logprobs[:n], top_ids, top_logprobs)]
+        return [StepResult(tokens[j, :n], logprobs[j, :n], None if top_ids is None else top_ids[j],
+                           None if top_logprobs is None else top_logprobs[j]) for j in range(self.num_steps)]  # fmt: skip
 
 
 class ModelRunner:
@@ -158,6 +164,16 @@ class ModelRunner:
                              cfg=self.step_config, attention=self.attention, matmul=self.matmul,
                              mesh=self.mesh)  # fmt: skip
 
+    def _multi_step_program(self, num_tokens: int, num_seqs: int) -> Any:
+        k = self.config.num_scheduler_steps
+        program = self._programs.get(("multi_step", num_tokens, num_seqs, k))
+        if program is not None:
+            return program
+        inputs = self._abstract(_step_inputs(self.config, num_tokens, num_seqs))
+        return self._program(("multi_step", num_tokens, num_seqs, k), engine_multi_step_jit, self.params, self.cache,
+                             self.penalty_state, self.fed_back, *inputs, cfg=self.step_config,
+                             attention=self.attention, matmul=self.matmul, mesh=self.mesh, num_steps=k)  # fmt: skip
+
     def _load_penalty_program(self) -> Any:
         inputs = self._abstract(_penalty_row_inputs(self.config))
         return self._program(("load_penalty_row",), load_penalty_row_jit, self.penalty_state, *inputs)
@@ -168,31 +184,36 @@ class ModelRunner:
         cores), then run each once; any failure propagates (never swallowed)."""
         start = time.perf_counter()
         shapes = self.config.step_shapes()
-        with ThreadPoolExecutor(max_workers=min(len(shapes), os.cpu_count() or 1)) as pool:
-            compiled = pool.map(lambda shape: self._step_program(*shape), shapes)
-            for _ in tqdm(compiled, total=len(shapes), desc="warm-up: compiling buckets", disable=not progress):
+        programs = [(self._step_program, shape) for shape in shapes]
+        programs += [(self._multi_step_program, shape) for shape in self.config.multi_step_shapes()]
+        with ThreadPoolExecutor(max_workers=min(len(programs), os.cpu_count() or 1)) as pool:
+            compiled = pool.map(lambda p: p[0](*p[1]), programs)
+            for _ in tqdm(compiled, total=len(programs), desc="warm-up: compiling buckets", disable=not progress):
                 pass
         self._load_penalty_program()
         for shape in shapes:
             self._exercise(*shape)
+        for shape in self.config.multi_step_shapes():
+            self._exercise(*shape, num_steps=self.config.num_scheduler_steps)
         jax.block_until_ready(self.cache)
         self._warm = True
         return time.perf_counter() - start
 
-    def _exercise(self, num_tokens: int, num_seqs: int) -> None:
+    def _exercise(self, num_tokens: int, num_seqs: int, num_steps: int = 1) -> None:
         """Run a step program once on scratch work, so its first real step does not pay the
         one-time cost of a program's first run (about 100 ms each here: a step that admitted
         a prompt was the slowest of its stream). The work touches every part of the step: a
         decode and a prompt chunk with cached context (on the scratch page), penalties."""
         ps = self.config.page_size
-        chunks = [Chunk([0], ps, [SCRATCH_PAGE] * 2)]
-        if num_tokens > 1 and num_seqs > 1:
+        chunks = [Chunk([0], ps, [SCRATCH_PAGE] * -(-(ps + num_steps) // ps))]
+        if num_tokens > 1 and num_seqs > 1 and num_steps == 1:
             q = num_tokens - 1
             chunks.append(Chunk([0] * q, ps, [SCRATCH_PAGE] * (-(-(ps + q) // ps))))
-        batch = build_step_batch(chunks, ps, num_tokens, num_seqs, self.config.num_listed_pages(num_seqs))
+        lookahead = 0 if num_steps == 1 else num_steps
+        batch = build_step_batch(chunks, ps, num_tokens, num_seqs, self.config.num_listed_pages(num_seqs), lookahead)
         scratch = np.full(num_seqs, self.penalty_state.scratch_slot, np.int32)
         rows = PenaltyRows(scratch, np.zeros(num_seqs, np.int32), np.bool_(True))
-        self._run_step(num_tokens, num_seqs, (batch, make_sampling_arrays([], num_seqs), rows))
+        self._run_step(num_tokens, num_seqs, (batch, make_sampling_arrays([], num_seqs), rows), num_steps)
 
     # ------------------------------------------------------------------ running
 
@@ -218,12 +239,16 @@ class ModelRunner:
         sampling = make_sampling_arrays([(s.params, s.seed, s.index, len(s.output_token_ids)) for s in seqs], num_seqs)
         inputs = (step_batch, sampling, self._penalty_rows(seqs, num_seqs))
         if self.channel is not None:  # the other processes run this step too
-            self.channel.announce(distributed.STEP, step_batch.num_tokens, num_seqs, inputs)
-        result = self._run_step(step_batch.num_tokens, num_seqs, inputs)
-        return PendingStep(result, len(seqs), any(s.params.logprobs is not None for s in seqs))
+            op = distributed.STEP if batch.num_steps == 1 else distributed.MULTI_STEP
+            self.channel.announce(op, step_batch.num_tokens, num_seqs, inputs)
+        result = self._run_step(step_batch.num_tokens, num_seqs, inputs, batch.num_steps)
+        return PendingStep(result, len(seqs), any(s.params.logprobs is not None for s in seqs), batch.num_steps)
 
-    def _run_step(self, num_tokens: int, num_seqs: int, inputs: tuple) -> SampleResult:
-        program = self._step_program(num_tokens, num_seqs)
+    def _run_step(self, num_tokens: int, num_seqs: int, inputs: tuple, num_steps: int = 1) -> SampleResult:
+        if num_steps == 1:
+            program = self._step_program(num_tokens, num_seqs)
+        else:
+            program = self._multi_step_program(num_tokens, num_seqs)
         result, self.cache, self.penalty_state, self.fed_back = program(
             self.params, self.cache, self.penalty_state, self.fed_back, *self._place(inputs)
         )
@@ -241,8 +266,9 @@ class ModelRunner:
             op, a, b = self.channel.next_op()
             if op == distributed.STOP:
                 return
-            if op == distributed.STEP:
-                self._run_step(a, b, self.channel.payload(_step_inputs(self.config, a, b)))
+            if op in (distributed.STEP, distributed.MULTI_STEP):
+                num_steps = 1 if op == distributed.STEP else self.config.num_scheduler_steps
+                self._run_step(a, b, self.channel.payload(_step_inputs(self.config, a, b)), num_steps)
             elif op == distributed.LOAD_PENALTY_ROW:
                 self._load_penalty_row(self.channel.payload(_penalty_row_inputs(self.config)))
             else:
@@ -263,7 +289,8 @@ class ModelRunner:
             Chunk(seq.tokens_between(seq.num_computed_tokens, seq.num_computed_tokens + q), seq.num_computed_tokens, seq.pages)
             for seq, q in zip(batch.seqs, batch.num_new_tokens)
         ]
-        return build_step_batch(chunks, cfg.page_size, num_tokens, num_seqs, cfg.num_listed_pages(num_seqs))
+        lookahead = 0 if batch.num_steps == 1 else batch.num_steps  # the pages every inner step writes
+        return build_step_batch(chunks, cfg.page_size, num_tokens, num_seqs, cfg.num_listed_pages(num_seqs), lookahead)
 
     def _penalty_rows(self, seqs: tuple[Sequence, ...], num_seqs: int) -> PenaltyRows:
         scratch = self.penalty_state.scratch_slot

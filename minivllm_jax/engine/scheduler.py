@@ -26,6 +26,7 @@ class ScheduledBatch:
     seqs: tuple[Sequence, ...]  # decodes first, then prompt chunks
     num_new_tokens: tuple[int, ...]  # tokens each sequence feeds this step
     num_decodes: int
+    num_steps: int = 1  # > 1: a decode-only batch run that many steps in one program
 
     @property
     def num_tokens(self) -> int:
@@ -77,6 +78,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_multi_steps = 0  # batches run as `num_scheduler_steps` decode steps in one program
         self.costs = StepCosts(config.token_buckets)
         # Rows of the device penalty state; a running sequence that uses penalties holds one.
         self.free_penalty_slots = list(range(config.max_num_seqs))
@@ -174,6 +176,11 @@ class Scheduler:
             budget -= chunk
         if not seqs:
             return None
+        if len(seqs) == num_decodes and self._multi_step_fits(seqs):
+            self.num_multi_steps += 1
+            for seq in seqs:
+                bm.append(seq, lookahead=cfg.num_scheduler_steps - 1)
+            return ScheduledBatch(tuple(seqs), tuple(chunks), num_decodes, cfg.num_scheduler_steps)
         for seq in seqs[num_decodes:]:
             if seq.status == SequenceStatus.WAITING:
                 self.waiting.remove(seq)
@@ -181,6 +188,18 @@ class Scheduler:
                 self.running.append(seq)
                 self._take_penalty_slot(seq)
         return ScheduledBatch(tuple(seqs), tuple(chunks), num_decodes)
+
+    def _multi_step_fits(self, decodes: list[Sequence]) -> bool:
+        """Run `num_scheduler_steps` decode steps at once: only when nobody waits for a first
+        token (a new request would wait k steps), every row stays within `max_model_len`, and
+        the pages its later steps write are free without preempting anyone."""
+        k = self.config.num_scheduler_steps
+        if k == 1 or self.waiting or any(s.is_prefill for s in self.running):
+            return False
+        if any(len(s) + k - 1 > self.config.max_model_len for s in decodes):
+            return False
+        bm = self.block_manager
+        return sum(bm.pages_for(len(s) + k - 1) - len(s.pages) for s in decodes) <= bm.num_free_pages
 
     def _prompt_budget(self, decodes: list[Sequence], now: float) -> int:
         """Prompt tokens this step may add after `decodes`.
