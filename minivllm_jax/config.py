@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from minivllm_jax.speculative import SpeculativeConfig
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -143,6 +145,8 @@ class EngineConfig:
       would only decode (nobody waiting, no prompt work): one dispatch and one read for k
       tokens a row. Rows that stop inside it drop their extra tokens; streams get up to k
       tokens at a time, and a new request waits up to k steps for its first.
+    - `speculative`: n-gram speculative decoding (`minivllm_jax.speculative`) in decode-only
+      steps: drafts are verified in one step that samples at every fed token.
     """
 
     max_num_seqs: int = 64  # sequences in one step (and running at once)
@@ -158,6 +162,7 @@ class EngineConfig:
     async_scheduling: bool = True
     kv_cache_dtype: str = "auto"  # "auto": pages in the model's dtype; "int8": int8 with scales (kv_cache.py)
     num_scheduler_steps: int = 1  # decode steps per program when only decodes run (1: off)
+    speculative: SpeculativeConfig | None = None  # n-gram speculative decoding (None: off)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "page_size", "max_num_batched_tokens", "num_scheduler_steps"):
@@ -205,6 +210,14 @@ class EngineConfig:
     def step_shapes(self) -> list[tuple[int, int]]:
         """(tokens, sequences) of every step program."""
         return [(t, s) for t in self.token_buckets for s in self.seq_buckets(t)]
+
+    def verify_rows(self, num_tokens: int, num_seqs: int) -> int:
+        """Sampled rows of a verify program: each sequence's last token and its draft tokens."""
+        return min(num_tokens, num_seqs * (1 + self.speculative.num_speculative_tokens))
+
+    def verify_shapes(self) -> list[tuple[int, int]]:
+        """(tokens, sequences) of the verify programs: every step bucket, when speculating."""
+        return self.step_shapes() if self.speculative is not None else []
 
     def multi_step_shapes(self) -> list[tuple[int, int]]:
         """(tokens, sequences) of the multi-step decode programs: the decode-only buckets."""

@@ -33,7 +33,8 @@ ENV_NUM_PROCESSES = "MINIVLLM_NUM_PROCESSES"
 ENV_PROCESS_ID = "MINIVLLM_PROCESS_ID"
 
 # Header ops: what the leader runs next.
-STOP, STEP, LOAD_PENALTY_ROW, MULTI_STEP = 0, 1, 2, 3
+STOP, STEP, LOAD_PENALTY_ROW, MULTI_STEP, VERIFY = 0, 1, 2, 3, 4
+STEP_OPS = {"step": STEP, "multi_step": MULTI_STEP, "verify": VERIFY}  # the runner's kinds of step program
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,

@@ -24,6 +24,7 @@ from minivllm_jax.parallel import check_tensor_parallel, make_mesh
 from minivllm_jax.quantization import CHECKPOINT_KEY, LLM_QUANTIZATIONS
 from minivllm_jax.runtime import available_memory_bytes, enable_compilation_cache, keep_freed_memory
 from minivllm_jax.sampling_params import SamplingParams
+from minivllm_jax.speculative import SpeculativeConfig
 
 Prompt = str | Sequence[int]
 
@@ -101,6 +102,7 @@ class LLM:
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
         num_scheduler_steps: int = 1,
+        speculative_config: dict | None = None,
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
         seed: int = 0,
@@ -151,6 +153,7 @@ class LLM:
             async_scheduling=async_scheduling,
             kv_cache_dtype=kv_cache_dtype,
             num_scheduler_steps=num_scheduler_steps,
+            speculative=SpeculativeConfig.from_dict(speculative_config),
         )
         eos = _eos_ids(cfg, model_dir, self.tokenizer)
         # Data parallelism: one engine per replica, each on its own slice of the devices; the

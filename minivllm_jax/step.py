@@ -157,20 +157,57 @@ def engine_multi_step(
     return results, cache, penalty_state, fed_back
 
 
+def engine_verify_step(
+    params: Params,
+    cache: KVCache,
+    penalty_state: PenaltyState,
+    fed_back: jax.Array,
+    batch: StepBatch,
+    sampling: SamplingArrays,
+    penalty_rows: PenaltyRows,
+    logit_rows: jax.Array,
+    *,
+    cfg: ModelConfig,
+    attention: str = "reference",
+    matmul: str = "reference",
+    mesh: Mesh | None = None,
+) -> tuple[SampleResult, KVCache, PenaltyState, jax.Array]:
+    """`engine_step` for a speculative step: samples at the tokens `logit_rows` (`int32[R]`,
+    `sampling` has a row for each): each sequence's last token and, for one with a draft, every
+    draft token's position too, so that the host can check each draft token against the sample
+    drawn where it was proposed (`minivllm_jax.speculative`). The host reads such a step before
+    scheduling the next, so it feeds no placeholders and `fed_back` passes through."""
+    logits, cache = model_forward(params, cache, batch, cfg, attention, matmul, mesh, logit_rows=logit_rows)
+    penalty_state = _mark_fed_tokens(penalty_state, batch, penalty_rows)
+    slots = penalty_rows.slots[token_sequences(batch)[0][logit_rows]]  # each row's sequence's history
+
+    def penalized() -> jax.Array:  # a sequence with penalties proposes no draft: its one row is its last token
+        history = Penalties(penalty_state.output_counts[slots], penalty_state.seen[slots])
+        return apply_penalties(logits, sampling, history)
+
+    x = lax.cond(penalty_rows.any_penalties, penalized, lambda: logits)
+    return sample_penalized(x, logits, sampling), cache, penalty_state, fed_back
+
+
 def model_forward(params: Params, cache: KVCache, batch: StepBatch, cfg: ModelConfig, attention: str, matmul: str,
-                  mesh: Mesh | None, all_logits: bool = False) -> tuple[jax.Array, KVCache]:  # fmt: skip
+                  mesh: Mesh | None, all_logits: bool = False,
+                  logit_rows: jax.Array | None = None) -> tuple[jax.Array, KVCache]:  # fmt: skip
     """`forward` on one device, or tensor-parallel over `mesh` (each device runs its shard)."""
     if mesh is None:
-        return forward(params, cache, batch, cfg, attention, all_logits, matmul)
+        return forward(params, cache, batch, cfg, attention, all_logits, matmul, logit_rows=logit_rows)
     local = parallel.local_config(cfg, mesh.shape[parallel.TP_AXIS])
-    shard = lambda p, c, b, axis: forward(p, c, b, local, attention, all_logits, matmul, axis)  # noqa: E731
-    return parallel.sharded(mesh, shard)(params, cache, batch)
+    every = all_logits or logit_rows is not None
+    shard = lambda p, c, b, axis: forward(p, c, b, local, attention, every, matmul, axis)  # noqa: E731
+    logits, cache = parallel.sharded(mesh, shard)(params, cache, batch)
+    return (logits if logit_rows is None else logits[logit_rows]), cache
 
 
 engine_step_jit = jax.jit(engine_step, static_argnames=("cfg", "attention", "matmul", "mesh"),
                           donate_argnames=("cache", "penalty_state"))  # fmt: skip
 engine_multi_step_jit = jax.jit(engine_multi_step, static_argnames=("cfg", "attention", "matmul", "mesh", "num_steps"),
                                donate_argnames=("cache", "penalty_state"))  # fmt: skip
+engine_verify_step_jit = jax.jit(engine_verify_step, static_argnames=("cfg", "attention", "matmul", "mesh"),
+                                donate_argnames=("cache", "penalty_state"))  # fmt: skip
 forward_jit = jax.jit(forward, static_argnames=("cfg", "attention", "all_logits", "matmul"), donate_argnames=("cache",))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import logging
 import os
 import signal
@@ -105,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="decode steps run in one device program when only decodes run (default: 1; e.g. 4 or "
                         "8 cut host round trips, streams then get up to that many tokens at a time)")  # fmt: skip
+    p.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off)')  # fmt: skip
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over this many devices (heads, MLP and vocabulary; docs/scaling.md)")
     p.add_argument("--data-parallel-size", type=int, default=1,
@@ -135,7 +139,8 @@ def load_llm(args: argparse.Namespace):
         target_tpot_ms=args.target_tpot_ms, target_ttft_ms=args.target_ttft_ms,
         max_batch_wait_ms=args.max_batch_wait_ms, attention=args.attention, quantization=args.quantization,
         async_scheduling=not args.no_async_scheduling, kv_cache_dtype=args.kv_cache_dtype,
-        num_scheduler_steps=args.num_scheduler_steps, tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+        num_scheduler_steps=args.num_scheduler_steps, speculative_config=args.speculative_config,
+        tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
     )  # fmt: skip
 
 

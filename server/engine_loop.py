@@ -331,6 +331,8 @@ class AsyncEngine:
             programs_loaded=e.num_programs_loaded,
             preemptions=e.scheduler.num_preemptions,
             steps=self._steps,
+            draft_tokens=e.num_draft_tokens,
+            accepted_tokens=e.num_accepted_tokens,
         )
 
 

@@ -35,6 +35,8 @@ class EngineStats:
     programs_loaded: int
     preemptions: int
     steps: int
+    draft_tokens: int = 0  # speculative decoding: draft tokens verified
+    accepted_tokens: int = 0  # of which accepted
 
 
 class Histogram:
@@ -130,6 +132,12 @@ class ServerMetrics:
             out += _metric("preemptions_total", "counter", "Sequences preempted under KV page pressure.",
                            [("", stats.preemptions)])  # fmt: skip
             out += _metric("engine_steps_total", "counter", "Engine steps run.", [("", stats.steps)])
+            out += _metric("spec_decode_num_draft_tokens_total", "counter",
+                           "Speculative decoding: draft tokens proposed and verified.", [("", stats.draft_tokens)])
+            out += _metric("spec_decode_num_accepted_tokens_total", "counter",
+                           "Speculative decoding: draft tokens accepted.", [("", stats.accepted_tokens)])
+            out += _metric("spec_decode_acceptance_rate", "gauge", "Accepted over proposed draft tokens so far.",
+                           [("", stats.accepted_tokens / stats.draft_tokens if stats.draft_tokens else 0.0)])
         out += _metric("requests_finished_total", "counter", "Requests finished, by finish reason.",
                        [(_labels(finish_reason=r), n) for r, n in sorted(self.finished.items())])  # fmt: skip
         out += _metric("http_requests_total", "counter", "HTTP and WebSocket requests by route and status.",

@@ -19,11 +19,12 @@ from minivllm_jax.config import EngineConfig, ModelConfig
 from minivllm_jax.detokenizer import IncrementalDetokenizer
 from minivllm_jax.engine.block_manager import BlockManager
 from minivllm_jax.engine.runner import ModelRunner, PendingStep, StepResult
-from minivllm_jax.engine.scheduler import ScheduledBatch, Scheduler
+from minivllm_jax.engine.scheduler import ScheduledBatch, Scheduler, note_draft_result
 from minivllm_jax.engine.sequence import Sequence, SequenceStatus
 from minivllm_jax.models.llama import Params
 from minivllm_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minivllm_jax.sampling_params import SamplingParams
+from minivllm_jax.speculative import accepted_length
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,8 @@ class LLMEngine:
         self._seed_rng = random.Random(seed)
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+        self.num_draft_tokens = 0  # speculative decoding: draft tokens proposed and verified
+        self.num_accepted_tokens = 0  # of which accepted
         self._in_flight: _InFlight | None = None  # the step dispatched and not read yet
         self._last_ready = 0.0  # when the last step's tokens were read
 
@@ -199,14 +202,16 @@ class LLMEngine:
         row in N+1, whose token is dropped. Without it, each step is read before returning."""
         now = time.monotonic()
         previous, self._in_flight = self._in_flight, None
-        batch = self.scheduler.schedule(now)
         outputs: list[RequestOutput] = []
+        if previous is not None and self._may_speculate():  # drafts are looked up in known tokens only
+            outputs, previous = self._read(previous, only_finished), None
+        batch = self.scheduler.schedule(now)
         if batch is None:
             if previous is None:
                 opens = self.scheduler.next_admission_time()
-                if opens is not None:  # admissions are held to gather a batch: wait, do not spin
+                if opens is not None and not outputs:  # admissions are held to gather a batch: wait, do not spin
                     time.sleep(min(max(opens - now, 0.0), 0.005))
-                return []
+                return outputs
         else:
             for seq in batch.seqs:
                 metrics = self.requests[seq.request_id].metrics
@@ -216,15 +221,20 @@ class LLMEngine:
             except Exception as e:  # a device step failed: fail this batch only and keep serving
                 logger.exception("step over %d sequences failed; failing their requests", len(batch.seqs))
                 if previous is not None:  # read it first: its placeholders must not outlive it
-                    outputs = self._read(previous, only_finished)
+                    outputs += self._read(previous, only_finished)
                 return outputs + self._fail_batch(batch, f"{type(e).__name__}: {e}")
             self._in_flight = self._advance(batch, pending, now)
         if previous is not None:
-            outputs = self._read(previous, only_finished)
-        if self._in_flight is not None and not self.scheduler.config.async_scheduling:
-            current, self._in_flight = self._in_flight, None
+            outputs += self._read(previous, only_finished)
+        current = self._in_flight
+        if current is not None and (current.batch.drafts or not self.scheduler.config.async_scheduling):
+            self._in_flight = None  # a speculative step's accepted length decides the next step's input
             outputs += self._read(current, only_finished)
         return outputs
+
+    def _may_speculate(self) -> bool:
+        """Some running sequence may propose a draft in the next step."""
+        return self.config.speculative is not None and any(self.scheduler.wants_draft(s) for s in self.scheduler.running)
 
     def _advance(self, batch: ScheduledBatch, pending: PendingStep, now: float) -> _InFlight:
         """Book a dispatched step as done before its tokens are known: each sequence's fed
@@ -233,7 +243,7 @@ class LLMEngine:
         k = batch.num_steps  # a multi-step row also feeds itself the first k - 1 of its k tokens
         for i, seq in enumerate(batch.seqs):
             samples = batch.samples_next_token(i)
-            seq.num_computed_tokens += batch.num_new_tokens[i] + k - 1
+            seq.num_computed_tokens += batch.num_new_tokens[i] - len(batch.draft(i)) + k - 1  # drafts: when accepted
             if samples:
                 slots.append(len(seq.output_token_ids))
                 seq.output_token_ids.extend([-(i + 1)] * k)
@@ -318,14 +328,20 @@ class LLMEngine:
         now = time.monotonic()
         batch = step.batch
         changed: dict[str, _Request] = {}
+        starts = [0, *itertools.accumulate(1 + len(batch.draft(i)) for i in range(len(batch.seqs)))]  # verify rows
         for i, seq in enumerate(batch.seqs):
             request = self.requests.get(seq.request_id)
             if request is None or seq.is_finished:
                 continue  # aborted, or stopped by the step before (this row's token is dropped)
             slot = step.slots[i]
+            picks: list[tuple[StepResult, int]] = []  # (result, row) of each token the row produced, in order
             if slot is not None:  # all of them first: every token below num_computed_tokens is known
-                for j, result in enumerate(results):
-                    seq.output_token_ids[slot + j] = int(result.tokens[i])
+                picks = self._sampled(batch, i, results, starts[i])
+                tokens = [int(result.tokens[row]) for result, row in picks]
+                extra = len(tokens) - batch.num_steps  # accepted draft tokens: computed in the step
+                seq.output_token_ids[slot : slot + batch.num_steps] = tokens
+                seq.num_pending += extra
+                seq.num_computed_tokens += extra
             self.block_manager.commit(seq)
             if i >= batch.num_decodes:
                 self.num_prompt_tokens += batch.num_new_tokens[i]
@@ -333,8 +349,8 @@ class LLMEngine:
                 self._fork(request, seq)  # before a stop can free the parent's pages
             if slot is None:
                 continue
-            for j, result in enumerate(results):
-                self._accept(seq, request, result, i, slot + j, now)
+            for j, (result, row) in enumerate(picks):
+                self._accept(seq, request, result, row, slot + j, now)
                 if seq.is_finished:
                     _drop_pending(seq)  # tokens past the stop, and a row the next step spent on it
                     break
@@ -347,6 +363,19 @@ class LLMEngine:
                 request.metrics.finished_time = now
                 del self.requests[request.request_id]
         return outputs
+
+    def _sampled(self, batch: ScheduledBatch, i: int, results: list[StepResult], start: int) -> list[tuple[StepResult, int]]:
+        """Where row `i`'s new tokens are: one per result (a multi-step batch gives several), or
+        in a verify step the samples at its last token and at each accepted draft token."""
+        draft = batch.draft(i)
+        if not draft:
+            return [(result, start if batch.drafts else i) for result in results]
+        sampled = results[0].tokens[start : start + len(draft) + 1].tolist()
+        accepted = accepted_length(draft, sampled)
+        self.num_draft_tokens += len(draft)
+        self.num_accepted_tokens += accepted
+        note_draft_result(batch.seqs[i], accepted)
+        return [(results[0], start + j) for j in range(accepted + 1)]
 
     def _accept(self, seq: Sequence, request: _Request, result: StepResult, row: int, slot: int, now: float) -> None:
         """Take the sampled token at `output_token_ids[slot]` (row `row` of `result`) as read:

@@ -36,8 +36,8 @@ from minivllm_jax.models.llama import Params, model_dtype, unstack_layers
 from minivllm_jax.program_cache import ProgramCache
 from minivllm_jax.runtime import program_cache_dir
 from minivllm_jax.sampler import SampleResult, make_sampling_arrays
-from minivllm_jax.step import (PenaltyRows, PenaltyState, engine_multi_step_jit, engine_step_jit, init_penalty_state,
-                               load_penalty_row_jit)
+from minivllm_jax.step import (PenaltyRows, PenaltyState, engine_multi_step_jit, engine_step_jit,
+                               engine_verify_step_jit, init_penalty_state, load_penalty_row_jit)
 
 logger = logging.getLogger(__name__)
 
@@ -57,13 +57,13 @@ class PendingStep:
     """A dispatched step whose results are still on the device; `fetch()` waits for them."""
 
     result: SampleResult  # of a multi-step program: stacked, [num_steps, ...]
-    num_seqs: int
+    num_rows: int  # real rows: one per sequence (a verify step: one per token)
     with_logprobs: bool
     num_steps: int = 1
 
     def fetch(self) -> list[StepResult]:
         """One `StepResult` per decode step the program ran, in order."""
-        r, n = self.result, self.num_seqs
+        r, n = self.result, self.num_rows
         if self.with_logprobs:
             tokens, logprobs, top_ids, top_logprobs = jax.device_get((r.tokens, r.logprobs, r.top_ids, r.top_logprobs))
         else:  # the logprob arrays are placeholders: leave them on the device
@@ -154,25 +154,18 @@ class ModelRunner:
                 logger.warning("compiled %s after warm-up; a bucket is missing from the warm-up set", key)
         return program
 
-    def _step_program(self, num_tokens: int, num_seqs: int) -> Any:
-        program = self._programs.get(("step", num_tokens, num_seqs))
+    def _step_program(self, num_tokens: int, num_seqs: int, kind: str = "step") -> Any:
+        """The program of a step of this bucket: "step" (samples each sequence's next token),
+        "multi_step" (`num_scheduler_steps` decode steps) or "verify" (samples at every token)."""
+        extra = {"num_steps": self.config.num_scheduler_steps} if kind == "multi_step" else {}
+        key = (kind, num_tokens, num_seqs, *extra.values())
+        program = self._programs.get(key)
         if program is not None:  # every step after warm-up: no abstract arguments to build
             return program
-        inputs = self._abstract(_step_inputs(self.config, num_tokens, num_seqs))
-        return self._program(("step", num_tokens, num_seqs), engine_step_jit, self.params, self.cache,
-                             self.penalty_state, self.fed_back, *inputs,
-                             cfg=self.step_config, attention=self.attention, matmul=self.matmul,
-                             mesh=self.mesh)  # fmt: skip
-
-    def _multi_step_program(self, num_tokens: int, num_seqs: int) -> Any:
-        k = self.config.num_scheduler_steps
-        program = self._programs.get(("multi_step", num_tokens, num_seqs, k))
-        if program is not None:
-            return program
-        inputs = self._abstract(_step_inputs(self.config, num_tokens, num_seqs))
-        return self._program(("multi_step", num_tokens, num_seqs, k), engine_multi_step_jit, self.params, self.cache,
-                             self.penalty_state, self.fed_back, *inputs, cfg=self.step_config,
-                             attention=self.attention, matmul=self.matmul, mesh=self.mesh, num_steps=k)  # fmt: skip
+        inputs = self._abstract(_step_inputs(self.config, num_tokens, num_seqs, kind))
+        return self._program(key, STEP_FUNCTIONS[kind], self.params, self.cache, self.penalty_state, self.fed_back,
+                             *inputs, cfg=self.step_config, attention=self.attention, matmul=self.matmul,
+                             mesh=self.mesh, **extra)  # fmt: skip
 
     def _load_penalty_program(self) -> Any:
         inputs = self._abstract(_penalty_row_inputs(self.config))
@@ -183,37 +176,37 @@ class ModelRunner:
         loads cached programs outside the GIL: a cold start here went from 38 s to 30 s on 2
         cores), then run each once; any failure propagates (never swallowed)."""
         start = time.perf_counter()
-        shapes = self.config.step_shapes()
-        programs = [(self._step_program, shape) for shape in shapes]
-        programs += [(self._multi_step_program, shape) for shape in self.config.multi_step_shapes()]
+        cfg = self.config
+        programs = [(*shape, "step") for shape in cfg.step_shapes()]
+        programs += [(*shape, "multi_step") for shape in cfg.multi_step_shapes()]
+        programs += [(*shape, "verify") for shape in cfg.verify_shapes()]
         with ThreadPoolExecutor(max_workers=min(len(programs), os.cpu_count() or 1)) as pool:
-            compiled = pool.map(lambda p: p[0](*p[1]), programs)
+            compiled = pool.map(lambda p: self._step_program(*p), programs)
             for _ in tqdm(compiled, total=len(programs), desc="warm-up: compiling buckets", disable=not progress):
                 pass
         self._load_penalty_program()
-        for shape in shapes:
-            self._exercise(*shape)
-        for shape in self.config.multi_step_shapes():
-            self._exercise(*shape, num_steps=self.config.num_scheduler_steps)
+        for program in programs:
+            self._exercise(*program)
         jax.block_until_ready(self.cache)
         self._warm = True
         return time.perf_counter() - start
 
-    def _exercise(self, num_tokens: int, num_seqs: int, num_steps: int = 1) -> None:
+    def _exercise(self, num_tokens: int, num_seqs: int, kind: str = "step") -> None:
         """Run a step program once on scratch work, so its first real step does not pay the
         one-time cost of a program's first run (about 100 ms each here: a step that admitted
         a prompt was the slowest of its stream). The work touches every part of the step: a
         decode and a prompt chunk with cached context (on the scratch page), penalties."""
         ps = self.config.page_size
-        chunks = [Chunk([0], ps, [SCRATCH_PAGE] * -(-(ps + num_steps) // ps))]
-        if num_tokens > 1 and num_seqs > 1 and num_steps == 1:
+        lookahead = self.config.num_scheduler_steps if kind == "multi_step" else 0
+        chunks = [Chunk([0], ps, [SCRATCH_PAGE] * -(-(ps + 1 + lookahead) // ps))]
+        if num_tokens > 1 and num_seqs > 1 and kind != "multi_step":
             q = num_tokens - 1
             chunks.append(Chunk([0] * q, ps, [SCRATCH_PAGE] * (-(-(ps + q) // ps))))
-        lookahead = 0 if num_steps == 1 else num_steps
         batch = build_step_batch(chunks, ps, num_tokens, num_seqs, self.config.num_listed_pages(num_seqs), lookahead)
+        inputs = _step_inputs(self.config, num_tokens, num_seqs, kind)
         scratch = np.full(num_seqs, self.penalty_state.scratch_slot, np.int32)
         rows = PenaltyRows(scratch, np.zeros(num_seqs, np.int32), np.bool_(True))
-        self._run_step(num_tokens, num_seqs, (batch, make_sampling_arrays([], num_seqs), rows), num_steps)
+        self._run_step(num_tokens, num_seqs, (batch, inputs[1], rows, *inputs[3:]), kind)
 
     # ------------------------------------------------------------------ running
 
@@ -236,19 +229,22 @@ class ModelRunner:
         seqs = batch.seqs
         num_seqs = step_batch.num_seqs
         self._load_new_penalty_rows(seqs)
-        sampling = make_sampling_arrays([(s.params, s.seed, s.index, len(s.output_token_ids)) for s in seqs], num_seqs)
-        inputs = (step_batch, sampling, self._penalty_rows(seqs, num_seqs))
-        if self.channel is not None:  # the other processes run this step too
-            op = distributed.STEP if batch.num_steps == 1 else distributed.MULTI_STEP
-            self.channel.announce(op, step_batch.num_tokens, num_seqs, inputs)
-        result = self._run_step(step_batch.num_tokens, num_seqs, inputs, batch.num_steps)
-        return PendingStep(result, len(seqs), any(s.params.logprobs is not None for s in seqs), batch.num_steps)
-
-    def _run_step(self, num_tokens: int, num_seqs: int, inputs: tuple, num_steps: int = 1) -> SampleResult:
-        if num_steps == 1:
-            program = self._step_program(num_tokens, num_seqs)
+        kind = "verify" if batch.drafts else "step" if batch.num_steps == 1 else "multi_step"
+        rows = [(s.params, s.seed, s.index, len(s.output_token_ids)) for s in seqs]
+        if kind == "verify":  # rows at each last token and draft token: draft token j is output number n + j
+            rows = [(*row[:3], row[3] + j) for i, row in enumerate(rows) for j in range(1 + len(batch.draft(i)))]
+            num_rows = self.config.verify_rows(step_batch.num_tokens, num_seqs)
+            inputs = (step_batch, make_sampling_arrays(rows, num_rows), self._penalty_rows(seqs, num_seqs),
+                      _verify_logit_rows(batch, step_batch, num_rows))  # fmt: skip
         else:
-            program = self._multi_step_program(num_tokens, num_seqs)
+            inputs = (step_batch, make_sampling_arrays(rows, num_seqs), self._penalty_rows(seqs, num_seqs))
+        if self.channel is not None:  # the other processes run this step too
+            self.channel.announce(distributed.STEP_OPS[kind], step_batch.num_tokens, num_seqs, inputs)
+        result = self._run_step(step_batch.num_tokens, num_seqs, inputs, kind)
+        return PendingStep(result, len(rows), any(s.params.logprobs is not None for s in seqs), batch.num_steps)
+
+    def _run_step(self, num_tokens: int, num_seqs: int, inputs: tuple, kind: str = "step") -> SampleResult:
+        program = self._step_program(num_tokens, num_seqs, kind)
         result, self.cache, self.penalty_state, self.fed_back = program(
             self.params, self.cache, self.penalty_state, self.fed_back, *self._place(inputs)
         )
@@ -266,9 +262,9 @@ class ModelRunner:
             op, a, b = self.channel.next_op()
             if op == distributed.STOP:
                 return
-            if op in (distributed.STEP, distributed.MULTI_STEP):
-                num_steps = 1 if op == distributed.STEP else self.config.num_scheduler_steps
-                self._run_step(a, b, self.channel.payload(_step_inputs(self.config, a, b)), num_steps)
+            kind = next((k for k, v in distributed.STEP_OPS.items() if v == op), None)
+            if kind is not None:
+                self._run_step(a, b, self.channel.payload(_step_inputs(self.config, a, b, kind)), kind)
             elif op == distributed.LOAD_PENALTY_ROW:
                 self._load_penalty_row(self.channel.payload(_penalty_row_inputs(self.config)))
             else:
@@ -286,9 +282,10 @@ class ModelRunner:
         num_tokens = bucket_for(batch.num_tokens, cfg.token_buckets)
         num_seqs = bucket_for(len(batch.seqs), cfg.seq_buckets(num_tokens))
         chunks = [
-            Chunk(seq.tokens_between(seq.num_computed_tokens, seq.num_computed_tokens + q), seq.num_computed_tokens, seq.pages)
-            for seq, q in zip(batch.seqs, batch.num_new_tokens)
-        ]
+            Chunk(seq.tokens_between(seq.num_computed_tokens, seq.num_computed_tokens + q - len(batch.draft(i)))
+                  + list(batch.draft(i)), seq.num_computed_tokens, seq.pages)
+            for i, (seq, q) in enumerate(zip(batch.seqs, batch.num_new_tokens))
+        ]  # fmt: skip
         lookahead = 0 if batch.num_steps == 1 else batch.num_steps  # the pages every inner step writes
         return build_step_batch(chunks, cfg.page_size, num_tokens, num_seqs, cfg.num_listed_pages(num_seqs), lookahead)
 
@@ -317,10 +314,29 @@ class ModelRunner:
             seq.penalty_loaded = True
 
 
-def _step_inputs(config: EngineConfig, num_tokens: int, num_seqs: int) -> tuple:
+STEP_FUNCTIONS = {"step": engine_step_jit, "multi_step": engine_multi_step_jit, "verify": engine_verify_step_jit}
+
+
+def _step_inputs(config: EngineConfig, num_tokens: int, num_seqs: int, kind: str = "step") -> tuple:
     """Host inputs of a step of this bucket (empty): their shapes and dtypes."""
     rows = PenaltyRows(np.zeros(num_seqs, np.int32), np.zeros(num_seqs, np.int32), np.bool_(False))
-    return _empty_batch(config, num_tokens, num_seqs), make_sampling_arrays([], num_seqs), rows
+    batch = _empty_batch(config, num_tokens, num_seqs)
+    if kind != "verify":
+        return batch, make_sampling_arrays([], num_seqs), rows
+    num_rows = config.verify_rows(num_tokens, num_seqs)
+    return batch, make_sampling_arrays([], num_rows), rows, np.zeros(num_rows, np.int32)
+
+
+def _verify_logit_rows(batch: ScheduledBatch, step_batch: StepBatch, num_rows: int) -> np.ndarray:
+    """The tokens a verify step samples at, in row order: each sequence's last real token, then
+    its draft tokens (padding rows sample token 0, ignored)."""
+    rows = np.zeros(num_rows, np.int32)
+    r = 0
+    for i, (start, q) in enumerate(zip(step_batch.query_start, batch.num_new_tokens)):
+        n = 1 + len(batch.draft(i))
+        rows[r : r + n] = np.arange(start + q - n, start + q)
+        r += n
+    return rows
 
 
 def _penalty_row_inputs(config: EngineConfig) -> tuple:

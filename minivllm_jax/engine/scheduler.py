@@ -17,6 +17,7 @@ import time
 from minivllm_jax.config import AUTO_TPOT_FACTOR, EngineConfig, bucket_for
 from minivllm_jax.engine.block_manager import BlockManager
 from minivllm_jax.engine.sequence import Sequence, SequenceStatus
+from minivllm_jax.speculative import MAX_BACKOFF, propose_ngram
 
 MIN_PROMPT_CHUNK = 16  # prompt tokens a step may always add: waiting prompts always progress
 
@@ -27,15 +28,21 @@ class ScheduledBatch:
     num_new_tokens: tuple[int, ...]  # tokens each sequence feeds this step
     num_decodes: int
     num_steps: int = 1  # > 1: a decode-only batch run that many steps in one program
+    # Speculative decoding: each decode's draft tokens, fed after its last token (counted in
+    # num_new_tokens) and verified in the step; empty when the batch speculates nothing.
+    drafts: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    def draft(self, i: int) -> tuple[int, ...]:
+        return self.drafts[i] if self.drafts else ()
+
     def samples_next_token(self, i: int) -> bool:
         """A prompt chunk that stops short of the sequence's end samples nothing."""
         seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_new_tokens[i] == len(seq)
+        return seq.num_computed_tokens + self.num_new_tokens[i] - len(self.draft(i)) == len(seq)
 
 
 class StepCosts:
@@ -69,6 +76,16 @@ class StepCosts:
             if b > best and estimate is not None and estimate <= limit_s:
                 best = b
         return best
+
+
+def note_draft_result(seq: Sequence, accepted: int) -> None:
+    """After a lookup that found nothing (or a draft of which nothing was accepted) the sequence
+    waits before proposing again, twice as long as the last time; any acceptance resets it."""
+    if accepted:
+        seq.spec_backoff = 0
+        return
+    seq.spec_backoff = min(2 * seq.spec_backoff or 1, MAX_BACKOFF)
+    seq.spec_resume_at = len(seq.output_token_ids) + seq.spec_backoff
 
 
 class Scheduler:
@@ -147,9 +164,11 @@ class Scheduler:
                 seqs.append(seq)
                 chunks.append(1)
         num_decodes = len(seqs)
+        drafts = self._propose(seqs) if cfg.speculative is not None else ()
+        chunks = [1 + len(d) for d in drafts] or chunks
 
         # 2. Prompt chunks: partially prefilled sequences, then admissions by priority.
-        budget = self._prompt_budget(seqs, now)
+        budget = self._prompt_budget(seqs, sum(chunks), now)
         candidates = sorted((s for s in self.running if s.is_prefill), key=lambda s: s.sort_key)
         self.waiting.sort(key=lambda s: s.sort_key)
         if self._admissions_open(budget, now):
@@ -176,7 +195,7 @@ class Scheduler:
             budget -= chunk
         if not seqs:
             return None
-        if len(seqs) == num_decodes and self._multi_step_fits(seqs):
+        if len(seqs) == num_decodes and not any(drafts) and self._multi_step_fits(seqs):
             self.num_multi_steps += 1
             for seq in seqs:
                 bm.append(seq, lookahead=cfg.num_scheduler_steps - 1)
@@ -187,29 +206,63 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 self._take_penalty_slot(seq)
-        return ScheduledBatch(tuple(seqs), tuple(chunks), num_decodes)
+        drafts = drafts + ((),) * (len(seqs) - num_decodes) if any(drafts) else ()
+        return ScheduledBatch(tuple(seqs), tuple(chunks), num_decodes, drafts=drafts)
+
+    def wants_draft(self, seq: Sequence) -> bool:
+        """The sequence may propose a draft at its next decode (its tokens must all be known:
+        the engine then reads the step before scheduling the next)."""
+        return (self.config.speculative is not None and not seq.params.uses_penalties
+                and len(seq.output_token_ids) >= seq.spec_resume_at)  # fmt: skip
+
+    def _propose(self, decodes: list[Sequence]) -> tuple[tuple[int, ...], ...]:
+        """N-gram drafts for the decodes that want one, within the token budget and
+        `max_model_len`, and with free pages for the tokens they write (prompt work gets what
+        is left of the budget: a draft token costs about what a prompt token does)."""
+        cfg, bm = self.config, self.block_manager
+        spec = cfg.speculative
+        prompts_pending = self.waiting or any(s.is_prefill for s in self.running)
+        budget = cfg.max_num_batched_tokens - len(decodes) - (MIN_PROMPT_CHUNK if prompts_pending else 0)
+        drafts = []
+        for seq in decodes:
+            draft: list[int] = []
+            if budget > 0 and seq.num_pending == 0 and self.wants_draft(seq):
+                room = min(spec.num_speculative_tokens, budget, cfg.max_model_len - len(seq),
+                           seq.params.max_tokens - len(seq.output_token_ids) - 1)  # fmt: skip
+                draft = propose_ngram(seq.token_ids, spec, room)
+                if not draft:
+                    note_draft_result(seq, 0)
+                elif bm.can_append(seq, lookahead=len(draft)):
+                    bm.append(seq, lookahead=len(draft))
+                else:
+                    draft = []
+            budget -= len(draft)
+            drafts.append(tuple(draft))
+        return tuple(drafts)
 
     def _multi_step_fits(self, decodes: list[Sequence]) -> bool:
-        """Run `num_scheduler_steps` decode steps at once: only when nobody waits for a first
-        token (a new request would wait k steps), every row stays within `max_model_len`, and
-        the pages its later steps write are free without preempting anyone."""
+        """Run `num_scheduler_steps` decode steps at once: only when no prompt could be
+        scheduled (nobody waits, or the running set is full) and none is half computed (a new
+        request would wait k steps), every row stays within `max_model_len`, and the pages its
+        later steps write are free without preempting anyone."""
         k = self.config.num_scheduler_steps
-        if k == 1 or self.waiting or any(s.is_prefill for s in self.running):
+        admissible = self.waiting and len(self.running) < self.config.max_num_seqs
+        if k == 1 or admissible or any(s.is_prefill for s in self.running):
             return False
         if any(len(s) + k - 1 > self.config.max_model_len for s in decodes):
             return False
         bm = self.block_manager
         return sum(bm.pages_for(len(s) + k - 1) - len(s.pages) for s in decodes) <= bm.num_free_pages
 
-    def _prompt_budget(self, decodes: list[Sequence], now: float) -> int:
-        """Prompt tokens this step may add after `decodes`.
+    def _prompt_budget(self, decodes: list[Sequence], used: int, now: float) -> int:
+        """Prompt tokens this step may add after `decodes` (`used` tokens with their drafts).
 
         The whole budget unless a streaming request is decoding; then as many as keep the step
         within the TPOT target (`target_tpot_ms`, or auto: `AUTO_TPOT_FACTOR` x the measured
         decode-only step of this many decodes), filling the chosen token bucket exactly. A
         prompt that waited past `target_ttft_ms` lifts the limit."""
         cfg = self.config
-        left = cfg.max_num_batched_tokens - len(decodes)
+        left = cfg.max_num_batched_tokens - used
         if left <= MIN_PROMPT_CHUNK or not any(s.streaming for s in decodes):
             return left
         if cfg.target_ttft_ms is not None:
@@ -225,8 +278,8 @@ class Scheduler:
             if decode_only is None:
                 return min(left, MIN_PROMPT_CHUNK)  # not measured yet: a small chunk, and learn
             limit = AUTO_TPOT_FACTOR * decode_only
-        tokens = self.costs.largest_within(len(decodes) + MIN_PROMPT_CHUNK, limit)
-        return min(left, tokens - len(decodes))
+        tokens = self.costs.largest_within(used + MIN_PROMPT_CHUNK, limit)
+        return min(left, tokens - used)
 
     def _admissions_open(self, budget: int, now: float) -> bool:
         """`max_batch_wait_ms`: admit once the oldest waiting prompt has waited that long, or

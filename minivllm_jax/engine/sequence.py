@@ -63,6 +63,10 @@ class Sequence:
         self.num_preemptions = 0
         self.penalty_slot: int | None = None  # row of the device penalty state, while running
         self.penalty_loaded = False  # that row holds this sequence's history
+        # Speculative decoding (`minivllm_jax.speculative`): no proposal before this many
+        # output tokens, after misses; the wait doubles with each miss in a row.
+        self.spec_resume_at = 0
+        self.spec_backoff = 0
 
     def __len__(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -231,6 +231,7 @@ def forward(
     all_logits: bool = False,
     matmul: str = "reference",
     axis: str | None = None,
+    logit_rows: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """One ragged step: embed the new tokens, run the layers over the paged cache, write their K/V.
 
@@ -238,8 +239,8 @@ def forward(
     program, which copies every weight on each call: fine for a test, slow for serving.
 
     Returns float32 logits at each sequence's last new token (`[S, V]`; a padded sequence
-    gives a row of no meaning), or at every token (`[T, V]`) when `all_logits`, and the
-    updated cache. `attention` names the implementation (`minivllm_jax.attention.ATTENTION`).
+    gives a row of no meaning), or at every token (`[T, V]`) when `all_logits`, or at the
+    tokens `logit_rows` (`int32[R]` token indices: `[R, V]`), and the updated cache. `attention` names the implementation (`minivllm_jax.attention.ATTENTION`).
 
     `axis`: run as one shard of a tensor-parallel model (inside `shard_map` over that mesh
     axis, `minivllm_jax.parallel`): `cfg` counts this device's heads and `params`/`cache` are its
@@ -261,7 +262,9 @@ def forward(
     x, (new_k, new_v) = jax.lax.scan(body, x, jnp.arange(cfg.num_layers, dtype=jnp.int32))
     cache = write_kv(cache, new_k, new_v, batch.slot_mapping)
 
-    if not all_logits:
+    if logit_rows is not None:
+        x = x[logit_rows]
+    elif not all_logits:
         last = batch.query_start + jnp.maximum(batch.query_len, 1) - 1
         x = x[jnp.clip(last, 0, batch.num_tokens - 1)]
     x = rms_norm(x, params["norm"], cfg.rms_norm_eps)
