@@ -15,7 +15,7 @@ import pytest
 from minivllm_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from server.app import create_app
 from server.engine_loop import AsyncEngine, EngineStopped, QueueFull
-from server.metrics import Histogram, ServerMetrics
+from server.metrics import EngineStats, Histogram, ServerMetrics
 from server.protocol import (
     APIError, ChatCompletionRequest, CompletionRequest, StreamRequest, param_from_message, parse_json, parse_request,
 )  # fmt: skip
@@ -53,6 +53,7 @@ class FakeEngine:
         self.block_manager = SimpleNamespace(num_free_pages=pages, num_usable_pages=pages)
         self.scheduler = SimpleNamespace(running=[], waiting=[], num_preemptions=0)
         self.num_generated_tokens = self.num_prompt_tokens = self.num_compiles = self.num_programs_loaded = 0
+        self.num_draft_tokens = self.num_accepted_tokens = 0
         self.requests: dict[str, tuple[list[int], object, list[list[int]]]] = {}
         self.steps = 0
         self.crash = False
@@ -189,6 +190,16 @@ def test_histogram_is_cumulative_with_inf_bucket():
 def test_metrics_render_without_engine():
     text = ServerMetrics().render(None, ready=False, in_flight=0)
     assert "minivllm_ready 0" in text and "# TYPE minivllm_time_to_first_token_seconds histogram" in text
+
+
+def test_metrics_render_speculative_decoding_counters():
+    stats = EngineStats(running=1, waiting=0, free_pages=10, usable_pages=20, generated_tokens=50, prompt_tokens=9,
+                        compiles=3, programs_loaded=0, preemptions=0, steps=30, draft_tokens=40,
+                        accepted_tokens=30)  # fmt: skip
+    lines = ServerMetrics().render(stats, ready=True, in_flight=1).splitlines()
+    assert "minivllm_spec_decode_num_draft_tokens_total 40" in lines
+    assert "minivllm_spec_decode_num_accepted_tokens_total 30" in lines
+    assert "minivllm_spec_decode_acceptance_rate 0.75" in lines
 
 
 def test_choice_tracker_sends_each_piece_once():
