@@ -173,3 +173,12 @@ def write_kv(cache: KVCache, new_k: jax.Array, new_v: jax.Array, slot_mapping: j
     v = cache.v.reshape(L, num_pages * kvh, page_size, hd)
     v = v.at[:, block, offset].set(new_v.astype(v.dtype), mode="promise_in_bounds")
     return KVCache(k=k.reshape(cache.k.shape), v=v.reshape(cache.v.shape), **scales)
+
+
+def copy_pages(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    """Copy whole pages `src[i]` -> `dst[i]` in every layer: K, V and the int8 scales (pages are
+    axis 1 of each). Copy-on-write for forked sequences (beam search): a child gets a private copy
+    of the partial page it shares with its parent before either writes into it. `dst` must hold
+    distinct pages, except for padding `SCRATCH_PAGE -> SCRATCH_PAGE`, so the index arrays can
+    keep one length (one compiled program)."""
+    return jax.tree.map(lambda x: x.at[:, dst].set(x[:, src]), cache)

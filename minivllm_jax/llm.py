@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from minivllm_jax import distributed
 from minivllm_jax.attention import resolve_attention
+from minivllm_jax.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from minivllm_jax.config import EngineConfig, ModelConfig, check_kv_cache_dtype
 from minivllm_jax.engine.engine import LLMEngine
 from minivllm_jax.engine.router import PrefixRouter
@@ -280,6 +281,16 @@ class LLM:
                 raise ValueError("each message must be a dict with string 'role' and 'content'")
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def beam_search(
+        self, prompts: Prompt | dict | Sequence[Prompt | dict], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        """Beam search with HF transformers' rules (`minivllm_jax.beam_search`): prompts as text,
+        token ids or `{"prompt": ...}` / `{"prompt_token_ids": ...}`; one `BeamSearchOutput` per
+        prompt, its `sequences` best first. Runs on the first replica, with no other request
+        unfinished (it drives the model directly); raises RuntimeError otherwise."""
+        prompts = [prompts] if isinstance(prompts, dict) else _as_prompt_list(prompts)
+        return beam_search(self.engine, prompts, params)
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -34,7 +34,7 @@ from jax.sharding import Mesh
 from minivllm_jax import parallel
 from minivllm_jax.batch import StepBatch, token_sequences
 from minivllm_jax.config import ModelConfig
-from minivllm_jax.kv_cache import KVCache
+from minivllm_jax.kv_cache import KVCache, copy_pages
 from minivllm_jax.models.llama import Params, forward
 from minivllm_jax.sampler import Penalties, SampleResult, SamplingArrays, apply_penalties, sample_penalized
 
@@ -226,3 +226,6 @@ def load_penalty_row(
 
 
 load_penalty_row_jit = jax.jit(load_penalty_row, donate_argnames=("state",))
+
+# Copy-on-write of forked sequences' pages (beam search); see `kv_cache.copy_pages`.
+copy_pages_jit = jax.jit(copy_pages, donate_argnames=("cache",))

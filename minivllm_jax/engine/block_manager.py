@@ -139,6 +139,19 @@ class BlockManager:
         child.num_computed_tokens = full * self.page_size
         child.num_cached_tokens = parent.num_cached_tokens  # prefix-cache hits only, as the parent
 
+    def fork_copy_on_write(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """Give `child` all of the parent's computed tokens without recomputing any: full pages
+        shared by refcount (as `fork`), the last partial page, which both will write into next,
+        as a private copy. Returns that page's `(src, dst)` for the caller to copy on the device
+        (`ModelRunner.copy_pages`) before either writes, or None when every page is full."""
+        self.fork(parent, child, parent.num_computed_tokens)
+        if parent.num_computed_tokens % self.page_size == 0:
+            return None
+        dst = self._take_fresh_page()
+        child.pages.append(dst)
+        child.num_computed_tokens = parent.num_computed_tokens
+        return parent.pages[len(child.pages) - 1], dst
+
     def can_append(self, seq: Sequence, lookahead: int = 0) -> bool:
         return self.pages_for(len(seq) + lookahead) - len(seq.pages) <= self.num_free_pages
 

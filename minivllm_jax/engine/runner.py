@@ -36,7 +36,7 @@ from minivllm_jax.models.llama import Params, model_dtype, unstack_layers
 from minivllm_jax.program_cache import ProgramCache
 from minivllm_jax.runtime import program_cache_dir
 from minivllm_jax.sampler import SampleResult, make_sampling_arrays
-from minivllm_jax.step import (PenaltyRows, PenaltyState, engine_multi_step_jit, engine_step_jit,
+from minivllm_jax.step import (PenaltyRows, PenaltyState, copy_pages_jit, engine_multi_step_jit, engine_step_jit,
                                engine_verify_step_jit, init_penalty_state, load_penalty_row_jit)
 
 logger = logging.getLogger(__name__)
@@ -275,6 +275,21 @@ class ModelRunner:
         if self.channel is not None and distributed.is_leader():
             self.channel.announce(distributed.STOP)
             self.channel = None
+
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Copy KV pages `src[i]` -> `dst[i]` (every layer) on the device: copy-on-write of the
+        partial page forked sequences share (beam search). The index arrays are `max_num_seqs`
+        long, padded with the scratch page, so one compiled program serves every call."""
+        if self.channel is not None:
+            raise RuntimeError("copying pages is not announced to the other processes of a multi-process run")
+        n = self.config.max_num_seqs
+        for start in range(0, len(src), n):
+            pairs = np.full((2, n), SCRATCH_PAGE, np.int32)
+            chunk = src[start : start + n]
+            pairs[0, : len(chunk)], pairs[1, : len(chunk)] = chunk, dst[start : start + n]
+            src_dst = (pairs[0], pairs[1])
+            program = self._program(("copy_pages",), copy_pages_jit, self.cache, *self._abstract(src_dst))
+            self.cache = program(self.cache, *self._place(src_dst))
 
     def prepare(self, batch: ScheduledBatch) -> StepBatch:
         """The flat host arrays of the step, in the smallest bucket that holds it."""
