@@ -21,12 +21,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minivllm_jax.sampling_params import SamplingParams
-from server.engine_loop import EngineStopped, RequestFailed, RequestStream
+from server.engine_loop import EngineStopped, QueueFull, RequestFailed, RequestStream
 from server.middleware import GateMiddleware
-from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_json, parse_request
-from server.responses import ChatFormatter, CompletionFormatter, _Formatter, sse
+from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, beam_search_error, parse_json,
+                             parse_request)  # fmt: skip
+from server.responses import ChatFormatter, CompletionFormatter, _Formatter, beam_search_output, sse
 from server.security import OriginPolicy, normalize_hosts
-from server.state import LLMLike, ServerState, stream_error
+from server.state import LLMLike, ServerState, queue_full, stream_error
 from server.ws import serve_socket
 
 logger = logging.getLogger(__name__)
@@ -99,11 +100,13 @@ def create_app(
         state.check_capacity()
         req = parse_request(CompletionRequest, parse_json(await _read_body(request, state.max_body_bytes)))
         state.check_model(req.model)
-        params = req.sampling_params()
+        params = None if req.use_beam_search else req.sampling_params()
         ids = await state.prompt_ids(req.single_prompt(), None)
         rid = f"cmpl-{uuid.uuid4().hex}"
         fmt = CompletionFormatter(rid, state.model_name, int(time.time()), state.table, req.logprobs, req.n,
                                   req.include_usage)  # fmt: skip
+        if params is None:
+            return await _respond_beam_search(request, state, ids, req, fmt, arrival)
         return await _respond(request, state, ids, params, fmt, req.stream, arrival)
 
     @app.post("/v1/chat/completions")
@@ -113,11 +116,13 @@ def create_app(
         state.check_capacity()
         req = parse_request(ChatCompletionRequest, parse_json(await _read_body(request, state.max_body_bytes)))
         state.check_model(req.model)
-        params = req.sampling_params()
+        params = None if req.use_beam_search else req.sampling_params()
         ids = await state.prompt_ids(None, req.messages)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         top_k = (req.top_logprobs or 0) if req.logprobs else None
         fmt = ChatFormatter(rid, state.model_name, int(time.time()), state.table, top_k, req.n, req.include_usage)
+        if params is None:
+            return await _respond_beam_search(request, state, ids, req, fmt, arrival)
         return await _respond(request, state, ids, params, fmt, req.stream, arrival, {"logprobs": "top_logprobs"})
 
     @app.websocket("/v1/stream")
@@ -206,6 +211,32 @@ async def _respond(
     if final is None:  # the client is gone; nobody will read this
         return Response(status_code=499)
     return JSONResponse(fmt.response(final, stream.prompt_tokens))
+
+
+async def _respond_beam_search(
+    request: Request,
+    state: ServerState,
+    ids: list[int],
+    req: CompletionRequest | ChatCompletionRequest,
+    fmt: _Formatter,
+    arrival: float,
+) -> Response:
+    """`use_beam_search`: one search, run alone on the engine (`AsyncEngine.beam_search`), answered
+    as one JSON body whose n choices are the hypotheses, best first."""
+    assert state.engine is not None and state.llm is not None
+    rest = state.llm.engine.config.max_model_len - len(ids)  # no max_tokens: the rest, as the engine resolves it
+    params = req.beam_search_params(max(rest, 1))
+    try:
+        out = await _unless_disconnected(request, state.engine.beam_search(ids, params, arrival))
+    except QueueFull as e:
+        raise queue_full(str(e)) from None
+    except (EngineStopped, RequestFailed) as e:
+        raise stream_error(e) from None
+    except ValueError as e:
+        raise beam_search_error(e) from None
+    if out is None:  # the client is gone (a search not yet started was dropped)
+        return Response(status_code=499)
+    return JSONResponse(fmt.response(beam_search_output(fmt.id, ids, out), len(ids)))
 
 
 async def _sse_events(stream: RequestStream, fmt: _Formatter) -> AsyncIterator[str]:

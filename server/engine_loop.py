@@ -13,6 +13,10 @@ host-side bug) fails every request in flight with `EngineStopped`, recovers the 
 serves again on the same thread, at most `max_restarts` times in `restart_window_s`; past that
 the loop stays down and `alive` is False.
 
+Beam search (`beam_search()`) drives the model directly and needs an idle engine: the thread
+lets running requests finish, runs the search between steps, and holds adds that arrive
+meanwhile until it is done (else a busy server might never go idle and starve it).
+
 `DataParallelEngine`: several replicas (`LLM(data_parallel_size=M)`), one `AsyncEngine` each.
 """
 
@@ -27,6 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from minivllm_jax.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from minivllm_jax.engine.router import PrefixRouter
 from minivllm_jax.outputs import RequestOutput
 from minivllm_jax.sampling_params import SamplingParams
@@ -45,6 +50,15 @@ class RequestFailed(RuntimeError):
 
 class QueueFull(RuntimeError):
     """`max_queue` requests are already in flight; the client should retry later."""
+
+
+@dataclasses.dataclass
+class _BeamJob:
+    prompt_ids: list[int]
+    params: BeamSearchParams
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future[BeamSearchOutput]
+    cancelled: bool = False  # set by the event loop when nobody waits any more: not started, dropped
 
 
 class RequestStream:
@@ -154,6 +168,8 @@ class AsyncEngine:
         self._closing = False  # engine thread: no more adds (set when failing everything)
         self._finished = False  # the thread is gone: commands run inline
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, RequestStream]] = {}  # engine thread only
+        self._beam_jobs: collections.deque[_BeamJob] = collections.deque()  # engine thread only
+        self._held: list[tuple[str, Callable[[], None]]] = []  # engine thread: adds waiting for the beam jobs
         self._steps = 0
         self.stats = self._snapshot()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -185,6 +201,9 @@ class AsyncEngine:
             if self._closing:
                 _resolve(loop, added, EngineStopped("the engine is shutting down"))
                 return
+            if self._beam_jobs:  # held until they are done: else a busy engine might never go idle and starve them
+                self._held.append((request_id, add_now))
+                return
             try:
                 self.engine.add_request(list(prompt_ids), params, request_id=request_id)
             except Exception as e:
@@ -201,6 +220,37 @@ class AsyncEngine:
             self._submit(lambda: self._abort_now(request_id))
             raise
         return stream
+
+    async def beam_search(
+        self, prompt_ids: Sequence[int], params: BeamSearchParams, arrival: float | None = None
+    ) -> BeamSearchOutput:
+        """Run `minivllm_jax.beam_search` for one prompt on the engine thread, once the running
+        requests have finished; adds that arrive meanwhile wait until it is done. Counts in
+        `max_queue` like a request. Raises QueueFull, EngineStopped, the search's ValueError (a
+        bad request) or RequestFailed (any other error in it; the loop serves on)."""
+        if not self.alive:
+            raise EngineStopped("the engine is not running")
+        if self.num_in_flight >= self.max_queue:
+            raise QueueFull(f"{self.num_in_flight} requests in flight (max_queue={self.max_queue})")
+        loop = asyncio.get_running_loop()
+        arrival = time.monotonic() if arrival is None else arrival
+        job = _BeamJob(list(prompt_ids), params, loop, loop.create_future())
+
+        def queue_job() -> None:
+            if self._closing:
+                _resolve(loop, job.done, EngineStopped("the engine is shutting down"))
+            else:
+                self._beam_jobs.append(job)
+
+        self.num_in_flight += 1
+        self._submit(queue_job)
+        try:
+            out = await job.done
+        finally:
+            job.cancelled = True
+            self.num_in_flight -= 1
+        self.metrics.observe_finished(out.sequences[0].finish_reason, time.monotonic() - arrival)
+        return out
 
     def stop(self, timeout: float | None = 10.0) -> None:
         """Abort everything, fail open streams with EngineStopped, and join the thread."""
@@ -222,6 +272,7 @@ class AsyncEngine:
 
     def _abort_now(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
+        self._held = [(rid, add) for rid, add in self._held if rid != request_id]
         self.engine.abort(request_id)
 
     def _run(self) -> None:
@@ -248,12 +299,14 @@ class AsyncEngine:
         """Run commands and steps until `stop()`; whatever the engine raises propagates."""
         while True:
             with self._cond:
-                while not (self._commands or self._stopping or self.engine.has_unfinished()):
+                while not (self._commands or self._stopping or self._beam_jobs or self.engine.has_unfinished()):
                     self._cond.wait()
             self._run_commands()
             if self._stopping:
                 return
-            if self.engine.has_unfinished():
+            if self._beam_jobs and not self.engine.has_unfinished():
+                self._run_beam_job(self._beam_jobs.popleft())
+            elif self.engine.has_unfinished():
                 outputs = self.engine.step()
                 self._steps += 1
                 for out in outputs:
@@ -268,6 +321,22 @@ class AsyncEngine:
                     return
                 command = self._commands.pop(0)
             command()
+
+    def _run_beam_job(self, job: _BeamJob) -> None:
+        """Run one search on the idle engine; its result or error goes to its caller only."""
+        if not job.cancelled:
+            try:
+                _resolve(job.loop, job.done, None, beam_search(self.engine, [job.prompt_ids], job.params)[0])
+            except ValueError as e:  # the request's fault: a 400
+                _resolve(job.loop, job.done, e)
+            except Exception as e:
+                logger.exception("beam search failed")
+                _resolve(job.loop, job.done, RequestFailed(f"beam search failed: {e}"))
+                self._recover()  # the engine was idle: this only rebuilds a lost KV cache
+        if not self._beam_jobs:  # the adds held back meanwhile, in order
+            held, self._held = self._held, []
+            for _, add in held:
+                add()
 
     def _take_restart(self) -> bool:
         """Count a restart, unless `max_restarts` already happened within `restart_window_s`."""
@@ -311,11 +380,15 @@ class AsyncEngine:
         with self._cond:
             pending, self._commands = self._commands, []
             self._finished = True
-        for command in pending:  # queued adds are answered with EngineStopped
+        for command in pending + [add for _, add in self._held]:  # queued adds are answered with EngineStopped
             try:
                 command()
             except Exception:
                 logger.exception("command failed during shutdown")
+        self._held = []
+        while self._beam_jobs:
+            job = self._beam_jobs.popleft()
+            _resolve(job.loop, job.done, error)
         self.stats = self._snapshot()
 
     def _snapshot(self) -> EngineStats:
@@ -374,6 +447,13 @@ class DataParallelEngine:
         replica = self.replicas[self.router.pick(prompt_ids, [r.num_in_flight for r in self.replicas])]
         return await replica.add(prompt_ids, params, request_id, arrival)
 
+    async def beam_search(self, prompt_ids: Sequence[int], params: BeamSearchParams,
+                          arrival: float | None = None) -> BeamSearchOutput:  # fmt: skip
+        """On the first replica, as `LLM.beam_search`."""
+        if self.num_in_flight >= self.max_queue:
+            raise QueueFull(f"{self.num_in_flight} requests in flight (max_queue={self.max_queue})")
+        return await self.replicas[0].beam_search(prompt_ids, params, arrival)
+
     def stop(self, timeout: float | None = 10.0) -> None:
         for replica in self.replicas:
             replica.stop(timeout)
@@ -386,12 +466,13 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: 
         pass
 
 
-def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None], error: BaseException | None) -> None:
+def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], error: BaseException | None,
+             result: Any = None) -> None:  # fmt: skip
     def set_() -> None:
         if fut.done():
             return
         if error is None:
-            fut.set_result(None)
+            fut.set_result(result)
         else:
             fut.set_exception(error)
 

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from minivllm_jax.beam_search import BeamSearchParams
 from minivllm_jax.sampling_params import SamplingParams
 
 MAX_N = 16  # choices per request: each one is a sequence in the engine
@@ -21,6 +22,11 @@ MAX_N = 16  # choices per request: each one is a sequence in the engine
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+# With use_beam_search these would be silently ignored (the search ranks by the model's own
+# log-probs and answers one JSON body), so only their neutral value is accepted.
+_BEAM_SEARCH_NEUTRAL = ("top_p", "top_k", "min_p", "stop", "seed", "presence_penalty", "frequency_penalty",
+                        "repetition_penalty", "stop_token_ids", "skip_special_tokens", "stream", "logprobs",
+                        "top_logprobs")  # fmt: skip
 
 
 class APIError(Exception):
@@ -82,6 +88,10 @@ class _Sampling(_Strict):
     service_tier: str | None = None
     # Would change the output; only the neutral value is accepted.
     logit_bias: dict[str, float] | None = None
+    # vLLM extension: beam search, `n` being the beam width (HTTP only, non-streaming).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
     @model_validator(mode="after")
     def _neutral(self) -> "_Sampling":
@@ -99,6 +109,30 @@ class _Sampling(_Strict):
         if any(len(s) > MAX_STOP_CHARS for s in stops):
             raise _FieldError("stop", f"stop: each string must be at most {MAX_STOP_CHARS} characters")
         return self
+
+    @model_validator(mode="after")
+    def _beam_search_fields(self) -> "_Sampling":
+        if not self.use_beam_search:
+            if self.length_penalty != 1.0 or self.early_stopping is not False:
+                param = "length_penalty" if self.length_penalty != 1.0 else "early_stopping"
+                raise _FieldError(param, f"{param} only applies with use_beam_search: true")
+            return self
+        if self.temperature not in (0.0, 1.0):  # vLLM takes it but ranks by raw log-probs too
+            raise _FieldError("temperature", "with use_beam_search, temperature must be 0 or 1 (the search ranks "
+                              "by the model's own log-probs)")  # fmt: skip
+        fields = type(self).model_fields
+        for name in _BEAM_SEARCH_NEUTRAL:
+            if name in fields and getattr(self, name) not in (fields[name].default, None, []):
+                raise _unsupported(name, f"{name} is not supported with use_beam_search")
+        return self
+
+    def _beam_search_params(self, max_tokens: int | None, default_max_tokens: int) -> BeamSearchParams:
+        """vLLM's mapping: `n` is the beam width; no max_tokens means `default_max_tokens`."""
+        max_tokens = default_max_tokens if max_tokens is None else max_tokens
+        try:
+            return BeamSearchParams(self.n, max_tokens, self.length_penalty, self.early_stopping, self.ignore_eos)
+        except ValueError as e:
+            raise beam_search_error(e) from None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         return dict(
@@ -147,6 +181,9 @@ class CompletionRequest(_Sampling):
     def sampling_params(self) -> SamplingParams:
         return make_sampling_params(self.sampling_kwargs(), max_tokens=self.max_tokens, logprobs=self.logprobs)
 
+    def beam_search_params(self, default_max_tokens: int) -> BeamSearchParams:
+        return self._beam_search_params(self.max_tokens, default_max_tokens)
+
 
 class TextPart(_Strict):
     type: Literal["text"]
@@ -193,11 +230,16 @@ class ChatCompletionRequest(_Sampling):
     def template_messages(self) -> list[dict[str, str]]:
         return [m.as_template_dict() for m in self.messages]
 
+    def _max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
     def sampling_params(self) -> SamplingParams:
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return make_sampling_params(self.sampling_kwargs(), max_tokens=max_tokens, logprobs=logprobs,
+        return make_sampling_params(self.sampling_kwargs(), max_tokens=self._max_tokens(), logprobs=logprobs,
                                     renames={"logprobs": "top_logprobs"})  # fmt: skip
+
+    def beam_search_params(self, default_max_tokens: int) -> BeamSearchParams:
+        return self._beam_search_params(self._max_tokens(), default_max_tokens)
 
 
 class StreamRequest(_Sampling):
@@ -221,6 +263,8 @@ class StreamRequest(_Sampling):
             raise _FieldError("prompt", "prompt must not be empty")
         if self.stream_options is not None:
             raise _unsupported("stream_options", "stream_options is not used on the WebSocket (usage is always sent)")
+        if self.use_beam_search:
+            raise _unsupported("use_beam_search", "use_beam_search is served over HTTP only (it does not stream)")
         return self
 
     def sampling_params(self) -> SamplingParams:
@@ -303,6 +347,16 @@ def make_sampling_params(
         return SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=logprobs)
     except ValueError as e:
         raise invalid(str(e), param_from_message(str(e), renames)) from None
+
+
+def beam_search_error(e: ValueError) -> APIError:
+    """A beam search's ValueError (its params, or the search refusing the prompt) as a 400 naming
+    the request's field: `beam_width` is the request's `n`."""
+    message = str(e).replace("beam_width", "n")
+    param = param_from_message(message) or "prompt"
+    if param == "n":
+        message += " (with use_beam_search, n is the beam width)"
+    return invalid(message, param, "context_length_exceeded" if "max_model_len" in message else None)
 
 
 def param_from_message(message: str, renames: dict[str, str] | None = None) -> str | None:

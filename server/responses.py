@@ -10,9 +10,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from typing import Any
 
-from minivllm_jax.outputs import RequestOutput
+from minivllm_jax.beam_search import BeamSearchOutput
+from minivllm_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from server.preprocess import TokenTable
 
 MIN_LOGPROB = -9999.0  # JSON has no -Infinity
@@ -48,6 +50,15 @@ class ChoiceTracker:
             if text or ids or c.finish_reason:
                 result.append(Delta(i, text, ids, logprobs, c.finish_reason))
         return result
+
+
+def beam_search_output(request_id: str, prompt_ids: list[int], out: BeamSearchOutput) -> RequestOutput:
+    """A beam search's hypotheses as one finished output, choice i the i-th best, for the
+    formatters; each choice's token_ids are its generated tokens (the EOS that ended it included)."""
+    n = len(prompt_ids)
+    choices = [CompletionOutput(i, s.text, s.tokens[n:], s.cum_logprob, None, s.finish_reason)
+               for i, s in enumerate(out.sequences)]  # fmt: skip
+    return RequestOutput(request_id, None, list(prompt_ids), choices, True, RequestMetrics(time.monotonic()))
 
 
 def usage(out: RequestOutput | None, prompt_tokens: int) -> dict[str, int]:

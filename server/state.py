@@ -18,6 +18,11 @@ logger = logging.getLogger(__name__)
 RETRY_AFTER_S = "1"
 
 
+def queue_full(detail: str) -> APIError:
+    return APIError(429, f"server is busy: {detail}; retry later", type="rate_limit_error", code="queue_full",
+                    headers={"Retry-After": RETRY_AFTER_S})  # fmt: skip
+
+
 def stream_error(e: EngineStopped | RequestFailed) -> APIError:
     """The error for a stream that ended early: a failed step is the server's fault (500; the
     cause is in the server log, not sent), a stopped engine is unavailable (503)."""
@@ -96,12 +101,7 @@ class ServerState:
         """Refuse early when the queue is full, before reading and tokenizing the body
         (`AsyncEngine.add` checks again, exactly, at admission)."""
         if self.engine is not None and self.engine.num_in_flight >= self.max_queue:
-            raise self._queue_full(f"{self.engine.num_in_flight} requests in flight (max_queue={self.max_queue})")
-
-    @staticmethod
-    def _queue_full(detail: str) -> APIError:
-        return APIError(429, f"server is busy: {detail}; retry later", type="rate_limit_error", code="queue_full",
-                        headers={"Retry-After": RETRY_AFTER_S})  # fmt: skip
+            raise queue_full(f"{self.engine.num_in_flight} requests in flight (max_queue={self.max_queue})")
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -131,7 +131,7 @@ class ServerState:
         try:
             return await self.engine.add(prompt_ids, params, request_id, arrival)
         except QueueFull as e:
-            raise self._queue_full(str(e)) from None
+            raise queue_full(str(e)) from None
         except EngineStopped as e:
             raise APIError(503, str(e), type="service_unavailable", code="engine_unavailable",
                            headers={"Retry-After": RETRY_AFTER_S}) from None  # fmt: skip
