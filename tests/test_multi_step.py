@@ -6,15 +6,11 @@ from __future__ import annotations
 import pytest
 
 from minivllm_jax import LLM, SamplingParams
-from tests.conftest import make_tiny_llama, save_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("multi-step") / "tiny"
-    make_tiny_llama(path)
-    save_tiny_tokenizer(path)
-    return path
+def model_dir(tiny_model_with_tokenizer):
+    return tiny_model_with_tokenizer
 
 
 def _llm(path, k: int, **kw) -> LLM:

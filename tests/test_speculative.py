@@ -10,7 +10,7 @@ import pytest
 
 from minivllm_jax import LLM, SamplingParams
 from minivllm_jax.speculative import SpeculativeConfig, accepted_length, propose_ngram
-from tests.conftest import TINY_LLAMA, make_tiny_llama, save_tiny_tokenizer
+from tests.conftest import make_tiny_llama, save_tiny_tokenizer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
@@ -46,11 +46,8 @@ def test_bad_config_is_refused(config, match):
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("speculative") / "tiny"
-    make_tiny_llama(path)
-    save_tiny_tokenizer(path)
-    return path
+def model_dir(tiny_model_with_tokenizer):
+    return tiny_model_with_tokenizer
 
 
 def _llm(path, spec=None, **kw) -> LLM:
@@ -167,4 +164,3 @@ def test_sampled_outputs_keep_the_model_distribution(tmp_path):
     assert set(pairs) <= set(expected)
     observed = [pairs.count(pair) for pair in expected]
     assert chisquare(observed, [n * p for p in expected.values()]).pvalue > 0.001
-    assert TINY_LLAMA["vocab_size"] > 3
