@@ -46,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attention", default="auto", choices=["auto", "native", "reference"],
                    help="attention implementation (auto: native where built)")  # fmt: skip
+    p.add_argument("--matmul", default="auto", choices=["auto", "native", "reference"],
+                   help="projection matmuls (auto: native where built, as the runner)")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -129,7 +131,7 @@ def main(argv=None) -> None:
     dtype = jnp.dtype(args.dtype)
     params = init_params(cfg, jax.random.PRNGKey(args.seed), dtype=dtype)
     params = unstack_layers(quantize_params(params, args.quantization))  # as the runner holds them
-    matmul = "native" if kernels.native_available() else "reference"  # quantized projections, as the runner
+    matmul = ("native" if kernels.native_available() else "reference") if args.matmul == "auto" else args.matmul
     num_pages = max(2, min(4096, max(sum(B * -(-(C + T) // args.page_size) for B, T, C in g) for g in groups) + 1))
     cache = init_kv_cache(cfg, num_pages, args.page_size, dtype, args.kv_cache_dtype)
     cache = jax.tree.map(lambda a: random_like(a, dtype), cache)

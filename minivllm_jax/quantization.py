@@ -253,7 +253,9 @@ def w8a8_matmul_reference(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
 
 def quantized_matmul_reference(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
     """`x @ W` for a quantized projection `p`: the contract every quantized matmul keeps (weight-only
-    schemes: `x @ dequantize(p)`; w8a8: `w8a8_matmul_reference`)."""
+    schemes: `x @ dequantize(p)`; w8a8: `w8a8_matmul_reference`). A float projection is `x @ kernel`."""
+    if not is_quantized(p):
+        return x @ p["kernel"]
     if "qweight_a8" in p or "qweight_a8_panels" in p:
         return w8a8_matmul_reference(x, p)
     return x @ dequantize(p, x.dtype)
@@ -261,9 +263,12 @@ def quantized_matmul_reference(x: jax.Array, p: dict[str, jax.Array]) -> jax.Arr
 
 def _native_matmul(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
     # these load a shared library
+    from minivllm_jax.kernels.float_matmul import float_matmul_native
     from minivllm_jax.kernels.quantized_matmul import quantized_matmul_native
     from minivllm_jax.kernels.w8a8_matmul import w8a8_matmul_native
 
+    if not is_quantized(p):
+        return float_matmul_native(x, p["kernel"])
     w8a8 = "qweight_a8" in p or "qweight_a8_panels" in p
     return w8a8_matmul_native(x, p) if w8a8 else quantized_matmul_native(x, p)
 

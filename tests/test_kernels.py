@@ -127,6 +127,44 @@ def test_native_quantized_matmul_equals_reference(scheme, group_size, rows):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.skipif(not kernels.native_available(), reason="native kernels not available (not built, or MINIVLLM_KERNELS=reference)")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("n_in,n_out", [(256, 192), (37, 64)])
+def test_native_float_matmul_equals_reference(rows, n_in, n_out):
+    """Every row-pass size (2-4, a pass of 4 and a remainder) of a float projection; one row, rows
+    past the native limit and an output size that is not a multiple of 64 stay with XLA."""
+    from minivllm_jax.kernels.float_matmul import MAX_NATIVE_ROWS
+    from minivllm_jax.quantization import MATMUL
+
+    rng = np.random.default_rng(rows)
+    p = {"kernel": jnp.asarray(rng.standard_normal((n_in, n_out)).astype(np.float32))}
+    x = jnp.asarray(rng.standard_normal((rows, n_in)).astype(np.float32))
+    native = jax.jit(MATMUL["native"])
+    got, want = np.asarray(native(x, p)), np.asarray(x @ p["kernel"])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    uses_kernel = "minivllm_matmul_f32" in native.lower(x, p).as_text()
+    assert uses_kernel == (1 < rows <= MAX_NATIVE_ROWS)
+    odd = {"kernel": p["kernel"][:, :40]}
+    assert "minivllm_matmul_f32" not in native.lower(x, odd).as_text()
+    np.testing.assert_allclose(np.asarray(native(x, odd)), want[:, :40], rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.skipif(not kernels.native_available(), reason="native kernels not available (not built, or MINIVLLM_KERNELS=reference)")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
+def test_native_transposed_float_matmul_equals_reference(rows):
+    """A tied output head (`x @ embedding.T`) for every row-pass size; 1 row and rows past the
+    native limit stay with XLA."""
+    from minivllm_jax.kernels.float_matmul import MAX_NATIVE_ROWS, float_matmul_transposed_native
+
+    rng = np.random.default_rng(rows)
+    w = jnp.asarray(rng.standard_normal((200, 96)).astype(np.float32))  # [vocab, hidden]
+    x = jnp.asarray(rng.standard_normal((rows, 96)).astype(np.float32))
+    native = jax.jit(float_matmul_transposed_native)
+    got, want = np.asarray(native(x, w)), np.asarray(x @ w.T)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert ("minivllm_matmul_f32_t" in native.lower(x, w).as_text()) == (1 < rows <= MAX_NATIVE_ROWS)
+
+
 @requires_smollm2
 @pytest.mark.skipif(not kernels.native_available(), reason="native kernels not available (not built, or MINIVLLM_KERNELS=reference)")
 def test_engine_quantized_native_matmul_matches_reference_matmul(monkeypatch):

@@ -30,6 +30,8 @@ TARGETS = {
     "minivllm_matmul_int8_f32": "MinivllmMatmulInt8F32",
     "minivllm_matmul_int4_f32": "MinivllmMatmulInt4F32",
     "minivllm_matmul_w8a8_f32": "MinivllmMatmulW8A8F32",
+    "minivllm_matmul_f32": "MinivllmMatmulF32",
+    "minivllm_matmul_f32_t": "MinivllmMatmulF32Transposed",
 }
 
 

@@ -41,6 +41,7 @@ from jax import lax
 from minivllm_jax.attention import AttentionFn, get_attention
 from minivllm_jax.batch import StepBatch
 from minivllm_jax.config import ModelConfig
+from minivllm_jax.kernels.float_matmul import float_matmul_transposed_native
 from minivllm_jax.kv_cache import KVCache, write_kv
 from minivllm_jax.quantization import MATMUL, is_quantized, lookup_embedding, serving_layout
 
@@ -175,11 +176,11 @@ QuantizedMatmul = Callable[[jax.Array, Params], jax.Array]
 
 
 def _linear(matmul: QuantizedMatmul, x: jax.Array, p: dict[str, jax.Array], axis: str | None = None) -> jax.Array:
-    """`x @ kernel + bias`; a quantized projection (`minivllm_jax.quantization`) goes to the
-    quantized matmul. With `axis` the kernel's input rows are split over that mesh axis (o_proj
+    """`x @ kernel + bias` by `matmul` (`minivllm_jax.quantization.MATMUL`: float and quantized
+    projections, XLA's dot or the native kernels). With `axis` the kernel's input rows are split over that mesh axis (o_proj
     and down_proj under tensor parallelism, `minivllm_jax.parallel`): the partial products are
     summed over the devices (one all-reduce) before the bias is added, once."""
-    y = matmul(x, p) if is_quantized(p) else x @ p["kernel"]
+    y = matmul(x, p)
     if axis is not None:
         y = lax.psum(y, axis)
     return y + p["bias"] if "bias" in p else y
@@ -271,8 +272,11 @@ def forward(
     head = params["embed_tokens"] if cfg.tie_word_embeddings else params["lm_head"]
     if is_quantized(head):  # int8 per vocabulary entry (`quantization.quantize_head`)
         return qmatmul(x, head).astype(jnp.float32), cache
-    head = head.T if cfg.tie_word_embeddings else head
-    logits = jnp.einsum("...d,dv->...v", x, head, preferred_element_type=jnp.float32)
+    if cfg.tie_word_embeddings and matmul == "native":  # the embedding read in place by the native kernel
+        logits = float_matmul_transposed_native(x, head)
+    else:
+        head = head.T if cfg.tie_word_embeddings else head
+        logits = jnp.einsum("...d,dv->...v", x, head, preferred_element_type=jnp.float32)
     if axis is not None and logits.shape[-1] < cfg.vocab_size:  # this device's slice of the vocabulary
         logits = lax.all_gather(logits, axis, axis=logits.ndim - 1, tiled=True)
     return logits, cache
