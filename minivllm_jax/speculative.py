@@ -35,6 +35,10 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4  # draft tokens proposed per step, at most
     prompt_lookup_max: int = 4  # longest suffix n-gram looked up
     prompt_lookup_min: int = 2  # shortest
+    # vLLM's: no drafts while more sequences than this run. A verify step feeds 1 + k rows a
+    # sequence; past a few rows the step is compute-bound (on CPU, XLA's matmul of 2-8 rows
+    # already costs about twice its 1-row one), so a large batch gains less than it pays.
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method != "ngram":
@@ -44,6 +48,9 @@ class SpeculativeConfig:
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
             raise ValueError(f"need integers 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r} and {hi!r}")
+        limit = self.disable_by_batch_size
+        if limit is not None and (not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"disable_by_batch_size must be a positive integer or None, got {limit!r}")
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:

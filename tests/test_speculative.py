@@ -39,6 +39,7 @@ def test_accepted_length_counts_matching_draft_tokens_from_the_first():
     ({"method": "ngram", "prompt_lookup_max": 2, "prompt_lookup_min": 3}, "prompt_lookup_min"),
     ({"method": "ngram", "draft_model": "x"}, "unknown speculative_config keys"),
     ({"num_speculative_tokens": 2}, "needs a 'method'"),
+    ({"method": "ngram", "disable_by_batch_size": 0}, "disable_by_batch_size"),
 ])  # fmt: skip
 def test_bad_config_is_refused(config, match):
     with pytest.raises(ValueError, match=match):
@@ -103,6 +104,16 @@ def test_speculation_backs_off_when_nothing_repeats(model_dir):
         lookups += engine.scheduler.wants_draft(seq) and not seq.is_finished
         engine.step()
     assert engine.num_draft_tokens == 0 and 0 < lookups < 10 and seq.spec_backoff > 1
+
+
+def test_no_drafts_while_more_sequences_run_than_disable_by_batch_size(model_dir):
+    llm = _llm(model_dir, {**NGRAM, "disable_by_batch_size": 1}, warmup=False)
+    engine, greedy = llm.engine, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in _llm(model_dir, warmup=False).generate(PROMPTS[:2], greedy, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], greedy, use_tqdm=False)] == expected
+    assert engine.num_draft_tokens == 0  # two ran together all along
+    assert llm.generate(PROMPTS[:1], greedy, use_tqdm=False)[0].outputs[0].token_ids == expected[0]
+    assert engine.num_draft_tokens > 0  # alone, it speculates
 
 
 def test_backoff_doubles_on_misses_and_resets_on_acceptance():

@@ -212,8 +212,10 @@ class Scheduler:
     def wants_draft(self, seq: Sequence) -> bool:
         """The sequence may propose a draft at its next decode (its tokens must all be known:
         the engine then reads the step before scheduling the next)."""
-        return (self.config.speculative is not None and not seq.params.uses_penalties
-                and len(seq.output_token_ids) >= seq.spec_resume_at)  # fmt: skip
+        spec = self.config.speculative
+        return (spec is not None and not seq.params.uses_penalties
+                and len(seq.output_token_ids) >= seq.spec_resume_at
+                and (spec.disable_by_batch_size is None or len(self.running) <= spec.disable_by_batch_size))  # fmt: skip
 
     def _propose(self, decodes: list[Sequence]) -> tuple[tuple[int, ...], ...]:
         """N-gram drafts for the decodes that want one, within the token budget and
