@@ -187,12 +187,7 @@ class AsyncEngine:
         """Queue a tokenized request. Raises QueueFull, EngineStopped, or the engine's
         ValueError for a bad request (checked on the engine thread, between steps).
         `arrival` (time.monotonic) is when the server received it; latencies count from there."""
-        if not self.alive:
-            raise EngineStopped("the engine is not running")
-        if self.num_in_flight >= self.max_queue:
-            raise QueueFull(f"{self.num_in_flight} requests in flight (max_queue={self.max_queue})")
-        loop = asyncio.get_running_loop()
-        arrival = time.monotonic() if arrival is None else arrival
+        loop, arrival = self._admit(arrival)
         stream = RequestStream(self, request_id, len(prompt_ids), params.n, arrival)
         self.num_in_flight += 1
         added: asyncio.Future[None] = loop.create_future()
@@ -228,12 +223,7 @@ class AsyncEngine:
         requests have finished; adds that arrive meanwhile wait until it is done. Counts in
         `max_queue` like a request. Raises QueueFull, EngineStopped, the search's ValueError (a
         bad request) or RequestFailed (any other error in it; the loop serves on)."""
-        if not self.alive:
-            raise EngineStopped("the engine is not running")
-        if self.num_in_flight >= self.max_queue:
-            raise QueueFull(f"{self.num_in_flight} requests in flight (max_queue={self.max_queue})")
-        loop = asyncio.get_running_loop()
-        arrival = time.monotonic() if arrival is None else arrival
+        loop, arrival = self._admit(arrival)
         job = _BeamJob(list(prompt_ids), params, loop, loop.create_future())
 
         def queue_job() -> None:
@@ -251,6 +241,14 @@ class AsyncEngine:
             self.num_in_flight -= 1
         self.metrics.observe_finished(out.sequences[0].finish_reason, time.monotonic() - arrival)
         return out
+
+    def _admit(self, arrival: float | None) -> tuple[asyncio.AbstractEventLoop, float]:
+        """Refuse work when stopped or full; else the caller's event loop and arrival time."""
+        if not self.alive:
+            raise EngineStopped("the engine is not running")
+        if self.num_in_flight >= self.max_queue:
+            raise QueueFull(f"{self.num_in_flight} requests in flight (max_queue={self.max_queue})")
+        return asyncio.get_running_loop(), time.monotonic() if arrival is None else arrival
 
     def stop(self, timeout: float | None = 10.0) -> None:
         """Abort everything, fail open streams with EngineStopped, and join the thread."""
