@@ -44,6 +44,7 @@ SUITE: dict[str, list[str]] = {
     "startup": ["bench_startup.py"],
     "quant": ["bench_quant.py"],
     "scaling": ["bench_scaling.py"],
+    "decoding": ["bench_decoding.py"],
 }
 
 
@@ -115,6 +116,14 @@ def summary() -> str:
     start = _load("startup") or {}
     rows.append(("server start-up to /health 200, cold / warm caches, s (targets <= 60 / 15)",
                  f"{_fmt(start.get('cold_s'))} / {_fmt(start.get('warm_s'))}", "", ""))  # fmt: skip
+    dcd = _load("decoding") or {}
+    beam = (dcd.get("beam_search") or {}).get("batch_1") or {}
+    rows.append(("beam search (k = 4), batch 1, tok/s", _fmt(beam.get("ours_tok_s")), _fmt(beam.get("hf_tok_s")),
+                 _fmt(beam["ours_tok_s"] / beam["hf_tok_s"], 2) + "x" if beam else "n/a"))  # fmt: skip
+    spec = (dcd.get("speculative") or {}).get("grounded_batch_1") or {}
+    rows.append(("n-gram speculation, batch-1 decode, input-grounded, tok/s with / without",
+                 f"{_fmt(spec.get('ngram', {}).get('decode_tok_s'))} / {_fmt(spec.get('off', {}).get('decode_tok_s'))}",
+                 "", _fmt(spec.get("decode_speedup"), 2) + "x"))  # fmt: skip
     header = ["metric", "minivllm-jax (XLA)", "HF transformers (PyTorch)", "ratio"]
     if any(r[4:] != ("", "") for r in rows if len(r) > 4):
         header += ["llama.cpp F32 / Q4_1 GGUF", "ours / llama.cpp F32"]
@@ -122,7 +131,7 @@ def summary() -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     machine = tp.get("machine") or dec.get("machine") or {}
-    stamps = sorted(r["timestamp"] for r in (tp, bf, dec, lat, mem, roof, inter, start) if r.get("timestamp"))
+    stamps = sorted(r["timestamp"] for r in (tp, bf, dec, lat, mem, roof, inter, start, dcd) if r.get("timestamp"))
     when = "not run yet" if not stamps else stamps[0] if stamps[0] == stamps[-1] else (
         f"from {stamps[0]} to {stamps[-1]} (rows rerun with `--only` keep their own timestamps)")
     lines.append(f"\nMeasured {when} on {machine.get('cpu', '?')}, {machine.get('cpu_count', '?')} cores, "

@@ -1,0 +1,320 @@
+"""Decoding strategies beyond one token a step, in one run on one machine (issue 15's Measure):
+
+1. the functional, fully jitted `minivllm_jax.generate` vs the engine (`LLM.generate`) vs HF
+   transformers `generate`, greedy, batch 1 and batch 8, generated tokens per second;
+2. multi-step decode: batch-1 engine decode with `num_scheduler_steps` k = 1, 4, 8, as tok/s and
+   as a share of the bandwidth bound (read bandwidth over the weight bytes a step reads);
+3. n-gram speculative decoding on an input-grounded workload (rewrite a passage, edit code: the
+   answer copies much of the prompt) and on the chat preset, at batch 1 and 8, with and
+   without (float32 at batch 1 and 8, also with `disable_by_batch_size`; int8 weights on the
+   native matmul at batch 1): acceptance rate, output tok/s, and whether the tokens are identical;
+4. beam search (`LLM.beam_search`, k = 4) vs HF `generate(num_beams=4)`, 1 and 4 prompts.
+
+Every timing is the median of --reps runs after a warm-up run of the same work (which also
+compiles what it needs). JSON and PNG go to benchmarks/results/decoding.*.
+
+    python benchmarks/bench_decoding.py [--quick] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_quant import decode_bytes_per_token  # noqa: E402
+from benchmarks.bench_roofline import measure_bandwidth  # noqa: E402
+from benchmarks.common import PRESETS, RESULTS, load_hf_model, new_figure, save_plot, write_result  # noqa: E402
+
+# 7 draft tokens: 1 + 7 = 8 rows, a step bucket, which the native matmuls read the weights once
+# for. Measured here on the grounded workload, batch-1 decode with / without: gamma 3 (min 1 or
+# 2) 1.7x, gamma 5 1.7x, gamma 7 min 2 1.8x, gamma 7 min 1 2.0x (lookup max 3, 4 or 6: the same).
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+BATCH_LIMIT = 4  # `disable_by_batch_size` of the third setting at batch 8
+
+# Input-grounded requests: the answer is mostly the given text again, edited.
+PASSAGES = [
+    "The quick brown fox jumps over the lazy dog near the river bank. Every morning the fox walks along the "
+    "water, looking for fish, and every evening it returns to its den under the old oak tree at the edge of "
+    "the forest, where its three cubs wait for it.",
+    "Our library opens at nine in the morning and closes at six in the evening from Monday to Friday. On "
+    "Saturdays it opens at ten and closes at four. Books can be borrowed for three weeks and renewed twice, "
+    "unless another reader has reserved them.",
+    "To make the bread, mix the flour, the salt and the yeast in a large bowl, then add the warm water and "
+    "stir until a soft dough forms. Knead the dough for ten minutes, cover it, and let it rise for one hour "
+    "before baking it at two hundred degrees for thirty minutes.",
+    "The meeting will take place on Thursday in the main conference room on the second floor. Please bring "
+    "your laptop, the quarterly report and your notes from the last meeting. Lunch will be served after the "
+    "meeting in the cafeteria on the ground floor.",
+]
+CODE = [
+    "def area(width, height):\n    result = width * height\n    return result\n\n\ndef perimeter(width, height):\n"
+    "    result = 2 * (width + height)\n    return result\n",
+    "def count_words(text):\n    counts = {}\n    for word in text.split():\n        word = word.lower()\n"
+    "        counts[word] = counts.get(word, 0) + 1\n    return counts\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+    "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n",
+    "def mean(values):\n    total = 0\n    for value in values:\n        total = total + value\n"
+    "    return total / len(values)\n",
+]
+
+
+def grounded_prompts(llm) -> list[list[int]]:
+    asks = [f"Rewrite this text exactly, but in the past tense:\n\n{p}" for p in PASSAGES]
+    asks += [f"Add type hints to this Python code and return the whole code:\n\n{c}" for c in CODE]
+    return [llm.apply_chat_template([{"role": "user", "content": a}]) for a in asks]
+
+
+def chat_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """The chat preset's prompts (seeded random ids, as `benchmarks.common.make_workload`)."""
+    import numpy as np
+
+    preset = PRESETS["chat"]
+    rng = np.random.default_rng(seed)
+    return [rng.integers(100, 10000, size=int(k)).tolist() for k in rng.integers(*preset.input_len, size=n)]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--tokens", type=int, default=64, help="new tokens per request (sections 1, 2, 4)")
+    p.add_argument("--spec-tokens", type=int, default=160, help="max new tokens per speculative-workload request")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--quick", action="store_true", help="few tokens, 1 rep, batch 8 only where it is cheap")
+    p.add_argument("--out", default=str(RESULTS / "decoding.json"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.tokens, args.spec_tokens, args.reps = 8, 24, 1
+    return args
+
+
+def timed(fn: Callable[[], Any], reps: int, warmups: int = 2) -> tuple[float, Any]:
+    """Median seconds of `fn()` over `reps` runs after `warmups` runs, and the last result. Two
+    warm-ups: the second run of a prompt hits the prefix cache and so has its own step shapes."""
+    for _ in range(warmups):
+        out = fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), out
+
+
+def decode_rate(outs: list[Any]) -> float:
+    """Tokens after each request's first over the time from its first token to its last, summed:
+    the decode speed a stream sees (prefill, which speculation does not change, left out)."""
+    tokens = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
+    return tokens / sum(o.metrics.last_token_time - o.metrics.first_token_time for o in outs)
+
+
+def greedy(max_tokens: int, ignore_eos: bool = True):
+    from minivllm_jax import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+
+
+# ---------------------------------------------------------------------------------------- sections
+
+
+def bench_generate(args, llm, hf, prompts: list[list[int]]) -> dict[str, Any]:
+    """Functional generate vs engine vs HF at batch 1 and 8 (same prompts, greedy, forced length)."""
+    import torch
+
+    from minivllm_jax import SamplingParams, generate
+
+    out: dict[str, Any] = {}
+    n = args.tokens
+    for batch in (1, 8):
+        ps = prompts[:batch]
+        t_fn, fn_out = timed(lambda: generate(llm.params, llm.model_config, ps, n,
+                                              SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)), args.reps)  # fmt: skip
+        t_engine, engine_out = timed(lambda: llm.generate(ps, greedy(n), use_tqdm=False), args.reps)
+        ids = torch.tensor(ps)  # same-length prompts: no padding, so HF's tokens are comparable
+        run_hf = lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,  # noqa: E731
+                                     do_sample=False, pad_token_id=0)  # fmt: skip
+        with torch.no_grad():
+            t_hf, hf_out = timed(run_hf, args.reps)
+        engine_ids = [o.outputs[0].token_ids for o in engine_out]
+        out[f"batch_{batch}"] = {
+            "functional_tok_s": batch * n / t_fn, "engine_tok_s": batch * n / t_engine, "hf_tok_s": batch * n / t_hf,
+            "functional_equals_engine": [o.token_ids for o in fn_out] == engine_ids,
+            "hf_equals_engine_rows": sum(h[len(p):].tolist() == e for h, p, e in zip(hf_out, ps, engine_ids)),
+        }  # fmt: skip
+        print(f"generate batch {batch}: {out[f'batch_{batch}']}")
+    return out
+
+
+def bench_multi_step(args, prompt: list[int], bytes_per_token: int, bandwidth_gb_s: float) -> dict[str, Any]:
+    """Batch-1 engine decode rate (tokens after the first, per second of their arrival) per k."""
+    from minivllm_jax import LLM
+
+    bound = bandwidth_gb_s * 1e9 / bytes_per_token
+    out: dict[str, Any] = {"bound_tok_s": bound}
+    tokens = 2 * args.tokens
+    for k in (1, 4, 8):
+        llm = LLM(args.model, max_num_seqs=1, max_model_len=len(prompt) + tokens + 8, max_num_batched_tokens=64,
+                  num_scheduler_steps=k, use_tqdm=False, warmup=False)  # fmt: skip
+        engine = llm.engine
+
+        def run() -> tuple[float, list[int]]:
+            engine.add_request(prompt, greedy(tokens))
+            stamps, ids = [], []
+            while engine.has_unfinished():
+                for o in engine.step():
+                    new = o.outputs[0].token_ids[len(ids) :]
+                    stamps += [time.perf_counter()] * len(new)
+                    ids += new
+            return (len(stamps) - 1) / (stamps[-1] - stamps[0]), ids
+
+        run(), run()  # compile what this k uses (the second run hits the prefix cache: other shapes)
+        rates = [run() for _ in range(max(args.reps, 1))]
+        rate = statistics.median(r for r, _ in rates)
+        out[f"k_{k}"] = {"decode_tok_s": rate, "share_of_bound": rate / bound, "token_ids": rates[-1][1]}
+        print(f"multi-step k={k}: {rate:.1f} tok/s, {100 * rate / bound:.0f}% of the bound ({bound:.0f} tok/s)")
+        del llm, engine
+    out["identical_tokens"] = out["k_1"]["token_ids"] == out["k_4"]["token_ids"] == out["k_8"]["token_ids"]
+    for k in (1, 4, 8):
+        out[f"k_{k}"].pop("token_ids")
+    return out
+
+
+def bench_speculative(args, workloads: dict[str, list[list[int]]]) -> dict[str, Any]:
+    """Each workload with and without speculation: float32 at batch 1 (the prompts one after
+    another) and batch 8 (also with `disable_by_batch_size`), and int8 weights (the native
+    quantized matmul, whose cost barely grows from 1 to 4 rows) at batch 1."""
+    from minivllm_jax import LLM
+
+    limited = {**SPECULATIVE, "disable_by_batch_size": BATCH_LIMIT}
+    variants = {"fp32": (None, {1: ("off", "ngram"), 8: ("off", "ngram", "ngram_limited")}),
+                "int8": ("int8", {1: ("off", "ngram")})}  # fmt: skip
+    configs = {"off": None, "ngram": SPECULATIVE, "ngram_limited": limited}
+    out: dict[str, Any] = {}
+    for variant, (quantization, batches) in variants.items():
+        engines = {name: LLM(args.model, max_num_seqs=8, max_model_len=1024, speculative_config=configs[name],
+                             quantization=quantization, use_tqdm=False, warmup=False)
+                   for name in ("off", "ngram", "ngram_limited")}  # fmt: skip
+        for workload, prompts in workloads.items():
+            for batch, names in batches.items():
+                row: dict[str, Any] = {}
+                tokens = {}
+                for name in names:
+                    llm, e = engines[name], engines[name].engine
+                    groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
+                    run = lambda: [o for g in groups for o in llm.generate(g, greedy(args.spec_tokens, False), use_tqdm=False)]  # noqa: E731
+                    drafts, accepted = e.num_draft_tokens, e.num_accepted_tokens
+                    seconds, outs = timed(run, args.reps)
+                    runs = args.reps + 2  # timed()'s warm-ups count too
+                    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+                    tokens[name] = [o.outputs[0].token_ids for o in outs]
+                    d, a = (e.num_draft_tokens - drafts) / runs, (e.num_accepted_tokens - accepted) / runs
+                    row[name] = {"tok_s": generated / seconds, "decode_tok_s": decode_rate(outs),
+                                 "output_tokens": generated, "draft_tokens_per_run": d,
+                                 "acceptance_rate": a / d if d else None}  # fmt: skip
+                for name in names[1:]:
+                    suffix = name.removeprefix("ngram")
+                    row["speedup" + suffix] = row[name]["tok_s"] / row["off"]["tok_s"]
+                    row["decode_speedup" + suffix] = row[name]["decode_tok_s"] / row["off"]["decode_tok_s"]
+                row["identical_tokens"] = all(tokens[name] == tokens["off"] for name in names)
+                key = f"{workload}_batch_{batch}" + ("" if variant == "fp32" else f"_{variant}")
+                out[key] = row
+                speeds = ", ".join(f"{n} {row[n]['tok_s']:.1f} / {row[n]['decode_tok_s']:.1f}" for n in names)
+                print(f"speculative {key}: output / decode tok/s {speeds} (ngram {row['speedup']:.2f}x / "
+                      f"{row['decode_speedup']:.2f}x), acceptance {row['ngram']['acceptance_rate']}, "
+                      f"identical {row['identical_tokens']}")  # fmt: skip
+        del engines
+    return out
+
+
+def bench_beam(args, llm, hf, prompts: list[list[int]]) -> dict[str, Any]:
+    import torch
+
+    from minivllm_jax import BeamSearchParams
+
+    out: dict[str, Any] = {}
+    n, k = args.tokens, 4
+    for batch in (1, 4):
+        ps = prompts[:batch]
+        t_ours, ours = timed(lambda: llm.beam_search(ps, BeamSearchParams(beam_width=k, max_tokens=n, ignore_eos=True)),
+                             args.reps)  # fmt: skip
+        ids = torch.tensor(ps)
+        with torch.no_grad():
+            t_hf, hf_out = timed(lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                                     min_new_tokens=n, num_beams=k, do_sample=False, pad_token_id=0),
+                                 args.reps)  # fmt: skip
+        same = sum(o.sequences[0].tokens == h.tolist() for o, h in zip(ours, hf_out))
+        out[f"batch_{batch}"] = {"ours_tok_s": batch * n / t_ours, "hf_tok_s": batch * n / t_hf,
+                                 "ours_beam_tok_s": batch * k * n / t_ours, "hf_beam_tok_s": batch * k * n / t_hf,
+                                 "best_beam_equal_rows": same}  # fmt: skip
+        print(f"beam search batch {batch}: {out[f'batch_{batch}']}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------- report
+
+
+def plot(result: dict[str, Any], out: str | Path) -> Path:
+    fig, axes = new_figure(3, width=5.0)
+    gen = result["generate"]
+    names = ["functional", "engine", "hf"]
+    for j, b in enumerate((1, 8)):
+        axes[0][0].bar([x + 0.3 * j for x in range(3)], [gen[f"batch_{b}"][f"{n}_tok_s"] for n in names], 0.3,
+                       label=f"batch {b}")  # fmt: skip
+    axes[0][0].set_xticks([x + 0.15 for x in range(3)], names)
+    axes[0][0].set_ylabel("generated tok/s")
+    axes[0][0].set_title("greedy generate")
+    axes[0][0].legend()
+    ms = result["multi_step"]
+    axes[0][1].bar(["k=1", "k=4", "k=8"], [100 * ms[f"k_{k}"]["share_of_bound"] for k in (1, 4, 8)])
+    axes[0][1].set_ylabel("% of the bandwidth bound")
+    axes[0][1].set_title("batch-1 decode, multi-step")
+    spec = result["speculative"]
+    keys = list(spec)
+    axes[0][2].bar(range(len(keys)), [spec[key]["decode_speedup"] for key in keys])
+    axes[0][2].axhline(1.0, color="gray", lw=0.8)
+    axes[0][2].set_xticks(range(len(keys)), [key.replace("_batch_", "\nb") for key in keys], fontsize=8)
+    axes[0][2].set_ylabel("decode tok/s with / without speculation")
+    axes[0][2].set_title("n-gram speculation")
+    return save_plot(fig, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import numpy as np
+
+    from minivllm_jax import LLM
+
+    llm = LLM(args.model, max_num_seqs=16, max_model_len=1024, use_tqdm=False, warmup=False)
+    hf = load_hf_model(args.model, threads=args.threads)
+    rng = np.random.default_rng(0)
+    same_len = [rng.integers(100, 10000, size=32).tolist() for _ in range(8)]
+    bandwidth = measure_bandwidth(64 if args.quick else 512, args.reps)
+    result: dict[str, Any] = {"model": args.model, "tokens": args.tokens, "reps": args.reps,
+                              "speculative_config": SPECULATIVE}  # fmt: skip
+    result["generate"] = bench_generate(args, llm, hf, same_len)
+    result["beam_search"] = bench_beam(args, llm, hf, same_len)
+    grounded = grounded_prompts(llm)
+    del llm
+    bandwidth_after = measure_bandwidth(64 if args.quick else 512, args.reps)
+    best = max(*bandwidth.values(), *bandwidth_after.values())
+    result["bandwidth"] = {"before": bandwidth, "after": bandwidth_after, "best_gb_s": best}
+    from convert import resolve_model
+    from minivllm_jax.checkpoint import load_converted
+
+    bytes_per_token = decode_bytes_per_token(load_converted(resolve_model(args.model))[2])
+    result["multi_step"] = bench_multi_step(args, same_len[0], bytes_per_token, best)
+    result["multi_step"]["weight_bytes_per_token"] = bytes_per_token
+    result["speculative"] = bench_speculative(args, {"grounded": grounded, "chat": chat_prompts(len(grounded))})
+    path = write_result(result, args.out)
+    plot(result, path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
