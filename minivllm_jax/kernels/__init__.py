@@ -60,3 +60,11 @@ def _load() -> bool:
 def native_available() -> bool:
     """The native library is loaded and not forced off (the CPU backend only)."""
     return not reference_forced() and jax.default_backend() == "cpu" and _load()
+
+
+def require_native(kernel: str, fallback: str) -> None:
+    """Raise, naming the setting that avoids it, when a wrapper must call the native `kernel`
+    (e.g. "matmul") and the library is not available."""
+    if not native_available():
+        raise RuntimeError(f"the native {kernel} kernel is not available here (not built, not a CPU backend, or "
+                           f"{FORCE_REFERENCE_ENV}=reference); use {fallback}")

@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
@@ -23,26 +22,11 @@ namespace {
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));
 
-constexpr int kCols = 64;      // output columns of one panel (4 vectors)
-constexpr int kMaxRows = 4;    // rows of x per pass over a panel
-constexpr int kAheadRows = 16; // rows of W prefetched ahead of use
+constexpr int kCols = 64;       // output columns of one panel (4 vectors)
+constexpr int kAheadRows = 16;  // rows of W prefetched ahead of use
 
 inline v16 Load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
 inline void Store16(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
-
-// Rows of x in passes of up to kMaxRows, each pass a compile-time row count so that its
-// accumulators are registers: `pass(std::integral_constant<int, NT>{}, t0)`.
-template <typename Pass>
-void InPasses(int64_t T, const Pass& pass) {
-  for (int64_t t0 = 0; t0 < T; t0 += kMaxRows) {
-    switch (std::min<int64_t>(kMaxRows, T - t0)) {
-      case 1: pass(std::integral_constant<int, 1>{}, t0); break;
-      case 2: pass(std::integral_constant<int, 2>{}, t0); break;
-      case 3: pass(std::integral_constant<int, 3>{}, t0); break;
-      default: pass(std::integral_constant<int, 4>{}, t0); break;
-    }
-  }
-}
 
 // Rows [t0, t0 + NT) of y, columns [o0, o0 + 64).
 template <int NT>
@@ -76,7 +60,7 @@ ffi::Error MatmulF32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   float* yp = y->typed_data();
   minivllm::ParallelFor(pool, out / kCols, [&] {
     return [&](int64_t panel) {
-      InPasses(T, [&](auto nt, int64_t t0) { Pass<decltype(nt)::value>(xp, wp, yp, n_in, out, t0, panel * kCols); });
+      minivllm::ForRowPasses(T, [&](auto nt, int64_t t0) { Pass<decltype(nt)::value>(xp, wp, yp, n_in, out, t0, panel * kCols); });
     };
   }, /*in_runs=*/true);
   return ffi::Error::Success();
@@ -117,7 +101,7 @@ ffi::Error MatmulF32TransposedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x
   float* yp = y->typed_data();
   minivllm::ParallelFor(pool, out / 4, [&] {
     return [&](int64_t block) {
-      InPasses(T, [&](auto nt, int64_t t0) { PassTransposed<decltype(nt)::value>(xp, wp, yp, n_in, out, t0, block * 4); });
+      minivllm::ForRowPasses(T, [&](auto nt, int64_t t0) { PassTransposed<decltype(nt)::value>(xp, wp, yp, n_in, out, t0, block * 4); });
     };
   }, /*in_runs=*/true);
   return ffi::Error::Success();

@@ -10,24 +10,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from minivllm_jax.kernels import FORCE_REFERENCE_ENV, native_available
+from minivllm_jax.kernels import require_native
 
 MAX_NATIVE_ROWS = 8  # two passes over each panel, the second from cache
 TARGET = "minivllm_matmul_f32"
 TARGET_TRANSPOSED = "minivllm_matmul_f32_t"
 
 
-def _require_native() -> None:
-    if not native_available():
-        raise RuntimeError("the native matmul kernel is not available here (not built, not a CPU backend, or "
-                           f"{FORCE_REFERENCE_ENV}=reference); use matmul='reference'")  # fmt: skip
-
-
 def float_matmul_native(x: jax.Array, w: jax.Array) -> jax.Array:
     rows = x.size // x.shape[-1]
     if x.dtype != jnp.float32 or w.dtype != jnp.float32 or w.ndim != 2 or w.shape[1] % 64 or not 1 < rows <= MAX_NATIVE_ROWS:
         return x @ w
-    _require_native()
+    require_native("matmul", "matmul='reference'")
     y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows, w.shape[1]), jnp.float32))(x.reshape(rows, -1), w)
     return y.reshape(*x.shape[:-1], w.shape[1])
 
@@ -39,6 +33,6 @@ def float_matmul_transposed_native(x: jax.Array, w: jax.Array) -> jax.Array:
     native = x.dtype == jnp.float32 and w.dtype == jnp.float32 and w.ndim == 2 and w.shape[1] % 16 == 0
     if not (native and w.shape[0] % 4 == 0 and 1 < rows <= MAX_NATIVE_ROWS):
         return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=jnp.float32)
-    _require_native()
+    require_native("matmul", "matmul='reference'")
     y = jax.ffi.ffi_call(TARGET_TRANSPOSED, jax.ShapeDtypeStruct((rows, w.shape[0]), jnp.float32))(x.reshape(rows, -1), w)
     return y.reshape(*x.shape[:-1], w.shape[0])

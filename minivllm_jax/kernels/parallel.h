@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <memory>
 #include <thread>
+#include <type_traits>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -67,6 +68,23 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, const MakeBody& make_bod
   }
   work(*progress, make_body);
   while (progress->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
+
+// Rows of x, for the matmuls of few rows: [0, T) in passes of up to kRowsPerPass rows, each
+// pass a compile-time row count so that its accumulators stay in registers:
+// `pass(std::integral_constant<int, rows>{}, first_row)`.
+constexpr int kRowsPerPass = 4;
+
+template <typename Pass>
+void ForRowPasses(int64_t T, const Pass& pass) {
+  for (int64_t t0 = 0; t0 < T; t0 += kRowsPerPass) {
+    switch (std::min<int64_t>(kRowsPerPass, T - t0)) {
+      case 1: pass(std::integral_constant<int, 1>{}, t0); break;
+      case 2: pass(std::integral_constant<int, 2>{}, t0); break;
+      case 3: pass(std::integral_constant<int, 3>{}, t0); break;
+      default: pass(std::integral_constant<int, 4>{}, t0); break;
+    }
+  }
 }
 
 }  // namespace minivllm

@@ -43,7 +43,6 @@ typedef uint8_t u8x16 __attribute__((vector_size(16), aligned(1)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 constexpr int kCols = 64;    // output columns of one panel, the work block (4 vectors)
-constexpr int kMaxRows = 4;  // rows of x per pass over the weights (their accumulators stay in registers)
 // Weight rows fetched ahead of use. A panel is short (18-110 KB) and the hardware prefetcher
 // ramps up per stream, so without this a batch-1 matmul waited on memory: measured in the model,
 // int4 gate/up 57 -> 43 us, down 31 -> 24 us.
@@ -94,21 +93,12 @@ struct Int4Rows {
   }
 };
 
-// Panels over the threads; in each, rows of x in passes of up to kMaxRows, each pass a
-// compile-time row count so its accumulators are registers.
+// Panels over the threads; in each, rows of x in passes (parallel.h's ForRowPasses).
 template <typename Pass>
 void ForBlocksAndPasses(ffi::ThreadPool& pool, int64_t T, int64_t out, Pass pass) {
   minivllm::ParallelFor(pool, out / kCols, [&] {
     return [&](int64_t panel) {
-      const int64_t o0 = panel * kCols;
-      for (int64_t t0 = 0; t0 < T; t0 += kMaxRows) {
-        switch (std::min<int64_t>(kMaxRows, T - t0)) {
-          case 1: pass(std::integral_constant<int, 1>{}, t0, o0); break;
-          case 2: pass(std::integral_constant<int, 2>{}, t0, o0); break;
-          case 3: pass(std::integral_constant<int, 3>{}, t0, o0); break;
-          default: pass(std::integral_constant<int, 4>{}, t0, o0); break;
-        }
-      }
+      minivllm::ForRowPasses(T, [&](auto rows_c, int64_t t0) { pass(rows_c, t0, panel * kCols); });
     };
   }, /*in_runs=*/true);
 }

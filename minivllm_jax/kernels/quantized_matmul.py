@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from minivllm_jax.kernels import FORCE_REFERENCE_ENV, native_available
+from minivllm_jax.kernels import require_native
 from minivllm_jax.quantization import PANEL, output_size, quantized_matmul_reference
 
 MAX_NATIVE_ROWS = 64  # measured here at 64 rows: 1.6-4x faster than XLA dequantizing then multiplying
@@ -22,9 +22,7 @@ def quantized_matmul_native(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
     served = "qweight_panels" in p or "qweight4_panels" in p  # the layout the kernel reads (`to_panels`)
     if not served or x.dtype != jnp.float32 or n_out % PANEL or rows > MAX_NATIVE_ROWS:
         return quantized_matmul_reference(x, p)
-    if not native_available():
-        raise RuntimeError("the native matmul kernel is not available here (not built, not a CPU backend, or "
-                           f"{FORCE_REFERENCE_ENV}=reference); use matmul='reference'")  # fmt: skip
+    require_native("matmul", "matmul='reference'")
     x2 = x.reshape(rows, x.shape[-1])
     out = jax.ShapeDtypeStruct((rows, n_out), jnp.float32)
     if "qweight_panels" in p:

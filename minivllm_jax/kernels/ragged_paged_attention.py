@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from minivllm_jax.attention import ragged_paged_attention
 from minivllm_jax.batch import StepBatch
-from minivllm_jax.kernels import FORCE_REFERENCE_ENV, native_available
+from minivllm_jax.kernels import require_native
 from minivllm_jax.kv_cache import KVCache, as_stored
 
 TARGETS = {False: "minivllm_ragged_paged_attention_f32", True: "minivllm_ragged_paged_attention_int8kv"}
@@ -22,9 +22,7 @@ def ragged_paged_attention_native(
     page_dtype = jnp.int8 if cache.quantized else jnp.float32
     if not (all(x.dtype == jnp.float32 for x in (q, k_new, v_new)) and cache.k.dtype == cache.v.dtype == page_dtype):
         return ragged_paged_attention(q, k_new, v_new, cache, layer, batch)
-    if not native_available():
-        raise RuntimeError("the native attention kernel is not available here (not built, not a CPU backend, or "
-                           f"{FORCE_REFERENCE_ENV}=reference); use attention='auto' or 'reference'")  # fmt: skip
+    require_native("attention", "attention='auto' or 'reference'")
     call = jax.ffi.ffi_call(TARGETS[cache.quantized], jax.ShapeDtypeStruct(q.shape, q.dtype))
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     pages = (cache.k, cache.v, cache.k_scale, cache.v_scale) if cache.quantized else (cache.k, cache.v)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from minivllm_jax.kernels import FORCE_REFERENCE_ENV, native_available
+from minivllm_jax.kernels import require_native
 from minivllm_jax.quantization import w8a8_matmul_reference
 
 TARGET = "minivllm_matmul_w8a8_f32"
@@ -20,9 +20,7 @@ def w8a8_matmul_native(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
     rows = x.size // x.shape[-1]
     if "qweight_a8_panels" not in p or x.dtype != jnp.float32 or n_out % 16 or rows == 0:
         return w8a8_matmul_reference(x, p)
-    if not native_available():
-        raise RuntimeError("the native matmul kernel is not available here (not built, not a CPU backend, or "
-                           f"{FORCE_REFERENCE_ENV}=reference); use matmul='reference'")  # fmt: skip
+    require_native("matmul", "matmul='reference'")
     out = jax.ShapeDtypeStruct((rows, n_out), jnp.float32)
     y = jax.ffi.ffi_call(TARGET, out)(x.reshape(rows, x.shape[-1]), p["qweight_a8_panels"], p["scales"])
     return y.reshape(*x.shape[:-1], n_out)
