@@ -21,13 +21,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minivllm_jax.sampling_params import SamplingParams
-from server.engine_loop import EngineStopped, QueueFull, RequestFailed, RequestStream
+from server.engine_loop import EngineStopped, RequestFailed, RequestStream
 from server.middleware import GateMiddleware
-from server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, beam_search_error, parse_json,
-                             parse_request)  # fmt: skip
+from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_json, parse_request
 from server.responses import ChatFormatter, CompletionFormatter, _Formatter, beam_search_output, sse
 from server.security import OriginPolicy, normalize_hosts
-from server.state import LLMLike, ServerState, queue_full, stream_error
+from server.state import LLMLike, ServerState, stream_error
 from server.ws import serve_socket
 
 logger = logging.getLogger(__name__)
@@ -221,19 +220,12 @@ async def _respond_beam_search(
     fmt: _Formatter,
     arrival: float,
 ) -> Response:
-    """`use_beam_search`: one search, run alone on the engine (`AsyncEngine.beam_search`), answered
+    """`use_beam_search`: one search, run alone on the engine (`ServerState.beam_search`), answered
     as one JSON body whose n choices are the hypotheses, best first."""
     assert state.engine is not None and state.llm is not None
     rest = state.llm.engine.config.max_model_len - len(ids)  # no max_tokens: the rest, as the engine resolves it
     params = req.beam_search_params(max(rest, 1))
-    try:
-        out = await _unless_disconnected(request, state.engine.beam_search(ids, params, arrival))
-    except QueueFull as e:
-        raise queue_full(str(e)) from None
-    except (EngineStopped, RequestFailed) as e:
-        raise stream_error(e) from None
-    except ValueError as e:
-        raise beam_search_error(e) from None
+    out = await _unless_disconnected(request, state.beam_search(ids, params, arrival))
     if out is None:  # the client is gone (a search not yet started was dropped)
         return Response(status_code=499)
     return JSONResponse(fmt.response(beam_search_output(fmt.id, ids, out), len(ids)))

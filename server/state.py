@@ -7,11 +7,12 @@ import logging
 import time
 from typing import Any, Protocol
 
+from minivllm_jax.beam_search import BeamSearchOutput, BeamSearchParams
 from minivllm_jax.sampling_params import SamplingParams
 from server.engine_loop import AsyncEngine, DataParallelEngine, EngineStopped, QueueFull, RequestFailed, RequestStream
 from server.metrics import ServerMetrics
 from server.preprocess import Preprocessor, TokenTable
-from server.protocol import APIError, ChatMessage, invalid, param_from_message
+from server.protocol import APIError, ChatMessage, beam_search_error, invalid, param_from_message
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +21,14 @@ RETRY_AFTER_S = "1"
 
 def queue_full(detail: str) -> APIError:
     return APIError(429, f"server is busy: {detail}; retry later", type="rate_limit_error", code="queue_full",
+                    headers={"Retry-After": RETRY_AFTER_S})  # fmt: skip
+
+
+def admission_error(e: QueueFull | EngineStopped) -> APIError:
+    """Work the engine did not take: a full queue (429) or a stopped engine (503), both retryable."""
+    if isinstance(e, QueueFull):
+        return queue_full(str(e))
+    return APIError(503, str(e), type="service_unavailable", code="engine_unavailable",
                     headers={"Retry-After": RETRY_AFTER_S})  # fmt: skip
 
 
@@ -130,14 +139,24 @@ class ServerState:
         assert self.engine is not None
         try:
             return await self.engine.add(prompt_ids, params, request_id, arrival)
-        except QueueFull as e:
-            raise queue_full(str(e)) from None
-        except EngineStopped as e:
-            raise APIError(503, str(e), type="service_unavailable", code="engine_unavailable",
-                           headers={"Retry-After": RETRY_AFTER_S}) from None  # fmt: skip
+        except (QueueFull, EngineStopped) as e:
+            raise admission_error(e) from None
         except (ValueError, TypeError) as e:
             code = "context_length_exceeded" if "max_model_len" in str(e) else None
             raise invalid(str(e), param_from_message(str(e), renames) or "prompt", code) from None
+
+    async def beam_search(self, prompt_ids: list[int], params: BeamSearchParams, arrival: float) -> BeamSearchOutput:
+        """Run one beam search on the engine (`AsyncEngine.beam_search`), or raise the matching
+        APIError: 429/503 as `start`, 400 for a search that refuses the request, 500 if it failed."""
+        assert self.engine is not None
+        try:
+            return await self.engine.beam_search(prompt_ids, params, arrival)
+        except (QueueFull, EngineStopped) as e:
+            raise admission_error(e) from None
+        except RequestFailed as e:
+            raise stream_error(e) from None
+        except ValueError as e:
+            raise beam_search_error(e) from None
 
     def render_metrics(self) -> str:
         engine = self.engine
