@@ -53,12 +53,15 @@ def token_sequences(batch: StepBatch) -> tuple[jax.Array, jax.Array]:
 
 @dataclasses.dataclass(frozen=True)
 class Chunk:
-    """What one sequence feeds in a step: `token_ids` at positions `context_len...`; `pages` are
-    all its pages (at least those the new tokens land in)."""
+    """What one sequence feeds in a step: `token_ids` at cache indices `context_len...`; `pages`
+    are all its pages (at least those the new tokens land in). `position_offset`: tokens dropped
+    from the cache before this chunk (`minivllm_jax.kv_compression`): the tokens' RoPE positions
+    are `context_len + position_offset...`, while their slots and attention use `context_len`."""
 
     token_ids: Sequence[int]
     context_len: int
     pages: Sequence[int]
+    position_offset: int = 0
 
 
 def build_step_batch(chunks: Sequence[Chunk], page_size: int, num_tokens: int, num_seqs: int, num_listed: int,
@@ -88,7 +91,7 @@ def build_step_batch(chunks: Sequence[Chunk], page_size: int, num_tokens: int, n
         pages = np.asarray(chunk.pages, np.int32)
         pos = np.arange(c, c + q, dtype=np.int32)
         tokens[t : t + q] = chunk.token_ids
-        positions[t : t + q] = pos
+        positions[t : t + q] = pos + chunk.position_offset
         slots[t : t + q] = pages[pos // page_size] * page_size + pos % page_size
         page_ids[p : p + k] = pages[:k]
         query_start[s], query_len[s], context_len[s], page_start[s] = t, q, c, p

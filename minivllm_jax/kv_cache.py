@@ -182,3 +182,15 @@ def copy_pages(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     distinct pages, except for padding `SCRATCH_PAGE -> SCRATCH_PAGE`, so the index arrays can
     keep one length (one compiled program)."""
     return jax.tree.map(lambda x: x.at[:, dst].set(x[:, src]), cache)
+
+
+def gather_pages(cache: KVCache, pages: jax.Array) -> KVCache:
+    """Copies of whole pages `pages[i]` (every layer, scales too), stacked on axis 1 as the cache
+    holds them: what a swapped-out sequence or a page bound for disk takes with it."""
+    return jax.tree.map(lambda x: x[:, pages], cache)
+
+
+def scatter_pages(cache: KVCache, data: KVCache, pages: jax.Array) -> KVCache:
+    """Write `data` (from `gather_pages`, or read from disk) into pages `pages[i]`: a swap-in or a
+    disk-tier hit. Padding entries name the scratch page."""
+    return jax.tree.map(lambda x, d: x.at[:, pages].set(d.astype(x.dtype)), cache, data)

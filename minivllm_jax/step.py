@@ -34,7 +34,8 @@ from jax.sharding import Mesh
 from minivllm_jax import parallel
 from minivllm_jax.batch import StepBatch, token_sequences
 from minivllm_jax.config import ModelConfig
-from minivllm_jax.kv_cache import KVCache, copy_pages
+from minivllm_jax.kv_cache import KVCache, copy_pages, gather_pages, scatter_pages
+from minivllm_jax.kv_cache import dequantize_k_blocks, from_bits
 from minivllm_jax.models.llama import Params, forward
 from minivllm_jax.sampler import Penalties, SampleResult, SamplingArrays, apply_penalties, sample_penalized
 
@@ -139,12 +140,15 @@ def engine_multi_step(
     def decode(carry: tuple, j: jax.Array) -> tuple[tuple, SampleResult]:
         cache, penalty_state, fed_back = carry
         positions = batch.positions + j
-        page = batch.page_ids[jnp.clip(batch.page_start[seq] + positions // page_size, 0, batch.page_ids.shape[0] - 1)]
+        # Slots follow the cache index, not the position: they differ by the tokens a sequence
+        # dropped from its cache (`Chunk.position_offset`, `minivllm_jax.kv_compression`).
+        index = batch.context_len[seq] + j
+        page = batch.page_ids[jnp.clip(batch.page_start[seq] + index // page_size, 0, batch.page_ids.shape[0] - 1)]
         step = dataclasses.replace(
             batch,
             tokens=jnp.where((j > 0) & valid, -(seq + 1), batch.tokens),  # row s's token of step j - 1
             positions=positions,
-            slot_mapping=jnp.where(valid, page * page_size + positions % page_size, batch.slot_mapping),
+            slot_mapping=jnp.where(valid, page * page_size + index % page_size, batch.slot_mapping),
             context_len=batch.context_len + j * live,
         )
         rows = dataclasses.replace(sampling, steps=sampling.steps + j)
@@ -227,5 +231,50 @@ def load_penalty_row(
 
 load_penalty_row_jit = jax.jit(load_penalty_row, donate_argnames=("state",))
 
+
+def page_attention_scores(params: Params, cache: KVCache, batch: StepBatch, cfg: ModelConfig,
+                          attention: str = "reference", matmul: str = "reference") -> jax.Array:  # fmt: skip
+    """f32[N]: the attention mass the last new token of sequence 0 of `batch` puts on each page
+    listed in `batch.page_ids`, summed over all layers and query heads and normalized to total 1
+    (the page-score policy of `minivllm_jax.kv_compression`).
+
+    Each layer and head contributes its softmax over the sequence's `context_len` cached tokens
+    only (scale `hd ** -0.5`); entries that are not the sequence's cached pages (padding, the
+    pages of its new tokens) get 0. The scoring batch re-feeds a sequence's last computed token
+    at its own cache index (`context_len` = cached tokens - 1), so its own key is not scored.
+    The cache is read, not written: the forward's write of the re-fed token is discarded."""
+    _, _, queries = forward(params, cache, batch, cfg, attention, False, matmul, return_queries=True)
+    token = batch.query_start[0] + jnp.maximum(batch.query_len[0], 1) - 1
+    q = queries[:, token].astype(jnp.float32)  # [L, H, hd]
+    KVH, ps = cache.num_kv_heads, cache.page_size
+    entry = jnp.arange(batch.page_ids.shape[0]) - batch.page_start[0]  # the entry's page index in the sequence
+    key_index = entry[:, None] * ps + jnp.arange(ps)  # [N, ps]: cache index of each key
+    listed = (entry >= 0)[:, None] & (key_index < batch.context_len[0])
+
+    def layer_mass(layer: jax.Array) -> jax.Array:
+        k = cache.k[layer, batch.page_ids]  # [N, KVH, hd, ps] (only the listed pages: N is small)
+        if cache.quantized:
+            k = dequantize_k_blocks(k, cache.k_scale[layer, batch.page_ids], jnp.float32)
+        k = from_bits(k, queries.dtype).astype(jnp.float32)
+        qg = q[layer].reshape(KVH, -1, q.shape[-1]) * q.shape[-1] ** -0.5  # [KVH, G, hd]: grouped-query heads
+        scores = jnp.einsum("kgd,nkdp->kgnp", qg, k)
+        scores = jnp.where(listed[None, None], scores, -jnp.inf)
+        m = jnp.max(scores, axis=(2, 3), keepdims=True)
+        p = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0))  # no cached key at all: zeros, not NaN
+        p = p / jnp.maximum(p.sum(axis=(2, 3), keepdims=True), jnp.finfo(jnp.float32).tiny)
+        return p.sum(axis=(0, 1, 3))  # [N]
+
+    # One layer at a time: the gathered keys of every layer at once would be L times bigger.
+    mass = lax.map(layer_mass, jnp.arange(cfg.num_layers, dtype=jnp.int32)).sum(0)
+    return mass / jnp.maximum(mass.sum(), jnp.finfo(jnp.float32).tiny)
+
+
+# Not donating the cache: scoring reads a sequence's pages between steps and changes nothing.
+page_attention_scores_jit = jax.jit(page_attention_scores, static_argnames=("cfg", "attention", "matmul"))
+
 # Copy-on-write of forked sequences' pages (beam search); see `kv_cache.copy_pages`.
 copy_pages_jit = jax.jit(copy_pages, donate_argnames=("cache",))
+
+# Page moves between the cache and the host (swap) or disk tier; see `kv_cache.gather_pages`.
+gather_pages_jit = jax.jit(gather_pages)
+scatter_pages_jit = jax.jit(scatter_pages, donate_argnames=("cache",))

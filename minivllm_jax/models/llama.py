@@ -220,7 +220,7 @@ def _layer(cfg: ModelConfig, attention: AttentionFn, matmul: QuantizedMatmul, ax
         attn = attention(q, k, v, cache, layer, batch).reshape(T, cfg.num_heads * cfg.head_dim)
     with jax.named_scope("mlp"):
         x = _with_layer(layers, layer, functools.partial(_attention_output_and_mlp, cfg, matmul, axis), x, attn)
-    return x, k, v
+    return x, q, k, v
 
 
 def forward(
@@ -233,7 +233,8 @@ def forward(
     matmul: str = "reference",
     axis: str | None = None,
     logit_rows: jax.Array | None = None,
-) -> tuple[jax.Array, KVCache]:
+    return_queries: bool = False,
+) -> tuple[jax.Array, KVCache] | tuple[jax.Array, KVCache, jax.Array]:
     """One ragged step: embed the new tokens, run the layers over the paged cache, write their K/V.
 
     `params` is per layer (`unstack_layers`); stacked params are unstacked here, inside the
@@ -247,6 +248,10 @@ def forward(
     axis, `minivllm_jax.parallel`): `cfg` counts this device's heads and `params`/`cache` are its
     slices; the row-split projections are all-reduced, and an embedding or head split by vocab
     is looked up locally and summed, or all-gathered into full logits.
+
+    `return_queries` (static): also return every layer's post-RoPE queries at the new tokens,
+    `[L, T, H, hd]`, as a third value (page scores, `minivllm_jax.step.page_attention_scores`);
+    the logits and cache are the same either way.
     """
     attend, qmatmul = get_attention(attention), MATMUL[matmul]
     x = _embed(params["embed_tokens"], batch.tokens, cfg, model_dtype(params), axis)  # [T, d]
@@ -257,12 +262,18 @@ def forward(
     layers = unstack_layers(params)["layers"]
 
     def body(x, layer):
-        x, k, v = _layer(cfg, attend, qmatmul, axis, x, layers, cache, layer, cos, sin, batch)
-        return x, (k, v)
+        x, q, k, v = _layer(cfg, attend, qmatmul, axis, x, layers, cache, layer, cos, sin, batch)
+        return x, (k, v, q) if return_queries else (k, v)  # the default program stacks no queries
 
-    x, (new_k, new_v) = jax.lax.scan(body, x, jnp.arange(cfg.num_layers, dtype=jnp.int32))
-    cache = write_kv(cache, new_k, new_v, batch.slot_mapping)
+    x, stacked = jax.lax.scan(body, x, jnp.arange(cfg.num_layers, dtype=jnp.int32))
+    cache = write_kv(cache, stacked[0], stacked[1], batch.slot_mapping)
+    logits = _logits(params, cfg, matmul, qmatmul, axis, x, batch, all_logits, logit_rows)
+    return (logits, cache, stacked[2]) if return_queries else (logits, cache)
 
+
+def _logits(params: Params, cfg: ModelConfig, matmul: str, qmatmul: QuantizedMatmul, axis: str | None, x: jax.Array,
+            batch: StepBatch, all_logits: bool, logit_rows: jax.Array | None) -> jax.Array:  # fmt: skip
+    """Float32 logits of the final hidden states `x` at the rows `forward` returns."""
     if logit_rows is not None:
         x = x[logit_rows]
     elif not all_logits:
@@ -271,7 +282,7 @@ def forward(
     x = rms_norm(x, params["norm"], cfg.rms_norm_eps)
     head = params["embed_tokens"] if cfg.tie_word_embeddings else params["lm_head"]
     if is_quantized(head):  # int8 per vocabulary entry (`quantization.quantize_head`)
-        return qmatmul(x, head).astype(jnp.float32), cache
+        return qmatmul(x, head).astype(jnp.float32)
     if cfg.tie_word_embeddings and matmul == "native":  # the embedding read in place by the native kernel
         logits = float_matmul_transposed_native(x, head)
     else:
@@ -279,7 +290,7 @@ def forward(
         logits = jnp.einsum("...d,dv->...v", x, head, preferred_element_type=jnp.float32)
     if axis is not None and logits.shape[-1] < cfg.vocab_size:  # this device's slice of the vocabulary
         logits = lax.all_gather(logits, axis, axis=logits.ndim - 1, tiled=True)
-    return logits, cache
+    return logits
 
 
 def _embed(table: Any, tokens: jax.Array, cfg: ModelConfig, dtype: Any, axis: str | None) -> jax.Array:
