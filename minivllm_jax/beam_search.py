@@ -157,6 +157,7 @@ def _run_round(engine: LLMEngine, seqs: list[Sequence], n: int) -> list[tuple[np
         step = ScheduledBatch(tuple(s for _, s, _ in batch), tuple(q for _, _, q in batch),
                               len(batch) if all(q == 1 for *_, q in batch) else 0)  # fmt: skip
         last = [(j, row) for row, (j, s, q) in enumerate(batch) if q == s.num_uncomputed_tokens]
+        engine.move_pages()  # pages the allocations evicted go to the disk tier first, if any
         dispatched.append((runner.run(step), last))
         for _, seq, q in batch:
             seq.num_computed_tokens += q
@@ -230,6 +231,7 @@ def _search_group(engine: LLMEngine, searches: list[_Search], eos: frozenset[int
                     bm.commit(b.seq)  # full pages enter the prefix cache (a later prompt may share them)
                 copies += _rebeam(engine, s, chosen)
             if copies:
+                engine.move_pages()
                 engine.runner.copy_pages([src for src, _ in copies], [dst for _, dst in copies])
     except BaseException:
         if engine.runner.reset_cache_if_lost():  # a failed program took the donated cache with it

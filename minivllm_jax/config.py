@@ -5,7 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from minivllm_jax.kv_compression import KVCompressionConfig
 from minivllm_jax.speculative import SpeculativeConfig
+
+PREEMPTION_MODES = ("recompute", "swap", "auto")
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -147,6 +150,15 @@ class EngineConfig:
       tokens at a time, and a new request waits up to k steps for its first.
     - `speculative`: n-gram speculative decoding (`minivllm_jax.speculative`) in decode-only
       steps: drafts are verified in one step that samples at every fed token.
+    - `preemption_mode`: what happens to a preempted sequence's KV: "recompute" (pages freed,
+      recomputed from its tokens on resume), "swap" (pages copied to a host pool of
+      `swap_space_gb`, copied back on resume) or "auto" (whichever the cost model says is
+      cheaper for that sequence: `minivllm_jax.engine.swap`).
+    - `kv_disk_dir` / `kv_disk_gb`: a disk tier under the prefix cache
+      (`minivllm_jax.engine.kv_disk`): full pages evicted from memory (and all cached pages at a
+      clean shutdown) are written there and found again, also by a later process.
+    - `kv_compression`: drop KV pages of long sequences by a policy (`minivllm_jax.kv_compression`)
+      for every request (a request may also ask for its own).
     """
 
     max_num_seqs: int = 64  # sequences in one step (and running at once)
@@ -163,6 +175,11 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # "auto": pages in the model's dtype; "int8": int8 with scales (kv_cache.py)
     num_scheduler_steps: int = 1  # decode steps per program when only decodes run (1: off)
     speculative: SpeculativeConfig | None = None  # n-gram speculative decoding (None: off)
+    preemption_mode: str = "recompute"  # "recompute" | "swap" | "auto"
+    swap_space_gb: float = 4.0  # host pool for swapped-out pages (preemption_mode swap/auto)
+    kv_disk_dir: str | None = None  # disk tier of the prefix cache (None: off)
+    kv_disk_gb: float = 10.0
+    kv_compression: KVCompressionConfig | dict | None = None  # engine-wide KV drop policy (None: off)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "page_size", "max_num_batched_tokens", "num_scheduler_steps"):
@@ -179,6 +196,19 @@ class EngineConfig:
         if not self.max_batch_wait_ms >= 0:
             raise ValueError(f"max_batch_wait_ms must be >= 0, got {self.max_batch_wait_ms}")
         check_kv_cache_dtype(self.kv_cache_dtype)
+        if isinstance(self.kv_compression, dict):  # as a flag or a JSON body gives it
+            object.__setattr__(self, "kv_compression", KVCompressionConfig.from_dict(self.kv_compression))
+        if self.kv_compression is not None:
+            self.kv_compression.check_page_size(self.page_size)
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.preemption_mode != "recompute" and not self.swap_space_gb > 0:
+            raise ValueError(f"preemption_mode={self.preemption_mode!r} needs swap_space_gb > 0, got {self.swap_space_gb}")
+        if self.kv_disk_dir is not None:
+            if not self.kv_disk_gb > 0:
+                raise ValueError(f"kv_disk_gb must be > 0, got {self.kv_disk_gb}")
+            if not self.enable_prefix_caching:
+                raise ValueError("kv_disk_dir is a tier of the prefix cache: it needs enable_prefix_caching=True")
 
     @property
     def max_pages_per_seq(self) -> int:

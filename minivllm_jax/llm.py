@@ -19,6 +19,7 @@ from minivllm_jax.config import EngineConfig, ModelConfig, check_kv_cache_dtype
 from minivllm_jax.engine.engine import LLMEngine
 from minivllm_jax.engine.router import PrefixRouter
 from minivllm_jax.kv_cache import kv_bytes_per_page
+from minivllm_jax.kv_compression import KVCompressionConfig  # noqa: TC001 (the parameter's type)
 from minivllm_jax.models.llama import Params, unstack_layers
 from minivllm_jax.outputs import RequestOutput
 from minivllm_jax.parallel import check_tensor_parallel, make_mesh
@@ -104,6 +105,11 @@ class LLM:
         kv_cache_dtype: str = "auto",
         num_scheduler_steps: int = 1,
         speculative_config: dict | None = None,
+        preemption_mode: str = "recompute",
+        swap_space_gb: float = 4.0,
+        kv_disk_dir: str | None = None,
+        kv_disk_gb: float = 10.0,
+        kv_compression: dict | KVCompressionConfig | None = None,
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
         seed: int = 0,
@@ -155,7 +161,14 @@ class LLM:
             kv_cache_dtype=kv_cache_dtype,
             num_scheduler_steps=num_scheduler_steps,
             speculative=SpeculativeConfig.from_dict(speculative_config),
+            preemption_mode=preemption_mode,
+            swap_space_gb=swap_space_gb,
+            kv_disk_dir=kv_disk_dir,
+            kv_disk_gb=kv_disk_gb,
+            kv_compression=kv_compression,
         )
+        if (preemption_mode != "recompute" or kv_disk_dir is not None) and distributed.is_multiprocess():
+            raise ValueError("preemption_mode swap/auto and kv_disk_dir run in one process, not across several")
         eos = _eos_ids(cfg, model_dir, self.tokenizer)
         # Data parallelism: one engine per replica, each on its own slice of the devices; the
         # replicas' seeds differ so that unseeded sampling does not repeat across them.
@@ -167,8 +180,9 @@ class LLM:
         self.engine = self.engines[0]
         self.router = PrefixRouter(len(self.engines), page_size)
         self.warmup_seconds = sum(e.warmup(progress=use_tqdm) for e in self.engines) if warmup else 0.0
-        if distributed.is_multiprocess() and distributed.is_leader():
-            atexit.register(self.shutdown)  # followers must not wait for a leader that is gone
+        if (distributed.is_multiprocess() and distributed.is_leader()) or kv_disk_dir is not None:
+            # Followers must not wait for a leader that is gone; cached pages go to the disk tier.
+            atexit.register(self.shutdown)
 
     # ------------------------------------------------------------------ several processes
 
@@ -178,7 +192,10 @@ class LLM:
         self.engine.runner.follow()
 
     def shutdown(self) -> None:
-        """On the leader of a multi-process run: release the followers (also done at exit)."""
+        """Write the cached pages to the disk tier (`kv_disk_dir`) and, on the leader of a
+        multi-process run, release the followers. Also done at exit; safe to call twice."""
+        for engine in self.engines:
+            engine.close()
         self.engine.runner.stop_followers()
 
     @property

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from minivllm_jax.kv_compression import KVCompressionConfig
+
 MAX_LOGPROBS = 20  # top-k logprobs are computed for this many candidates on device, every step
 
 
@@ -29,6 +31,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    # Drop this request's KV pages by a policy as it grows (a dict is read as the config's
+    # fields); None: the engine's `kv_compression`, if any (`minivllm_jax.kv_compression`).
+    kv_compression: KVCompressionConfig | dict | None = None
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -63,6 +68,13 @@ class SamplingParams:
             bad(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
             bad(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if isinstance(self.kv_compression, dict):
+            try:
+                object.__setattr__(self, "kv_compression", KVCompressionConfig.from_dict(self.kv_compression))
+            except (TypeError, ValueError) as e:
+                bad(f"kv_compression: {e}")
+        elif self.kv_compression is not None and not isinstance(self.kv_compression, KVCompressionConfig):
+            bad(f"kv_compression must be a KVCompressionConfig, a dict or None, got {type(self.kv_compression).__name__}")
         object.__setattr__(self, "stop", stops)
         object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids or []))
 

@@ -7,6 +7,12 @@ and a prompt cannot be crafted to land on another request's page (a weak key suc
 digest and tokens, so even a digest collision cannot serve a page from another chain. Freed
 pages keep their digest until reused (least recently freed first), so a finished or preempted
 request's prefix can still be hit later.
+
+With a disk tier (`DiskPageStore`), a cached page about to be reused is queued in `evicted` to be
+written out first, and an admission whose prefix continues on disk gets fresh pages whose
+contents are queued in `loaded`; the engine copies both (`LLMEngine._move_pages`) before the
+next step runs. A sequence swapped out at preemption gets fresh pages on resume and its KV is
+copied back the same way (`minivllm_jax.engine.swap`).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from minivllm_jax.engine.kv_disk import DiskPageStore
 from minivllm_jax.engine.sequence import Sequence
 from minivllm_jax.kv_cache import SCRATCH_PAGE
 
@@ -39,7 +46,8 @@ class CachedPage:
 
 
 class BlockManager:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
+                 disk: DiskPageStore | None = None) -> None:  # fmt: skip
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is scratch), got {num_pages}")
         self.num_pages = num_pages
@@ -50,6 +58,11 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((p, None) for p in range(num_pages) if p != SCRATCH_PAGE)
         self.digest_to_page: dict[bytes, int] = {}
         self.cached: dict[int, CachedPage] = {}  # page -> what it holds, while it is in the cache
+        self.disk = disk
+        self.evicted: list[tuple[int, CachedPage]] = []  # cached pages to write to disk before reuse
+        self.loaded: list[tuple[int, dict]] = []  # fresh pages and the disk contents to copy into them
+        self.num_memory_hit_tokens = 0  # prompt tokens served from pages in memory
+        self.num_disk_hit_tokens = 0  # ... and from the disk tier
 
     @property
     def num_free_pages(self) -> int:
@@ -85,16 +98,32 @@ class BlockManager:
             parent = digest
         return pages, digests
 
-    def computed_on_admission(self, seq: Sequence) -> int:
-        """Tokens that `allocate(seq)` would find computed (cache hit or a forked prompt)."""
-        if seq.pages:
-            return seq.num_computed_tokens
-        return len(self._cached_prefix(seq.token_ids)[0]) * self.page_size
-
     def _uncache(self, page: int) -> None:
         entry = self.cached.pop(page, None)
         if entry is not None and self.digest_to_page.get(entry.digest) == page:
             del self.digest_to_page[entry.digest]
+            if self.disk is not None and not self.disk.contains(entry.digest):
+                self.evicted.append((page, entry))
+
+    def _load_from_disk(self, seq: Sequence) -> None:
+        """Extend the sequence's cached prefix with pages found in the disk tier (each checked
+        in full by the store: a corrupt or mismatched file is a miss), into fresh pages."""
+        token_ids = seq.token_ids
+        parent = seq.page_hashes[-1] if seq.page_hashes else ROOT_DIGEST
+        for i in range(len(seq.pages), (len(token_ids) - 1) // self.page_size):
+            tokens = self._page_tokens(token_ids, i)
+            digest = page_digest(parent, tokens)
+            arrays = self.disk.load(digest, parent, tokens) if self.disk.contains(digest) else None
+            if arrays is None or digest in self.digest_to_page:
+                break
+            page = self._take_fresh_page()
+            self.digest_to_page[digest] = page
+            self.cached[page] = CachedPage(digest, parent, tokens)
+            self.loaded.append((page, arrays))
+            seq.pages.append(page)
+            seq.page_hashes.append(digest)
+            self.num_disk_hit_tokens += self.page_size
+            parent = digest
 
     def _take_fresh_page(self) -> int:
         page, _ = self.free.popitem(last=False)
@@ -105,17 +134,22 @@ class BlockManager:
     # ---------------------------------------------------------------- verbs
 
     def can_allocate(self, seq: Sequence, reserve: int = 0) -> bool:
+        if seq.swapped is not None:  # resuming: every page is fresh
+            return self.pages_for(seq.cache_len) + reserve <= self.num_free_pages
         if seq.pages:  # forked: only the pages past the shared prompt are new
-            return self.pages_for(len(seq)) - len(seq.pages) + reserve <= self.num_free_pages
+            return self.pages_for(seq.cache_len) - len(seq.pages) + reserve <= self.num_free_pages
         cached, _ = self._cached_prefix(seq.token_ids)
         needed = self.pages_for(len(seq)) - len(cached)
         free_after_hits = self.num_free_pages - sum(1 for p in cached if self.refcount[p] == 0)
         return needed + reserve <= free_after_hits
 
     def allocate(self, seq: Sequence) -> None:
-        """Give a waiting sequence pages for all its tokens, reusing cached prefix pages (or the
-        pages it was forked with)."""
-        if not seq.pages:
+        """Give a waiting sequence pages for all its tokens, reusing cached prefix pages from
+        memory or disk (or the pages it was forked with; a swapped-out sequence gets fresh
+        pages for the runner to copy its KV back into)."""
+        if seq.swapped is not None:
+            seq.pages = [self._take_fresh_page() for _ in range(seq.swapped.num_pages)]
+        elif not seq.pages:
             cached, digests = self._cached_prefix(seq.token_ids)
             for page in cached:
                 if self.refcount[page] == 0:
@@ -123,7 +157,10 @@ class BlockManager:
                 self.refcount[page] += 1
             seq.pages = cached
             seq.page_hashes = digests
-            seq.num_computed_tokens = seq.num_cached_tokens = len(cached) * self.page_size
+            self.num_memory_hit_tokens += len(cached) * self.page_size
+            if self.disk is not None:
+                self._load_from_disk(seq)
+            seq.num_computed_tokens = seq.num_cached_tokens = len(seq.pages) * self.page_size
         self.append(seq)
 
     def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> None:
@@ -153,17 +190,18 @@ class BlockManager:
         return parent.pages[len(child.pages) - 1], dst
 
     def can_append(self, seq: Sequence, lookahead: int = 0) -> bool:
-        return self.pages_for(len(seq) + lookahead) - len(seq.pages) <= self.num_free_pages
+        return self.pages_for(seq.cache_len + lookahead) - len(seq.pages) <= self.num_free_pages
 
     def append(self, seq: Sequence, lookahead: int = 0) -> None:
         """Make sure the sequence has pages for all its tokens and `lookahead` more (decode
         grows one token a step; a multi-step decode or a draft writes several ahead)."""
-        while len(seq.pages) < self.pages_for(len(seq) + lookahead):
+        while len(seq.pages) < self.pages_for(seq.cache_len + lookahead):
             seq.pages.append(self._take_fresh_page())
 
     def commit(self, seq: Sequence) -> None:
-        """Register the digests of pages that became full and computed, so others can share them."""
-        if not self.enable_prefix_caching:
+        """Register the digests of pages that became full and computed, so others can share them
+        (not after KV compression dropped pages: its pages no longer hold the chain's tokens)."""
+        if not self.enable_prefix_caching or seq.num_dropped_tokens:
             return
         first = len(seq.page_hashes)
         if first >= seq.num_computed_tokens // self.page_size:
@@ -179,18 +217,32 @@ class BlockManager:
                 self.cached[page] = CachedPage(digest, parent, tokens)
             seq.page_hashes.append(digest)
 
-    def free_pages(self, seq: Sequence) -> None:
-        """Return the sequence's pages (finish, abort or preemption); shared pages stay alive."""
-        for page in reversed(seq.pages):  # tail first: a prefix lives longer in the free list
+    def release(self, pages: list[int]) -> None:
+        """Drop one reference to each page; unreferenced pages go back to the free list."""
+        for page in reversed(pages):  # tail first: a prefix lives longer in the free list
             self.refcount[page] -= 1
             assert self.refcount[page] >= 0, f"page {page} freed twice"
             if self.refcount[page] == 0:
                 self.free[page] = None
+
+    def free_pages(self, seq: Sequence, keep_progress: bool = False) -> None:
+        """Return the sequence's pages (finish, abort or preemption); shared pages stay alive.
+        `keep_progress`: its KV was copied out (swap), so its computed tokens stay computed."""
+        self.release(seq.pages)
         seq.pages = []
         seq.page_hashes = []
-        seq.num_computed_tokens = 0
+        if not keep_progress:
+            seq.num_computed_tokens = 0
+            seq.num_dropped_tokens = 0
 
     def clear_cache(self) -> None:
         """Forget every cached page (the KV cache contents are gone, e.g. after a reset)."""
         self.digest_to_page.clear()
         self.cached.clear()
+        self.evicted.clear()
+
+    def pages_to_persist(self) -> list[tuple[int, CachedPage]]:
+        """Cached pages in memory that the disk tier does not hold yet (a clean shutdown writes them)."""
+        if self.disk is None:
+            return []
+        return [(page, entry) for page, entry in self.cached.items() if not self.disk.contains(entry.digest)]

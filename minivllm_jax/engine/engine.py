@@ -7,20 +7,28 @@ detokenization) and wires the scheduler, block manager and model runner together
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import itertools
 import logging
 import random
 import time
 from collections.abc import Sequence as Seq
 
+import jax
+import numpy as np
 from jax.sharding import Mesh
 
 from minivllm_jax.config import EngineConfig, ModelConfig
 from minivllm_jax.detokenizer import IncrementalDetokenizer
-from minivllm_jax.engine.block_manager import BlockManager
+from minivllm_jax.engine.block_manager import BlockManager, CachedPage
+from minivllm_jax.engine.kv_disk import DiskPageStore
 from minivllm_jax.engine.runner import ModelRunner, PendingStep, StepResult
 from minivllm_jax.engine.scheduler import ScheduledBatch, Scheduler, note_draft_result
 from minivllm_jax.engine.sequence import Sequence, SequenceStatus
+from minivllm_jax.engine.swap import SwapPool
+from minivllm_jax.kv_cache import KVCache, kv_bytes_per_page
+from minivllm_jax.kv_compression import kept_pages, needs_scores, wants_compression
 from minivllm_jax.models.llama import Params
 from minivllm_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minivllm_jax.sampling_params import SamplingParams
@@ -58,6 +66,27 @@ class _InFlight:
     dispatched: float
 
 
+def kv_layout_fingerprint(model_config: ModelConfig, config: EngineConfig, params: Params, cache: KVCache) -> str:
+    """What a page's K/V depend on besides its tokens: the model's config, its weights and the
+    cache's layout. The disk tier keeps pages under this name, so another model, checkpoint,
+    dtype or page size never sees them. The weights are sampled (each leaf's first and last
+    rows) rather than hashed whole: enough to tell checkpoints apart, at no start-up cost."""
+    h = hashlib.sha256(repr((model_config, config.page_size, config.kv_cache_dtype)).encode())
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        h.update(f"{jax.tree_util.keystr(path)}{leaf.shape}{leaf.dtype}".encode())
+        if leaf.ndim:
+            h.update(np.asarray(leaf[:1]).tobytes() + np.asarray(leaf[-1:]).tobytes())
+    for leaf in jax.tree.leaves(cache):
+        h.update(f"{leaf.shape[0]}{leaf.shape[2:]}{leaf.dtype}".encode())
+    return h.hexdigest()[:24]
+
+
+def _host_arrays(pages: KVCache) -> dict[str, np.ndarray]:
+    """Gathered pages as host arrays by leaf name (what the disk tier stores); blocks until copied."""
+    leaves = {f.name: getattr(pages, f.name) for f in dataclasses.fields(pages)}
+    return {name: np.asarray(leaf) for name, leaf in leaves.items() if leaf is not None}
+
+
 def _drop_pending(seq: Sequence) -> None:
     """Forget the placeholders of tokens that will never be read into this sequence."""
     if seq.num_pending:
@@ -88,9 +117,17 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.seed = seed
-        self.block_manager = BlockManager(config.num_pages, config.page_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(model_config, config, params, mesh)
+        self.disk = None
+        if config.kv_disk_dir is not None:
+            namespace = kv_layout_fingerprint(model_config, config, self.runner.params, self.runner.cache)
+            self.disk = DiskPageStore(config.kv_disk_dir, int(config.kv_disk_gb * 2**30), namespace)
+        self.block_manager = BlockManager(config.num_pages, config.page_size, config.enable_prefix_caching, self.disk)
+        swap_pool = None
+        if config.preemption_mode != "recompute":
+            page_bytes = kv_bytes_per_page(model_config, config.page_size, self.runner.dtype, config.kv_cache_dtype)
+            swap_pool = SwapPool(config.preemption_mode, int(config.swap_space_gb * 2**30) // page_bytes, page_bytes)
+        self.scheduler = Scheduler(config, self.block_manager, swap_pool)
         self.requests: dict[str, _Request] = {}
         self._request_counter = itertools.count()
         self._seed_rng = random.Random(seed)
@@ -98,6 +135,7 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_draft_tokens = 0  # speculative decoding: draft tokens proposed and verified
         self.num_accepted_tokens = 0  # of which accepted
+        self.num_dropped_pages = 0  # KV compression: pages dropped by a policy
         self._in_flight: _InFlight | None = None  # the step dispatched and not read yet
         self._last_ready = 0.0  # when the last step's tokens were read
 
@@ -111,7 +149,59 @@ class LLMEngine:
         return self.runner.num_loaded
 
     def warmup(self, progress: bool = True) -> float:
-        return self.runner.warmup(progress)
+        seconds = self.runner.warmup(progress)
+        if self.scheduler.swap_pool is not None:  # the cost model's copy speed, measured there
+            self.scheduler.swap_pool.bytes_per_second = self.runner.page_copy_bytes_per_s
+        return seconds
+
+    def move_pages(self) -> None:
+        """Dispatch the page copies the scheduler and block manager queued, before the step that
+        relies on them: copies out first (swap-outs, pages leaving for the disk tier), which read
+        pages that the copies in (swap-ins, disk hits) and the step may then overwrite."""
+        sched, bm, runner = self.scheduler, self.block_manager, self.runner
+        for swapped in sched.swap_outs:
+            swapped.data = runner.gather_pages(swapped.source_pages)
+        sched.swap_outs = []
+        if bm.evicted:
+            self._write_to_disk(bm.evicted)
+            bm.evicted = []
+        for swapped, pages in sched.swap_ins:
+            runner.scatter_pages(swapped.data, pages)
+            sched.swap_pool.release(swapped)
+        sched.swap_ins = []
+        if bm.loaded:
+            runner.scatter_pages(runner.host_pieces([arrays for _, arrays in bm.loaded]), [p for p, _ in bm.loaded])
+            bm.loaded = []
+
+    def _write_to_disk(self, pages: list[tuple[int, CachedPage]]) -> None:
+        """Queue cached pages for the disk tier: copied now (in step order), written by its thread."""
+        pieces = self.runner.gather_pages([page for page, _ in pages])
+        start = 0
+        for data, count in pieces:
+            entries = [(e.digest, e.parent, e.tokens) for _, e in pages[start : start + count]]
+            self.disk.save_later(entries, functools.partial(_host_arrays, data))
+            start += count
+
+    def tier_stats(self) -> dict[str, int]:
+        """Where KV lives and moves (the `EngineStats` fields of each tier, read by /metrics)."""
+        bm, pool, disk = self.block_manager, self.scheduler.swap_pool, self.disk
+        stats = dict(memory_hit_tokens=bm.num_memory_hit_tokens, disk_hit_tokens=bm.num_disk_hit_tokens,
+                     dropped_pages=self.num_dropped_pages)  # fmt: skip
+        if pool is not None:
+            stats.update(swap_pages=pool.used_pages, swap_outs=pool.num_swap_outs, swap_ins=pool.num_swap_ins)
+        if disk is not None:
+            stats.update(disk_pages=disk.num_pages, disk_bytes=disk.num_bytes, disk_pages_written=disk.num_written,
+                         disk_corrupt=disk.num_corrupt)  # fmt: skip
+        return stats
+
+    def close(self) -> None:
+        """A clean shutdown: write every cached page still only in memory to the disk tier (so a
+        restarted server finds them) and wait for the writes. Safe to call twice."""
+        if self.disk is None or self.disk.closed:
+            return
+        self.move_pages()
+        self._write_to_disk(self.block_manager.pages_to_persist())
+        self.disk.close()
 
     # ------------------------------------------------------------------ requests
 
@@ -166,10 +256,14 @@ class LLMEngine:
         # Unseeded requests still get a seed: reproducible from the engine seed and arrival order.
         # The n samples share it; the sampler keys sample i by fold_in(key(seed), i).
         seed = params.seed if params.seed is not None else self._seed_rng.randrange(2**62)
+        compression = params.kv_compression or self.config.kv_compression
+        if compression is not None:
+            compression.check_page_size(self.config.page_size)
         seqs, detoks = [], []
         for i in range(params.n):
             seqs.append(Sequence(request_id, ids, params, index=i, priority=priority, seed=seed,
                                  arrival_time=arrival, streaming=streaming))  # fmt: skip
+            seqs[-1].kv_compression = compression
             detoks.append(IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop))
         request = _Request(request_id, text, ids, params, seqs, detoks, RequestMetrics(arrival), held=seqs[1:])
         self.requests[request_id] = request
@@ -217,6 +311,7 @@ class LLMEngine:
                 metrics = self.requests[seq.request_id].metrics
                 metrics.first_scheduled_time = metrics.first_scheduled_time or now
             try:
+                self.move_pages()
                 pending = self.runner.run(batch)
             except Exception as e:  # a device step failed: fail this batch only and keep serving
                 logger.exception("step over %d sequences failed; failing their requests", len(batch.seqs))
@@ -305,10 +400,18 @@ class LLMEngine:
         gives its pages back (running ones go back to waiting, to be recomputed from their
         tokens) and the prefix cache forgets every page."""
         for seq in list(self.scheduler.running):
-            self.scheduler.preempt(seq)
+            self.scheduler.preempt(seq, allow_swap=False)
         for seq in list(self.scheduler.waiting):
             if seq.pages:  # a waiting sample may already share its prompt's pages (forked)
                 self.block_manager.free_pages(seq)
+            self.scheduler.forget_swapped(seq)
+        self._drop_page_moves()
+
+    def _drop_page_moves(self) -> None:
+        """Forget queued page copies and every cached page: a page queued to be filled from
+        disk holds nothing yet."""
+        self.scheduler.drop_page_moves()
+        self.block_manager.loaded = []
         self.block_manager.clear_cache()
 
     def recover(self) -> None:
@@ -320,8 +423,8 @@ class LLMEngine:
             self.abort(request_id)
         for seq in self.scheduler.running + self.scheduler.waiting:
             self.scheduler.finish(seq, "abort")
-        if self.runner.reset_cache_if_lost():
-            self.block_manager.clear_cache()
+        self.runner.reset_cache_if_lost()
+        self._drop_page_moves()
 
     def _process(self, step: _InFlight, results: list[StepResult], only_finished: bool = False) -> list[RequestOutput]:
         """`results`: one per decode step the program ran (several for a multi-step batch)."""
@@ -342,7 +445,8 @@ class LLMEngine:
                 seq.output_token_ids[slot : slot + batch.num_steps] = tokens
                 seq.num_pending += extra
                 seq.num_computed_tokens += extra
-            self.block_manager.commit(seq)
+            if seq.status == SequenceStatus.RUNNING:  # not when swapped out meanwhile: no pages
+                self.block_manager.commit(seq)
             if i >= batch.num_decodes:
                 self.num_prompt_tokens += batch.num_new_tokens[i]
             if request.held and seq.status == SequenceStatus.RUNNING and seq.num_computed_tokens >= len(request.prompt_token_ids):
@@ -354,6 +458,8 @@ class LLMEngine:
                 if seq.is_finished:
                     _drop_pending(seq)  # tokens past the stop, and a row the next step spent on it
                     break
+            if seq.kv_compression is not None and seq.status == SequenceStatus.RUNNING and not request.held:
+                self._compress(seq)
             changed[request.request_id] = request
         outputs = []
         for request in changed.values():
@@ -363,6 +469,27 @@ class LLMEngine:
                 request.metrics.finished_time = now
                 del self.requests[request.request_id]
         return outputs
+
+    def _compress(self, seq: Sequence) -> None:
+        """Apply the sequence's KV compression policy: drop the full pages it does not keep
+        (`minivllm_jax.kv_compression`), back to the pool. Steps already dispatched read the old
+        page list and run before any later step can reuse a dropped page; later steps see the
+        shorter list, with the tokens' true positions (`Sequence.num_dropped_tokens`)."""
+        config, ps = seq.kv_compression, self.config.page_size
+        known = min(seq.num_computed_tokens, len(seq) - seq.num_pending)  # tokens computed and read
+        full = (known - 1 - seq.num_dropped_tokens) // ps  # full pages before the last known token's
+        if not wants_compression(config, full, ps):
+            return
+        scores = None
+        if needs_scores(config):  # waits for the steps in flight: once per page the sequence fills
+            scores = self.runner.page_scores(seq, known - 1)
+        keep = set(kept_pages(config, full, ps, scores))
+        dropped = [p for i, p in enumerate(seq.pages[:full]) if i not in keep]
+        seq.pages = [p for i, p in enumerate(seq.pages[:full]) if i in keep] + seq.pages[full:]
+        seq.page_hashes = []  # its pages no longer follow the prefix chain (commit stops too)
+        seq.num_dropped_tokens += len(dropped) * ps
+        self.block_manager.release(dropped)
+        self.num_dropped_pages += len(dropped)
 
     def _sampled(self, batch: ScheduledBatch, i: int, results: list[StepResult], start: int) -> list[tuple[StepResult, int]]:
         """Where row `i`'s new tokens are: one per result (a multi-step batch gives several), or

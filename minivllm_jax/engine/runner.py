@@ -32,12 +32,14 @@ from minivllm_jax.distributed import StepChannel
 from minivllm_jax.engine.scheduler import ScheduledBatch
 from minivllm_jax.engine.sequence import Sequence
 from minivllm_jax.kv_cache import SCRATCH_PAGE, KVCache, init_kv_cache
+from minivllm_jax.kv_compression import needs_scores
 from minivllm_jax.models.llama import Params, model_dtype, unstack_layers
 from minivllm_jax.program_cache import ProgramCache
 from minivllm_jax.runtime import program_cache_dir
 from minivllm_jax.sampler import SampleResult, make_sampling_arrays
 from minivllm_jax.step import (PenaltyRows, PenaltyState, copy_pages_jit, engine_multi_step_jit, engine_step_jit,
-                               engine_verify_step_jit, init_penalty_state, load_penalty_row_jit)
+                               engine_verify_step_jit, gather_pages_jit, init_penalty_state, load_penalty_row_jit,
+                               page_attention_scores_jit, scatter_pages_jit)
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +113,7 @@ class ModelRunner:
         self.num_loaded = 0  # of which loaded
         self.compile_seconds = 0.0
         self._warm = False
+        self.page_copy_bytes_per_s: float | None = None  # measured at warm-up when pages may move
         self._compile_lock = threading.Lock()
 
     def _new_device_state(self) -> None:
@@ -187,6 +190,10 @@ class ModelRunner:
         self._load_penalty_program()
         for program in programs:
             self._exercise(*program)
+        if cfg.preemption_mode != "recompute" or cfg.kv_disk_dir is not None:  # compiles the page moves too
+            self.page_copy_bytes_per_s = self.measure_page_copy()
+        if cfg.kv_compression is not None and needs_scores(cfg.kv_compression):
+            self._page_scores(Chunk([0], 0, [SCRATCH_PAGE]))
         jax.block_until_ready(self.cache)
         self._warm = True
         return time.perf_counter() - start
@@ -291,14 +298,103 @@ class ModelRunner:
             program = self._program(("copy_pages",), copy_pages_jit, self.cache, *self._abstract(src_dst))
             self.cache = program(self.cache, *self._place(src_dst))
 
+    # ------------------------------------------------------------------ page moves (swap, disk tier)
+
+    @property
+    def page_move_buckets(self) -> tuple[int, ...]:
+        """Page counts of the gather/scatter programs: doublings from 4 up to a whole sequence's."""
+        top = 1 << max(2, (self.config.max_pages_per_seq - 1).bit_length())
+        return tuple(1 << i for i in range(2, top.bit_length()))
+
+    def _page_index(self, pages: list[int], bucket: int) -> np.ndarray:
+        index = np.full(bucket, SCRATCH_PAGE, np.int32)
+        index[: len(pages)] = pages
+        return index
+
+    def _chunks(self, pages: list[int]) -> list[tuple[list[int], int]]:
+        """`pages` in pieces of the largest bucket, each with the bucket it is padded to."""
+        top = self.page_move_buckets[-1]
+        return [(pages[i : i + top], bucket_for(len(pages[i : i + top]), self.page_move_buckets))
+                for i in range(0, len(pages), top)]  # fmt: skip
+
+    def gather_pages(self, pages: list[int]) -> list[tuple[KVCache, int]]:
+        """Dispatch copies of whole pages (every layer); returns `(copy, count)` pieces, each a
+        cache-shaped tree with the pages on axis 1 (padded to its bucket). Ordered after every
+        step dispatched so far, so it reads what they wrote, before any later step reuses them."""
+        if self.channel is not None:
+            raise RuntimeError("page swaps and the disk tier do not run across several processes")
+        out = []
+        for piece, bucket in self._chunks(pages):
+            index = self._page_index(piece, bucket)
+            program = self._program(("gather_pages", bucket), gather_pages_jit, self.cache, *self._abstract((index,)))
+            out.append((program(self.cache, *self._place((index,))), len(piece)))
+        return out
+
+    def scatter_pages(self, pieces: list[tuple[Any, int]], pages: list[int]) -> None:
+        """Write pieces from `gather_pages` (or host arrays of the same layout) into `pages`, in order."""
+        start = 0
+        for data, count in pieces:
+            bucket = jax.tree.leaves(data)[0].shape[1]
+            index = self._page_index(pages[start : start + count], bucket)
+            data = jax.tree.map(lambda x, c: x.astype(c.dtype), data, self.cache)
+            program = self._program(("scatter_pages", bucket), scatter_pages_jit, self.cache, self._abstract(data),
+                                    *self._abstract((index,)))  # fmt: skip
+            self.cache = program(self.cache, *self._place((data, index)))
+            start += count
+
+    def host_pieces(self, pages: list[dict[str, np.ndarray]]) -> list[tuple[KVCache, int]]:
+        """Single pages as host arrays (leaf name -> one page, as the disk tier stores them)
+        stacked into padded pieces for `scatter_pages`."""
+        pieces = []
+        for chunk, bucket in self._chunks(pages):
+            leaves = {}
+            for name in chunk[0]:
+                stacked = np.stack([p[name] for p in chunk], axis=1)
+                pad = [(0, 0)] * stacked.ndim
+                pad[1] = (0, bucket - len(chunk))
+                leaves[name] = np.pad(stacked, pad)
+            pieces.append((KVCache(**leaves), len(chunk)))
+        return pieces
+
+    def page_scores(self, seq: Sequence, index: int) -> np.ndarray:
+        """Attention mass per page of `seq` (`step.page_attention_scores`) from the query of its
+        token `index` (computed, known), re-fed at its own slot; waits for the result."""
+        if self.channel is not None:
+            raise RuntimeError("KV compression by page scores does not run across several processes")
+        context = index - seq.num_dropped_tokens
+        return self._page_scores(Chunk([seq.token_ids[index]], context, seq.pages, seq.num_dropped_tokens))
+
+    def _page_scores(self, chunk: Chunk) -> np.ndarray:
+        batch = build_step_batch([chunk], self.config.page_size, 1, 1, self.config.max_pages_per_seq)
+        program = self._program(("page_scores",), page_attention_scores_jit, self.params, self.cache,
+                                self._abstract(batch), cfg=self.step_config, attention=self.attention,
+                                matmul=self.matmul)  # fmt: skip
+        return np.asarray(program(self.params, self.cache, self._place(batch)))
+
+    def measure_page_copy(self) -> float:
+        """Bytes a second of copying pages out and back (the largest bucket, on the scratch
+        page), for the swap cost model; also compiles every page-move program."""
+        for bucket in self.page_move_buckets:
+            self.scatter_pages(self.gather_pages([SCRATCH_PAGE] * bucket), [SCRATCH_PAGE] * bucket)
+        bucket = self.page_move_buckets[-1]
+        jax.block_until_ready(self.cache)
+        start = time.perf_counter()
+        for _ in range(3):
+            self.scatter_pages(self.gather_pages([SCRATCH_PAGE] * bucket), [SCRATCH_PAGE] * bucket)
+        jax.block_until_ready(self.cache)
+        seconds = (time.perf_counter() - start) / 3
+        page_bytes = sum(x.nbytes for x in jax.tree.leaves(self.cache)) // self.config.num_pages
+        return 2 * bucket * page_bytes / max(seconds, 1e-9)
+
     def prepare(self, batch: ScheduledBatch) -> StepBatch:
         """The flat host arrays of the step, in the smallest bucket that holds it."""
         cfg = self.config
         num_tokens = bucket_for(batch.num_tokens, cfg.token_buckets)
         num_seqs = bucket_for(len(batch.seqs), cfg.seq_buckets(num_tokens))
-        chunks = [
+        chunks = [  # a sequence with dropped pages (KV compression) feeds its tokens at shifted slots
             Chunk(seq.tokens_between(seq.num_computed_tokens, seq.num_computed_tokens + q - len(batch.draft(i)))
-                  + list(batch.draft(i)), seq.num_computed_tokens, seq.pages)
+                  + list(batch.draft(i)), seq.num_computed_tokens - seq.num_dropped_tokens, seq.pages,
+                  seq.num_dropped_tokens)
             for i, (seq, q) in enumerate(zip(batch.seqs, batch.num_new_tokens))
         ]  # fmt: skip
         lookahead = 0 if batch.num_steps == 1 else batch.num_steps  # the pages every inner step writes

@@ -6,7 +6,8 @@ priority) with what is left. While streaming requests decode, the prompt tokens 
 step are limited so the step stays within the TPOT target (`StepCosts`); offline work gets
 the whole budget. Under page pressure the lowest-priority, newest running sequence is
 preempted: its pages are freed and it waits to be recomputed (its prefix may still be
-cached). Nothing is ever dropped.
+cached), or its KV is swapped out to the host pool and back (`minivllm_jax.engine.swap`; the
+copies are queued in `swap_outs`/`swap_ins` for the engine). Nothing is ever dropped.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from minivllm_jax.config import AUTO_TPOT_FACTOR, EngineConfig, bucket_for
 from minivllm_jax.engine.block_manager import BlockManager
 from minivllm_jax.engine.sequence import Sequence, SequenceStatus
+from minivllm_jax.engine.swap import SwappedKV, SwapPool
 from minivllm_jax.speculative import MAX_BACKOFF, propose_ngram
 
 MIN_PROMPT_CHUNK = 16  # prompt tokens a step may always add: waiting prompts always progress
@@ -67,6 +69,14 @@ class StepCosts:
         below = [b for b in self.seconds if b < bucket]
         return self.seconds[max(below)] * bucket / max(below) if below else None
 
+    def seconds_per_prompt_token(self) -> float | None:
+        """A prompt token's share of the largest step measured (recomputing a preempted
+        sequence runs such steps), or None before any."""
+        if not self.seconds:
+            return None
+        largest = max(self.seconds)
+        return self.seconds[largest] / largest
+
     def largest_within(self, num_tokens: int, limit_s: float) -> int:
         """The largest bucket >= `num_tokens`'s own whose estimated step time is within `limit_s`
         (at least `num_tokens`' own bucket)."""
@@ -89,9 +99,12 @@ def note_draft_result(seq: Sequence, accepted: int) -> None:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, swap_pool: SwapPool | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.swap_pool = swap_pool
+        self.swap_outs: list[SwappedKV] = []  # pages to copy out, in order, before the next step
+        self.swap_ins: list[tuple[SwappedKV, list[int]]] = []  # ... and to copy back into these pages
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -113,21 +126,51 @@ class Scheduler:
         seq.finish_reason = seq.finish_reason or reason
         seq.stop_reason = stop_reason if seq.stop_reason is None else seq.stop_reason
         self.block_manager.free_pages(seq)
+        self._drop_swapped(seq)
         self._release_penalty_slot(seq)
         if seq in self.running:
             self.running.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
 
-    def preempt(self, seq: Sequence) -> None:
-        """Free the sequence's pages and requeue it; it is recomputed from its tokens later."""
-        self.block_manager.free_pages(seq)
+    def preempt(self, seq: Sequence, allow_swap: bool = True) -> None:
+        """Free the sequence's pages and requeue it: its computed pages are swapped out when the
+        swap pool says so (see `SwapPool.should_swap`), else it is recomputed from its tokens."""
+        bm, pool = self.block_manager, self.swap_pool
+        computed = bm.pages_for(seq.num_computed_tokens - seq.num_dropped_tokens)
+        per_token = self.costs.seconds_per_prompt_token()
+        if allow_swap and pool is not None and pool.should_swap(computed, seq.num_computed_tokens, per_token):
+            seq.swapped = pool.take(seq.pages[:computed])
+            self.swap_outs.append(seq.swapped)
+            bm.free_pages(seq, keep_progress=True)
+        else:
+            if pool is not None:
+                pool.num_recomputes += 1
+            bm.free_pages(seq)
         self._release_penalty_slot(seq)
         self.running.remove(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.append(seq)
+
+    def _drop_swapped(self, seq: Sequence) -> None:
+        """Give back the swap pool pages of a sequence that ends (or is recomputed) swapped out."""
+        if seq.swapped is not None:
+            self.swap_pool.release(seq.swapped)
+            seq.swapped = None
+
+    def forget_swapped(self, seq: Sequence) -> None:
+        """Recompute a swapped-out sequence instead (its copy is not trusted: the cache was lost)."""
+        if seq.swapped is not None:
+            self._drop_swapped(seq)
+            seq.num_computed_tokens = seq.num_dropped_tokens = 0
+
+    def drop_page_moves(self) -> None:
+        """Forget the queued swap copies (after a failure; the sequences are recomputed)."""
+        for swapped, _ in self.swap_ins:
+            self.swap_pool.release(swapped)
+        self.swap_outs, self.swap_ins = [], []
 
     def _take_penalty_slot(self, seq: Sequence) -> None:
         if seq.params.uses_penalties:
@@ -187,7 +230,12 @@ class Scheduler:
                 # admission does not force an instant preemption.
                 if not bm.can_allocate(seq, reserve=len(self.running) + admitted):
                     break
+                swapped = seq.swapped
                 bm.allocate(seq)
+                if swapped is not None:  # resumes where it was: copy its KV back first
+                    self.swap_ins.append((swapped, seq.pages[: swapped.num_pages]))
+                    self.swap_pool.num_swap_ins += 1
+                    seq.swapped = None
                 admitted += 1
             chunk = min(seq.num_uncomputed_tokens, budget)
             seqs.append(seq)
@@ -254,7 +302,7 @@ class Scheduler:
         if any(len(s) + k - 1 > self.config.max_model_len for s in decodes):
             return False
         bm = self.block_manager
-        return sum(bm.pages_for(len(s) + k - 1) - len(s.pages) for s in decodes) <= bm.num_free_pages
+        return sum(bm.pages_for(s.cache_len + k - 1) - len(s.pages) for s in decodes) <= bm.num_free_pages
 
     def _prompt_budget(self, decodes: list[Sequence], used: int, now: float) -> int:
         """Prompt tokens this step may add after `decodes` (`used` tokens with their drafts).

@@ -5,9 +5,14 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from typing import TYPE_CHECKING
 
 from minivllm_jax.outputs import TokenLogprobs
 from minivllm_jax.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from minivllm_jax.engine.swap import SwappedKV
+    from minivllm_jax.kv_compression import KVCompressionConfig
 
 _seq_counter = itertools.count()
 
@@ -55,7 +60,12 @@ class Sequence:
         self.pages: list[int] = []
         self.page_hashes: list[bytes] = []  # prefix-cache digest of each full, computed page
         self.num_computed_tokens = 0
-        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache on admission
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache (memory or disk) on admission
+        self.swapped: SwappedKV | None = None  # its computed pages while swapped out (preemption)
+        # KV compression (`minivllm_jax.kv_compression`): tokens whose pages were dropped. Its
+        # K/V slots are then `len(self) - num_dropped_tokens`; positions stay the true ones.
+        self.kv_compression: KVCompressionConfig | None = None
+        self.num_dropped_tokens = 0
         self.logprobs: list[TokenLogprobs] = []
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
@@ -89,6 +99,11 @@ class Sequence:
         if start >= n:
             return self.output_token_ids[start - n : end - n]
         return self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - n)]
+
+    @property
+    def cache_len(self) -> int:
+        """KV slots its tokens take: all of them, less those whose pages were dropped."""
+        return len(self) - self.num_dropped_tokens
 
     @property
     def num_uncomputed_tokens(self) -> int:
