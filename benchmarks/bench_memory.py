@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-hf", action="store_true", help="skip the PyTorch peer's RSS (a subprocess)")
     p.add_argument("--hf-batch", type=int, default=8, help="prompts the peer generates in one batch")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the peer")
+    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"],
+                   help="preempted sequences' KV: recomputed, or swapped to the host pool (its pages are in the timeline)")
+    p.add_argument("--kv-disk-dir", default=None, help="a disk tier for the prefix cache (its pages are in the timeline)")
     p.add_argument("--quick", action="store_true", help="tiny preset and a small engine, for smoke tests")
     p.add_argument("--out", default=str(RESULTS / "memory.json"))
     p.add_argument("--hf-child", action="store_true", help=argparse.SUPPRESS)  # internal: the peer process
@@ -173,7 +176,9 @@ class Timeline:
             "t_s": round(time.monotonic() - self.t0, 4),
             "running": len(sched.running),
             "waiting": len(sched.waiting),
-            "pages_used": bm.num_usable_pages - bm.num_free_pages,
+            "pages_used": bm.num_usable_pages - bm.num_free_pages,  # the memory tier
+            "swap_pages": engine.tier_stats().get("swap_pages", 0),
+            "disk_pages": engine.tier_stats().get("disk_pages", 0),
             "seq_tokens": held,
         })  # fmt: skip
 
@@ -241,7 +246,7 @@ def measure_ours(args: argparse.Namespace) -> dict[str, Any]:
     from minivllm_jax.kv_cache import kv_bytes_per_page
 
     rss_start = rss_bytes()
-    llm = build_llm(args)
+    llm = build_llm(args, preemption_mode=args.preemption_mode, kv_disk_dir=args.kv_disk_dir)
     engine = llm.engine
     cfg, mcfg, runner = engine.config, engine.model_config, engine.runner
     rss_loaded = rss_bytes()
@@ -277,6 +282,14 @@ def measure_ours(args: argparse.Namespace) -> dict[str, Any]:
             "peak_pages_used": max(pages, default=0),
             "peak_running": max((s["running"] for s in timeline.samples), default=0),
         },
+        "tiers": {  # where KV pages were: memory (the pool above), the host swap pool, the disk tier
+            "memory_pages_peak": max(pages, default=0),
+            "swap_pages_peak": max((s["swap_pages"] for s in timeline.samples), default=0),
+            "disk_pages_end": engine.tier_stats().get("disk_pages", 0),
+            "preemption_mode": cfg.preemption_mode,
+            "kv_disk_dir": cfg.kv_disk_dir,
+            **{k: v for k, v in engine.tier_stats().items() if k != "swap_pages"},
+        },
         "host_rss": {
             "rss_before_load_bytes": rss_start,
             "rss_after_load_and_warmup_bytes": rss_loaded,
@@ -310,6 +323,10 @@ def summarize(r: dict[str, Any]) -> None:
     print(f"params {r['params']['bytes'] / MIB:.1f} MiB; KV pool {kv['bytes'] / MIB:.1f} MiB "
           f"({kv['num_pages']} pages x {kv['bytes_per_page'] / 1024:.0f} KiB); peak {kv['peak_pages_used']} pages used, "
           f"peak {kv['peak_running']} running")  # fmt: skip
+    t = r["tiers"]
+    print(f"tiers: memory peak {t['memory_pages_peak']} pages, swap pool peak {t['swap_pages_peak']} pages, disk "
+          f"{t['disk_pages_end']} pages at the end; prefix hits: {t['memory_hit_tokens']} tokens from memory, "
+          f"{t['disk_hit_tokens']} from disk")  # fmt: skip
     print(f"ours: peak RSS {rss['peak_rss_bytes'] / MIB:.0f} MiB (after load+warm-up {rss['rss_after_load_and_warmup_bytes'] / MIB:.0f} MiB)")
     if "hf" in r:
         hf = r["hf"]

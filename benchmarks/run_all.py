@@ -45,6 +45,7 @@ SUITE: dict[str, list[str]] = {
     "quant": ["bench_quant.py"],
     "scaling": ["bench_scaling.py"],
     "decoding": ["bench_decoding.py"],
+    "kv_tiers": ["bench_kv_tiers.py"],
 }
 
 
@@ -124,6 +125,15 @@ def summary() -> str:
     rows.append(("n-gram speculation, batch-1 decode, input-grounded, tok/s with / without",
                  f"{_fmt(spec.get('ngram', {}).get('decode_tok_s'))} / {_fmt(spec.get('off', {}).get('decode_tok_s'))}",
                  "", _fmt(spec.get("decode_speedup"), 2) + "x"))  # fmt: skip
+    kv = _load("kv_tiers") or {}
+    modes = {r["mode"]: r["elapsed_s"] for r in (kv.get("preemption") or {}).get("rows", [])}
+    rows.append(("preemption-heavy workload, completion s: recompute / swap / auto",
+                 " / ".join(_fmt(modes.get(m)) for m in ("recompute", "swap", "auto")), "",
+                 _fmt(modes["recompute"] / modes["swap"], 2) + "x" if modes else "n/a"))  # fmt: skip
+    tiers = {r["tier"]: r["ttft_s"]["p50"] for r in (kv.get("restart") or {}).get("rows", [])}
+    rows.append(("TTFT p50 of the first requests after a server restart, ms: disk tier / none",
+                 f"{_fmt(ms(tiers, 'disk'), 0)} / {_fmt(ms(tiers, 'none'), 0)}", "",
+                 _fmt(tiers["none"] / tiers["disk"], 2) + "x" if len(tiers) == 2 else "n/a"))  # fmt: skip
     header = ["metric", "minivllm-jax (XLA)", "HF transformers (PyTorch)", "ratio"]
     if any(r[4:] != ("", "") for r in rows if len(r) > 4):
         header += ["llama.cpp F32 / Q4_1 GGUF", "ours / llama.cpp F32"]
@@ -131,7 +141,7 @@ def summary() -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     machine = tp.get("machine") or dec.get("machine") or {}
-    stamps = sorted(r["timestamp"] for r in (tp, bf, dec, lat, mem, roof, inter, start, dcd) if r.get("timestamp"))
+    stamps = sorted(r["timestamp"] for r in (tp, bf, dec, lat, mem, roof, inter, start, dcd, kv) if r.get("timestamp"))
     when = "not run yet" if not stamps else stamps[0] if stamps[0] == stamps[-1] else (
         f"from {stamps[0]} to {stamps[-1]} (rows rerun with `--only` keep their own timestamps)")
     lines.append(f"\nMeasured {when} on {machine.get('cpu', '?')}, {machine.get('cpu_count', '?')} cores, "

@@ -109,6 +109,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
                    help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off)')  # fmt: skip
+    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"],
+                   help="a preempted sequence's KV: recomputed later, swapped to a host pool and back, or "
+                        "whichever a cost model says is cheaper for that sequence (default: recompute)")  # fmt: skip
+    p.add_argument("--swap-space-gb", type=float, default=4.0, help="host pool for swapped-out KV pages (GiB)")
+    p.add_argument("--kv-disk-dir", default=None, metavar="DIR",
+                   help="disk tier of the prefix cache: evicted (and, at a clean shutdown, all) cached pages "
+                        "are written here and found again, also after a restart (default: off)")  # fmt: skip
+    p.add_argument("--kv-disk-gb", type=float, default=10.0, help="size budget of --kv-disk-dir (GiB, LRU)")
+    p.add_argument("--kv-compression", type=json.loads, default=None, metavar="JSON",
+                   help='drop KV pages of long sequences, for every request: \'{"policy": "sink_window", '
+                        '"window_tokens": 512}\' or \'{"policy": "page_scores", "budget_tokens": 1024}\' '
+                        "(default: off; a request may ask with its own kv_compression field)")  # fmt: skip
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over this many devices (heads, MLP and vocabulary; docs/scaling.md)")
     p.add_argument("--data-parallel-size", type=int, default=1,
@@ -140,6 +152,8 @@ def load_llm(args: argparse.Namespace):
         max_batch_wait_ms=args.max_batch_wait_ms, attention=args.attention, quantization=args.quantization,
         async_scheduling=not args.no_async_scheduling, kv_cache_dtype=args.kv_cache_dtype,
         num_scheduler_steps=args.num_scheduler_steps, speculative_config=args.speculative_config,
+        preemption_mode=args.preemption_mode, swap_space_gb=args.swap_space_gb, kv_disk_dir=args.kv_disk_dir,
+        kv_disk_gb=args.kv_disk_gb, kv_compression=args.kv_compression,
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
     )  # fmt: skip
 

@@ -292,6 +292,11 @@ class AsyncEngine:
             self.error = e
         finally:
             self._fail_all(EngineStopped("the engine stopped" if self.error is None else f"engine error: {self.error}"))
+            if self.error is None:  # a clean stop: cached pages go to the disk tier, if there is one
+                try:
+                    self.engine.close()
+                except Exception:
+                    logger.exception("closing the engine failed")
 
     def _serve(self) -> None:
         """Run commands and steps until `stop()`; whatever the engine raises propagates."""
@@ -404,6 +409,7 @@ class AsyncEngine:
             steps=self._steps,
             draft_tokens=e.num_draft_tokens,
             accepted_tokens=e.num_accepted_tokens,
+            **e.tier_stats(),
         )
 
 

@@ -37,6 +37,17 @@ class EngineStats:
     steps: int
     draft_tokens: int = 0  # speculative decoding: draft tokens verified
     accepted_tokens: int = 0  # of which accepted
+    # The KV tiers (`LLMEngine.tier_stats`): pages in the swap pool and on disk, moves and hits.
+    swap_pages: int = 0
+    swap_outs: int = 0
+    swap_ins: int = 0
+    disk_pages: int = 0
+    disk_bytes: int = 0
+    disk_pages_written: int = 0
+    disk_corrupt: int = 0
+    memory_hit_tokens: int = 0
+    disk_hit_tokens: int = 0
+    dropped_pages: int = 0
 
 
 class Histogram:
@@ -64,6 +75,25 @@ class Histogram:
         lines.append(f"{self.name}_sum {self.sum:.6f}")
         lines.append(f"{self.name}_count {self.count}")
         return lines
+
+
+def _tier_metrics(stats: EngineStats) -> list[str]:
+    """Each KV tier: pages in memory are `kv_pages_used`; these are the swap pool and the disk."""
+    out = _metric("kv_swap_pages", "gauge", "KV pages of preempted sequences held in the host swap pool.",
+                  [("", stats.swap_pages)])  # fmt: skip
+    out += _metric("kv_swap_outs_total", "counter", "Preempted sequences whose KV was swapped out.", [("", stats.swap_outs)])
+    out += _metric("kv_swap_ins_total", "counter", "Swapped-out sequences whose KV was copied back.", [("", stats.swap_ins)])
+    out += _metric("kv_disk_pages", "gauge", "KV pages in the prefix cache's disk tier.", [("", stats.disk_pages)])
+    out += _metric("kv_disk_bytes", "gauge", "Bytes of the disk tier's page files.", [("", stats.disk_bytes)])
+    out += _metric("kv_disk_pages_written_total", "counter", "Pages written to the disk tier.",
+                   [("", stats.disk_pages_written)])  # fmt: skip
+    out += _metric("kv_disk_corrupt_total", "counter", "Disk-tier page files that failed their checks (served as misses).",
+                   [("", stats.disk_corrupt)])  # fmt: skip
+    out += _metric("prefix_cache_hit_tokens_total", "counter", "Prompt tokens served from cached KV, by tier.",
+                   [(_labels(tier="memory"), stats.memory_hit_tokens), (_labels(tier="disk"), stats.disk_hit_tokens)])
+    out += _metric("kv_compression_dropped_pages_total", "counter", "KV pages dropped by a compression policy.",
+                   [("", stats.dropped_pages)])  # fmt: skip
+    return out
 
 
 def _metric(name: str, kind: str, help: str, samples: list[tuple[str, float]]) -> list[str]:
@@ -138,6 +168,7 @@ class ServerMetrics:
                            "Speculative decoding: draft tokens accepted.", [("", stats.accepted_tokens)])
             out += _metric("spec_decode_acceptance_rate", "gauge", "Accepted over proposed draft tokens so far.",
                            [("", stats.accepted_tokens / stats.draft_tokens if stats.draft_tokens else 0.0)])
+            out += _tier_metrics(stats)
         out += _metric("requests_finished_total", "counter", "Requests finished, by finish reason.",
                        [(_labels(finish_reason=r), n) for r, n in sorted(self.finished.items())])  # fmt: skip
         out += _metric("http_requests_total", "counter", "HTTP and WebSocket requests by route and status.",

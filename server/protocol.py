@@ -26,7 +26,7 @@ MAX_STOP_TOKEN_IDS = 64
 # log-probs and answers one JSON body), so only their neutral value is accepted.
 _BEAM_SEARCH_NEUTRAL = ("top_p", "top_k", "min_p", "stop", "seed", "presence_penalty", "frequency_penalty",
                         "repetition_penalty", "stop_token_ids", "skip_special_tokens", "stream", "logprobs",
-                        "top_logprobs")  # fmt: skip
+                        "top_logprobs", "kv_compression")  # fmt: skip
 
 
 class APIError(Exception):
@@ -79,6 +79,9 @@ class _Sampling(_Strict):
     ignore_eos: bool = False  # vLLM extension
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
+    # Extension: this request's KV compression policy (`minivllm_jax.kv_compression`), e.g.
+    # {"policy": "sink_window", "window_tokens": 512}.
+    kv_compression: dict[str, Any] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Accepted and ignored: they never change the output.
@@ -140,7 +143,7 @@ class _Sampling(_Strict):
             stop=self.stop, seed=self.seed, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
             ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
-            skip_special_tokens=self.skip_special_tokens,
+            skip_special_tokens=self.skip_special_tokens, kv_compression=self.kv_compression,
         )  # fmt: skip
 
     @property

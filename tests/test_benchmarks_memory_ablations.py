@@ -31,7 +31,11 @@ def test_memory_quick(tiny_model, tmp_path):
     assert r["params"]["bytes"] > 0 and r["kv_pool"]["bytes"] == r["kv_pool"]["num_pages"] * r["kv_pool"]["bytes_per_page"]
     assert r["host_rss"]["peak_rss_bytes"] > 0
     assert r["device_memory"]["available"] is False  # tests run on the CPU
-    assert r["timeline"] and {"step", "running", "waiting", "pages_used", "seq_tokens"} <= set(r["timeline"][0])
+    assert r["timeline"] and {"step", "running", "waiting", "pages_used", "swap_pages", "disk_pages",
+                              "seq_tokens"} <= set(r["timeline"][0])  # fmt: skip
+    tiers = r["tiers"]  # each KV tier: memory, the swap pool, disk, and the prefix hits per tier
+    assert tiers["memory_pages_peak"] == r["kv_pool"]["peak_pages_used"] > 0
+    assert tiers["swap_pages_peak"] == 0 and tiers["disk_pages_end"] == 0 and tiers["memory_hit_tokens"] >= 0
     allocators = {f["allocator"]: f for f in r["fragmentation"]}
     assert any(a.startswith("contiguous-") for a in allocators)
     # The page-16 row is computed from the timeline; it must equal the block manager's real count.

@@ -75,6 +75,12 @@ class FakeEngine:
     def has_unfinished(self):
         return bool(self.requests)
 
+    def tier_stats(self):
+        return {"disk_pages": 3}  # a KV tier gauge travels from the engine to /metrics
+
+    def close(self):
+        self.closed = True
+
     def step(self):
         if self.crash:
             raise RuntimeError("device on fire")
@@ -200,6 +206,31 @@ def test_metrics_render_speculative_decoding_counters():
     assert "minivllm_spec_decode_num_draft_tokens_total 40" in lines
     assert "minivllm_spec_decode_num_accepted_tokens_total 30" in lines
     assert "minivllm_spec_decode_acceptance_rate 0.75" in lines
+
+
+def test_metrics_render_kv_tiers():
+    stats = EngineStats(running=0, waiting=1, free_pages=10, usable_pages=20, generated_tokens=0, prompt_tokens=0,
+                        compiles=3, programs_loaded=0, preemptions=2, steps=3, swap_pages=5, swap_outs=2, swap_ins=1,
+                        disk_pages=7, disk_bytes=700, memory_hit_tokens=32, disk_hit_tokens=16)  # fmt: skip
+    lines = ServerMetrics().render(stats, ready=True, in_flight=1).splitlines()
+    for line in ("minivllm_kv_swap_pages 5", "minivllm_kv_swap_outs_total 2", "minivllm_kv_disk_pages 7",
+                 "minivllm_kv_disk_bytes 700", 'minivllm_prefix_cache_hit_tokens_total{tier="memory"} 32',
+                 'minivllm_prefix_cache_hit_tokens_total{tier="disk"} 16'):  # fmt: skip
+        assert line in lines
+
+
+def test_engine_loop_publishes_tier_stats_and_closes_the_engine_on_a_clean_stop():
+    engine = FakeEngine()
+    loop_engine = AsyncEngine(engine, max_queue=8)
+    loop_engine.start()
+
+    async def main():
+        return await collect(await loop_engine.add([ord("a")], params(2), "tiers"))
+
+    assert run(main()).finished
+    assert loop_engine.stats.disk_pages == 3
+    loop_engine.stop()
+    assert engine.closed  # cached KV pages get written to the disk tier
 
 
 def test_choice_tracker_sends_each_piece_once():
@@ -351,3 +382,12 @@ def test_load_failure_is_reported_on_health():
 
     run(main())
     assert isinstance(errors[0], FileNotFoundError)
+
+
+def test_kv_compression_request_field():
+    ok = parse_request(CompletionRequest, {"prompt": "x", "kv_compression": {"policy": "sink_window", "window_tokens": 64}})
+    assert ok.sampling_params().kv_compression.window_tokens == 64
+    bad = parse_request(CompletionRequest, {"prompt": "x", "kv_compression": {"policy": "lru"}})
+    with pytest.raises(APIError) as e:
+        bad.sampling_params()
+    assert e.value.status == 400 and e.value.param == "kv_compression" and "lru" in e.value.message

@@ -1,0 +1,251 @@
+"""The KV memory hierarchy, three measurements in one run (JSON + PNG):
+
+1. Preemption: a preemption-heavy offline workload (num_pages forced small) run with
+   `preemption_mode` recompute, swap and auto: completion time, preemptions, swaps, the prompt
+   tokens computed (recomputation included), and whether the tokens are identical.
+2. Restart: a shared-system-prompt workload across a server restart. "Yesterday" a server
+   answers a few requests and is stopped cleanly (SIGTERM); "today" a new server on the same
+   `--kv-disk-dir` gets concurrent first requests. TTFT p50 of those, with the disk tier and
+   without it (the same two days, no `--kv-disk-dir`).
+3. Compression: perplexity and greedy agreement with full attention over a long fixed text
+   (>= 4k tokens, teacher-forced: `benchmarks/kv_compression_quality.py`) per policy and kept
+   fraction, and the KV memory per sequence.
+
+    python benchmarks/bench_kv_tiers.py                # SmolLM2, about 10 minutes
+    python benchmarks/bench_kv_tiers.py --quick        # smaller everything: a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import (RESULTS, greedy_params, machine_info, new_figure, percentiles, run_requests,  # noqa: E402
+                               save_plot, write_result)  # fmt: skip
+
+MODES = ("recompute", "swap", "auto")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--quick", action="store_true", help="a smoke run: small workloads, short text")
+    p.add_argument("--only", nargs="+", choices=["preemption", "restart", "compression"], default=None)
+    p.add_argument("--requests", type=int, default=16, help="preemption: requests (all at once)")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--pressure-seqs", type=float, default=4,
+                   help="preemption: num_pages holds this many full-length sequences")  # fmt: skip
+    p.add_argument("--system-tokens", type=int, default=1024, help="restart: shared system prompt length")
+    p.add_argument("--first-requests", type=int, default=8, help="restart: concurrent first requests after it")
+    p.add_argument("--text-tokens", type=int, default=4096, help="compression: tokens of the long text scored")
+    p.add_argument("--out", default=str(RESULTS / "kv_tiers.json"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.requests, args.prompt_len, args.output_len = 6, 128, 64
+        args.system_tokens, args.first_requests, args.text_tokens = 256, 4, 1024
+    return args
+
+
+# ---------------------------------------------------------------- 1. preemption
+
+
+def preemption(args: argparse.Namespace) -> dict[str, Any]:
+    from minivllm_jax import LLM
+    from minivllm_jax.engine.engine import LLMEngine
+
+    full_len = args.prompt_len + args.output_len
+    page_size = 16
+    pages = 1 + int(args.pressure_seqs * -(-full_len // page_size))
+    llm = LLM(args.model, max_num_seqs=args.requests, max_model_len=full_len, num_pages=pages, use_tqdm=False)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(100, 10000, args.prompt_len).tolist() for _ in range(args.requests)]
+    params = greedy_params([args.output_len] * args.requests)
+    base, rows, tokens = llm.engine, [], None
+    for mode in MODES:
+        config = dataclasses.replace(base.config, preemption_mode=mode)
+        engine = LLMEngine(base.model_config, config, base.runner.params, llm.tokenizer, eos_token_ids=base.eos_token_ids)
+        engine.warmup(progress=False)
+        run = run_requests(engine, prompts, params)
+        tokens = tokens or run.token_ids
+        pool = engine.scheduler.swap_pool
+        rows.append({
+            "mode": mode, "elapsed_s": run.elapsed_s, "output_tok_s": run.output_tokens / run.elapsed_s,
+            "preemptions": engine.scheduler.num_preemptions, "swap_outs": pool.num_swap_outs if pool else 0,
+            "swap_ins": pool.num_swap_ins if pool else 0, "recomputes": pool.num_recomputes if pool else None,
+            "prompt_tokens_computed": engine.num_prompt_tokens,
+            "swap_copy_gb_s": pool.bytes_per_second / 1e9 if pool else None,
+            "tokens_identical_to_recompute": run.token_ids == tokens,
+        })  # fmt: skip
+        print(f"preemption {mode:>9}: {run.elapsed_s:6.1f} s, {rows[-1]['preemptions']} preemptions, "
+              f"{rows[-1]['swap_outs']} swaps, {engine.num_prompt_tokens} prompt tokens computed", flush=True)  # fmt: skip
+        del engine
+    return {"requests": args.requests, "prompt_len": args.prompt_len, "output_len": args.output_len,
+            "num_pages": pages, "bytes_per_page": _page_bytes(base), "rows": rows}  # fmt: skip
+
+
+def _page_bytes(engine) -> int:
+    from minivllm_jax.kv_cache import kv_bytes_per_page
+
+    c = engine.config
+    return kv_bytes_per_page(engine.model_config, c.page_size, engine.runner.dtype, c.kv_cache_dtype)
+
+
+# ---------------------------------------------------------------- 2. restart
+
+
+def _system_prompt(model: str, tokens: int) -> str:
+    """The first `tokens` tokens of the long fixed text, as text: the shared system prompt."""
+    from transformers import AutoTokenizer
+
+    from benchmarks.quant_quality import read_text
+    from convert.resolve import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(model)))
+    ids = tokenizer(read_text(None)[0], add_special_tokens=False)["input_ids"][:tokens]
+    return tokenizer.decode(ids)
+
+
+async def _first_requests(url: str, args: argparse.Namespace, system: str, n: int, offset: int) -> list[dict]:
+    import httpx
+
+    from benchmarks.load_test import one_request
+
+    req = argparse.Namespace(endpoint="chat", model=args.model, request_timeout=600)
+    bodies = [{"messages": [{"role": "system", "content": system},
+                            {"role": "user", "content": f"Question {offset + i}: what does section {offset + i} say?"}],
+               "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True,
+               "stream_options": {"include_usage": True}} for i in range(n)]  # fmt: skip
+    async with httpx.AsyncClient(base_url=url) as client:
+        return await asyncio.gather(*(one_request(client, req, b) for b in bodies))
+
+
+def _disk_hits(url: str) -> float:
+    import httpx
+
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith('minivllm_prefix_cache_hit_tokens_total{tier="disk"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def restart(args: argparse.Namespace) -> dict[str, Any]:
+    from benchmarks.load_test import launched_server
+
+    system = _system_prompt(args.model, args.system_tokens)
+    rows = []
+    for tier in ("disk", "none"):
+        with tempfile.TemporaryDirectory(prefix="minivllm-kv-disk-") as folder:
+            flags = "--max-num-seqs 16 --max-model-len 2048" + (f" --kv-disk-dir {folder}" if tier == "disk" else "")
+            with launched_server(args.model, flags, 900, None) as url:  # yesterday: a few requests, then SIGTERM
+                yesterday = asyncio.run(_first_requests(url, args, system, 2, 0))
+            start = time.perf_counter()
+            with launched_server(args.model, flags, 900, None) as url:
+                ready_s = time.perf_counter() - start
+                today = asyncio.run(_first_requests(url, args, system, args.first_requests, 100))
+                hits = _disk_hits(url)
+            files = len(list(Path(folder).rglob("*.kvpage")))
+        errors = [r["error"] for r in yesterday + today if "error" in r]
+        if errors:
+            raise SystemExit(f"restart ({tier}): {errors[:3]}")
+        ttft = [r["ttft"] for r in today]
+        rows.append({"tier": tier, "ttft_s": percentiles(ttft), "ttfts_s": ttft, "disk_hit_tokens": hits,
+                     "page_files_after": files, "server_ready_s": ready_s})  # fmt: skip
+        print(f"restart {tier:>4}: first {len(ttft)} requests TTFT p50 {rows[-1]['ttft_s']['p50'] * 1000:.0f} ms, "
+              f"{hits:.0f} prompt tokens from disk", flush=True)  # fmt: skip
+    return {"system_tokens": args.system_tokens, "first_requests": args.first_requests, "rows": rows}
+
+
+# ---------------------------------------------------------------- 3. compression
+
+
+def compression(args: argparse.Namespace) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from benchmarks.kv_compression_quality import evaluate
+    from benchmarks.quant_quality import read_text
+    from convert.resolve import resolve_model
+    from minivllm_jax import kernels
+    from minivllm_jax.checkpoint import load_converted
+    from minivllm_jax.kv_compression import KVCompressionConfig
+    from minivllm_jax.models.llama import unstack_layers
+
+    folder = resolve_model(args.model)
+    cfg, _, params = load_converted(folder)
+    params = unstack_layers(params)
+    text, sources = read_text(None)
+    ids = AutoTokenizer.from_pretrained(str(folder))(text, add_special_tokens=False)["input_ids"][: args.text_tokens + 1]
+    if len(ids) < args.text_tokens + 1:
+        raise SystemExit(f"the text has {len(ids)} tokens, fewer than --text-tokens {args.text_tokens} + 1")
+    native = "native" if kernels.native_available() else "reference"
+    common = dict(page_size=16, chunk=16, attention=native, matmul=native)
+    full = evaluate(params, cfg, ids, None, **common)
+    rows = [{**full, "policy": "full"}]
+    budgets = [n for n in (256, 512, 1024) if n < args.text_tokens // 2]
+    configs = [KVCompressionConfig("sink_window", sink_tokens=16, window_tokens=b - 16) for b in budgets]
+    configs += [KVCompressionConfig("page_scores", sink_tokens=16, window_tokens=b // 4, budget_tokens=b) for b in budgets]
+    for config in configs:
+        rows.append(evaluate(params, cfg, ids, config, reference_argmax=full["argmax"], **common))
+        r = rows[-1]
+        print(f"compression {config.policy:>11} keep {r['final_kept_tokens']:5d}: ppl {r['perplexity']:.3f} "
+              f"(full {full['perplexity']:.3f}), agreement {r['greedy_agreement']:.3f}, "
+              f"kept fraction {r['kept_fraction']:.3f}, {r['bytes_per_seq'] / 2**20:.1f} MiB/seq", flush=True)  # fmt: skip
+    for r in rows:
+        r.pop("argmax", None)
+    return {"tokens": len(ids), "text": sources, "rows": rows}
+
+
+# ---------------------------------------------------------------- report
+
+
+def plot(result: dict[str, Any], out: str) -> Path:
+    fig, axes = new_figure(3, width=5.0, height=4.2)
+    axes = axes[0]
+    if "preemption" in result:
+        rows = result["preemption"]["rows"]
+        axes[0].bar([r["mode"] for r in rows], [r["elapsed_s"] for r in rows], color=["#999", "#4a90d9", "#e8a33d"])
+        axes[0].set_ylabel("completion time (s)")
+        axes[0].set_title(f"preemption-heavy workload ({result['preemption']['requests']} requests)")
+    if "restart" in result:
+        rows = result["restart"]["rows"]
+        axes[1].bar([r["tier"] for r in rows], [r["ttft_s"]["p50"] * 1000 for r in rows], color=["#4a90d9", "#999"])
+        axes[1].set_ylabel("TTFT p50 of the first requests (ms)")
+        axes[1].set_title("after a server restart: disk tier vs none")
+    if "compression" in result:
+        for policy, marker in (("sink_window", "o"), ("page_scores", "s")):
+            rows = [r for r in result["compression"]["rows"] if isinstance(r["policy"], dict) and r["policy"]["policy"] == policy]
+            axes[2].plot([r["kept_fraction"] for r in rows], [r["perplexity"] for r in rows], marker=marker, label=policy)
+        full = result["compression"]["rows"][0]["perplexity"]
+        axes[2].axhline(full, color="#999", linestyle="--", label="full attention")
+        axes[2].set_xlabel("kept KV fraction (mean over positions)")
+        axes[2].set_ylabel("perplexity")
+        axes[2].set_title(f"compression over {result['compression']['tokens']} tokens")
+        axes[2].legend()
+    return save_plot(fig, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    parts = args.only or ["preemption", "restart", "compression"]
+    result: dict[str, Any] = {"benchmark": "kv_tiers", "model": args.model, "quick": args.quick,
+                              "machine": machine_info()}  # fmt: skip
+    for name, fn in (("preemption", preemption), ("restart", restart), ("compression", compression)):
+        if name in parts:
+            result[name] = fn(args)
+    write_result(result, args.out)
+    plot(result, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
