@@ -11,7 +11,7 @@
    (>= 4k tokens, teacher-forced: `benchmarks/kv_compression_quality.py`) per policy and kept
    fraction, and the KV memory per sequence.
 
-    python benchmarks/bench_kv_tiers.py                # SmolLM2, about 10 minutes
+    python benchmarks/bench_kv_tiers.py                # SmolLM2, about 12 minutes
     python benchmarks/bench_kv_tiers.py --quick        # smaller everything: a smoke run
 """
 
@@ -41,10 +41,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--quick", action="store_true", help="a smoke run: small workloads, short text")
     p.add_argument("--only", nargs="+", choices=["preemption", "restart", "compression"], default=None)
-    p.add_argument("--requests", type=int, default=16, help="preemption: requests (all at once)")
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--pressure-seqs", type=float, default=4,
+    # Long outputs: sequences are preempted deep into their decode, when recomputing costs most.
+    p.add_argument("--requests", type=int, default=12, help="preemption: requests (all at once)")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=640)
+    p.add_argument("--pressure-seqs", type=float, default=3,
                    help="preemption: num_pages holds this many full-length sequences")  # fmt: skip
     p.add_argument("--system-tokens", type=int, default=1024, help="restart: shared system prompt length")
     p.add_argument("--first-requests", type=int, default=8, help="restart: concurrent first requests after it")
@@ -52,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=str(RESULTS / "kv_tiers.json"))
     args = p.parse_args(argv)
     if args.quick:
-        args.requests, args.prompt_len, args.output_len = 6, 128, 64
+        args.requests, args.prompt_len, args.output_len, args.pressure_seqs = 6, 64, 128, 2
         args.system_tokens, args.first_requests, args.text_tokens = 256, 4, 1024
     return args
 

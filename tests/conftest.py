@@ -3,6 +3,7 @@ and `requires_smollm2`, the one gate for tests that need the shipped SmolLM2 mod
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from pathlib import Path
@@ -64,10 +65,10 @@ def pytest_runtest_setup(item) -> None:
         require_smollm2()
 
 
-@pytest.fixture(scope="session")
-def smollm2_hf():
-    """The shipped SmolLM2 as an HF transformers model (float32, dequantized from its GGUF): the
-    reference the engine's SmolLM2 tests compare with, loaded once (about 20 s) for all of them."""
+@functools.cache
+def load_smollm2_hf():
+    """The shipped SmolLM2 as an HF transformers model (float32, dequantized from its GGUF),
+    loaded once per process (about 20 s)."""
     require_smollm2()
     import torch
     import transformers
@@ -79,6 +80,53 @@ def smollm2_hf():
         str(path.parent), gguf_file=path.name, dtype=torch.float32,
         quantization_config=transformers.GgufConfig(dequantize=True),
     ).eval()  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """The reference the engine's SmolLM2 tests compare with (`load_smollm2_hf`)."""
+    return load_smollm2_hf()
+
+
+REFERENCE_TOKENS = 64  # every HF greedy reference is this long; shorter ones are its prefixes
+
+
+@pytest.fixture(scope="session")
+def smollm2_greedy(tmp_path_factory):
+    """`greedy(ids, n) -> (tokens, logits)`: HF `generate`'s greedy continuation of `ids` on
+    SmolLM2 (no EOS stop) and its logits at each step, `n <= REFERENCE_TOKENS`. Each prompt is
+    generated once per test session and stored in a file that the pytest-xdist workers share
+    (the one that computes it holds a lock; the others wait and read), so a worker that only
+    reads never loads the HF model: the references took each worker 90 s here."""
+    require_smollm2()
+    import hashlib
+
+    import numpy as np
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "smollm2-greedy"
+    root.mkdir(exist_ok=True)
+
+    def greedy(ids: list[int], n: int) -> tuple[list[int], list]:
+        assert n <= REFERENCE_TOKENS, f"references are {REFERENCE_TOKENS} tokens long"
+        path = root / f"{hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest()[:32]}.npz"
+        with FileLock(f"{path}.lock"):
+            if not path.exists():
+                import torch
+
+                with torch.no_grad():
+                    out = load_smollm2_hf().generate(
+                        torch.tensor([ids]), max_new_tokens=REFERENCE_TOKENS, do_sample=False, eos_token_id=None,
+                        pad_token_id=0, output_logits=True, return_dict_in_generate=True)  # fmt: skip
+                tokens = out.sequences[0, len(ids) :].numpy()
+                with open(path.with_suffix(".tmp"), "wb") as f:
+                    np.savez(f, tokens=tokens, logits=np.stack([lg[0].numpy() for lg in out.logits]))
+                path.with_suffix(".tmp").rename(path)
+            with np.load(path) as data:
+                return data["tokens"][:n].tolist(), list(data["logits"][:n])
+
+    return greedy
 
 
 # ---------------------------------------------------------------- process hygiene

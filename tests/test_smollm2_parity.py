@@ -39,41 +39,20 @@ def gguf_path() -> Path:
 
 
 @pytest.fixture(scope="module")
-def hf(smollm2_hf):
-    import torch
+def prompts():
     import transformers
 
     path = gguf_path()
-    torch.set_num_threads(2)
-    model = smollm2_hf
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return model, tokenizer
-
-
-@pytest.fixture(scope="module")
-def prompts(hf):
-    _, tok = hf
+    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     chat = tok.apply_chat_template(CHAT, add_generation_prompt=True)
     chat = list(chat["input_ids"] if hasattr(chat, "keys") else chat)
     return [tok.encode(p) for p in PROMPTS] + [chat]
 
 
 @pytest.fixture(scope="module")
-def reference(hf, prompts):
+def reference(smollm2_greedy, prompts):
     """HF greedy continuations (no EOS stop, so every prompt yields 64 tokens) and their logits."""
-    import torch
-
-    model, _ = hf
-    refs = []
-    with torch.no_grad():
-        for ids in prompts:
-            out = model.generate(
-                torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
-            )  # fmt: skip
-            tokens = out.sequences[0, len(ids) :].tolist()
-            refs.append((tokens, [lg[0].numpy() for lg in out.logits]))
-    return refs
+    return [smollm2_greedy(ids, NEW_TOKENS) for ids in prompts]
 
 
 def assert_same_greedy(ours: list[int], ref_tokens: list[int], ref_logits: list[np.ndarray]) -> None:
@@ -95,8 +74,8 @@ def gguf_model():
 
 
 @pytest.fixture(scope="module")
-def safetensors_model(hf, tmp_path_factory):
-    model, _ = hf
+def safetensors_model(smollm2_hf, tmp_path_factory):
+    model = smollm2_hf
     folder = tmp_path_factory.mktemp("smollm2-hf")
     model.save_pretrained(folder)
     hf_config, params = read_checkpoint(folder, progress=False)
