@@ -88,16 +88,13 @@ def smollm2_hf():
     return load_smollm2_hf()
 
 
-REFERENCE_TOKENS = 64  # every HF greedy reference is this long; shorter ones are its prefixes
-
-
 @pytest.fixture(scope="session")
 def smollm2_greedy(tmp_path_factory):
     """`greedy(ids, n) -> (tokens, logits)`: HF `generate`'s greedy continuation of `ids` on
-    SmolLM2 (no EOS stop) and its logits at each step, `n <= REFERENCE_TOKENS`. Each prompt is
+    SmolLM2 (n new tokens, no EOS stop) and its logits at each step. Each (prompt, n) is
     generated once per test session and stored in a file that the pytest-xdist workers share
     (the one that computes it holds a lock; the others wait and read), so a worker that only
-    reads never loads the HF model: the references took each worker 90 s here."""
+    reads never loads the HF model: both workers built the 64-token parity references, 90 s each."""
     require_smollm2()
     import hashlib
 
@@ -109,22 +106,21 @@ def smollm2_greedy(tmp_path_factory):
     root.mkdir(exist_ok=True)
 
     def greedy(ids: list[int], n: int) -> tuple[list[int], list]:
-        assert n <= REFERENCE_TOKENS, f"references are {REFERENCE_TOKENS} tokens long"
-        path = root / f"{hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest()[:32]}.npz"
+        path = root / f"{hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest()[:32]}-{n}.npz"
         with FileLock(f"{path}.lock"):
             if not path.exists():
                 import torch
 
                 with torch.no_grad():
                     out = load_smollm2_hf().generate(
-                        torch.tensor([ids]), max_new_tokens=REFERENCE_TOKENS, do_sample=False, eos_token_id=None,
+                        torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
                         pad_token_id=0, output_logits=True, return_dict_in_generate=True)  # fmt: skip
                 tokens = out.sequences[0, len(ids) :].numpy()
                 with open(path.with_suffix(".tmp"), "wb") as f:
                     np.savez(f, tokens=tokens, logits=np.stack([lg[0].numpy() for lg in out.logits]))
                 path.with_suffix(".tmp").rename(path)
             with np.load(path) as data:
-                return data["tokens"][:n].tolist(), list(data["logits"][:n])
+                return data["tokens"].tolist(), list(data["logits"])
 
     return greedy
 

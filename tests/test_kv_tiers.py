@@ -120,7 +120,7 @@ def test_restart_hits_the_disk_tier(llm, tmp_path):  # noqa: F811
     first = disk_engine(llm, tmp_path)
     run_all(first, prompts[:1], params[:1])
     first.close()
-    assert first.disk.num_pages >= 5
+    assert first.tiers.disk.num_pages >= 5
     second = disk_engine(llm, tmp_path)
     got = run_all(second, prompts, params)
     assert_same_tokens(got, want)
@@ -136,7 +136,7 @@ def test_another_model_does_not_see_the_pages(llm, tmp_path):  # noqa: F811
     run_all(first, shared_prefix_prompts(1), [greedy(4)])
     first.close()
     other = disk_engine(llm, tmp_path, page_size=2 * PAGE)  # another layout: another namespace
-    assert other.disk.num_pages == 0
+    assert other.tiers.disk.num_pages == 0
     assert run_all(other, shared_prefix_prompts(1), [greedy(4)])[0].num_cached_tokens == 0
 
 
@@ -163,7 +163,7 @@ def test_corrupt_page_file_is_a_miss(llm, tmp_path):  # noqa: F811
     got = run_all(second, prompts, [greedy(12)])
     assert_same_tokens(got, want)
     assert got[0].num_cached_tokens == 2 * PAGE  # two pages from disk, then the corrupt one missed
-    assert second.disk.num_corrupt == 1 and not target.exists()
+    assert second.tiers.disk.num_corrupt == 1 and not target.exists()
     assert third.num_disk_hit_tokens == 2 * PAGE
 
 
@@ -175,8 +175,8 @@ def test_evicted_pages_reach_disk_and_come_back(llm, tmp_path):  # noqa: F811
     want = run_all(side_engine(llm), prompts + prompts[:1], params + params[:1])
     engine = disk_engine(llm, tmp_path, num_pages=TIGHT_PAGES, max_num_batched_tokens=64, max_num_seqs=1)
     got = run_all(engine, prompts, params)
-    engine.disk.flush()
-    assert engine.disk.num_written >= 5
+    engine.tiers.disk.flush()
+    assert engine.tiers.disk.num_written >= 5
     again = run_all(engine, prompts[:1], params[:1])
     assert_same_tokens(got + again, want)
     assert again[0].num_cached_tokens == 5 * PAGE
@@ -195,8 +195,8 @@ def test_disk_budget_holds(llm, tmp_path):  # noqa: F811
     run_all(engine, prompts, [greedy(4)] * 3)
     engine.close()
     on_disk = sum(f.stat().st_size for f in tmp_path.rglob("*.kvpage"))
-    assert engine.disk.num_bytes <= budget and on_disk <= budget
-    assert engine.disk.num_evicted > 0
+    assert engine.tiers.disk.num_bytes <= budget and on_disk <= budget
+    assert engine.tiers.disk.num_evicted > 0
 
 
 # ---------------------------------------------------------------- KV compression in the engine

@@ -10,7 +10,7 @@ request's prefix can still be hit later.
 
 With a disk tier (`DiskPageStore`), a cached page about to be reused is queued in `evicted` to be
 written out first, and an admission whose prefix continues on disk gets fresh pages whose
-contents are queued in `loaded`; the engine copies both (`LLMEngine._move_pages`) before the
+contents are queued in `loaded`; the engine copies both (`KVTiers.move_pages`) before the
 next step runs. A sequence swapped out at preemption gets fresh pages on resume and its KV is
 copied back the same way (`minivllm_jax.engine.swap`).
 """

@@ -7,27 +7,21 @@ detokenization) and wires the scheduler, block manager and model runner together
 from __future__ import annotations
 
 import dataclasses
-import functools
-import hashlib
 import itertools
 import logging
 import random
 import time
 from collections.abc import Sequence as Seq
 
-import jax
-import numpy as np
 from jax.sharding import Mesh
 
 from minivllm_jax.config import EngineConfig, ModelConfig
 from minivllm_jax.detokenizer import IncrementalDetokenizer
-from minivllm_jax.engine.block_manager import BlockManager, CachedPage
-from minivllm_jax.engine.kv_disk import DiskPageStore
+from minivllm_jax.engine.block_manager import BlockManager
 from minivllm_jax.engine.runner import ModelRunner, PendingStep, StepResult
 from minivllm_jax.engine.scheduler import ScheduledBatch, Scheduler, note_draft_result
 from minivllm_jax.engine.sequence import Sequence, SequenceStatus
-from minivllm_jax.engine.swap import SwapPool
-from minivllm_jax.kv_cache import KVCache, kv_bytes_per_page
+from minivllm_jax.engine.tiers import KVTiers
 from minivllm_jax.kv_compression import kept_pages, needs_scores, wants_compression
 from minivllm_jax.models.llama import Params
 from minivllm_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -66,27 +60,6 @@ class _InFlight:
     dispatched: float
 
 
-def kv_layout_fingerprint(model_config: ModelConfig, config: EngineConfig, params: Params, cache: KVCache) -> str:
-    """What a page's K/V depend on besides its tokens: the model's config, its weights and the
-    cache's layout. The disk tier keeps pages under this name, so another model, checkpoint,
-    dtype or page size never sees them. The weights are sampled (each leaf's first and last
-    rows) rather than hashed whole: enough to tell checkpoints apart, at no start-up cost."""
-    h = hashlib.sha256(repr((model_config, config.page_size, config.kv_cache_dtype)).encode())
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        h.update(f"{jax.tree_util.keystr(path)}{leaf.shape}{leaf.dtype}".encode())
-        if leaf.ndim:
-            h.update(np.asarray(leaf[:1]).tobytes() + np.asarray(leaf[-1:]).tobytes())
-    for leaf in jax.tree.leaves(cache):
-        h.update(f"{leaf.shape[0]}{leaf.shape[2:]}{leaf.dtype}".encode())
-    return h.hexdigest()[:24]
-
-
-def _host_arrays(pages: KVCache) -> dict[str, np.ndarray]:
-    """Gathered pages as host arrays by leaf name (what the disk tier stores); blocks until copied."""
-    leaves = {f.name: getattr(pages, f.name) for f in dataclasses.fields(pages)}
-    return {name: np.asarray(leaf) for name, leaf in leaves.items() if leaf is not None}
-
-
 def _drop_pending(seq: Sequence) -> None:
     """Forget the placeholders of tokens that will never be read into this sequence."""
     if seq.num_pending:
@@ -118,16 +91,10 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.seed = seed
         self.runner = ModelRunner(model_config, config, params, mesh)
-        self.disk = None
-        if config.kv_disk_dir is not None:
-            namespace = kv_layout_fingerprint(model_config, config, self.runner.params, self.runner.cache)
-            self.disk = DiskPageStore(config.kv_disk_dir, int(config.kv_disk_gb * 2**30), namespace)
-        self.block_manager = BlockManager(config.num_pages, config.page_size, config.enable_prefix_caching, self.disk)
-        swap_pool = None
-        if config.preemption_mode != "recompute":
-            page_bytes = kv_bytes_per_page(model_config, config.page_size, self.runner.dtype, config.kv_cache_dtype)
-            swap_pool = SwapPool(config.preemption_mode, int(config.swap_space_gb * 2**30) // page_bytes, page_bytes)
-        self.scheduler = Scheduler(config, self.block_manager, swap_pool)
+        self.tiers = KVTiers(model_config, config, self.runner)  # the swap pool and the disk tier, if any
+        self.block_manager = BlockManager(config.num_pages, config.page_size, config.enable_prefix_caching,
+                                          self.tiers.disk)  # fmt: skip
+        self.scheduler = Scheduler(config, self.block_manager, self.tiers.swap_pool)
         self.requests: dict[str, _Request] = {}
         self._request_counter = itertools.count()
         self._seed_rng = random.Random(seed)
@@ -150,58 +117,20 @@ class LLMEngine:
 
     def warmup(self, progress: bool = True) -> float:
         seconds = self.runner.warmup(progress)
-        if self.scheduler.swap_pool is not None:  # the cost model's copy speed, measured there
-            self.scheduler.swap_pool.bytes_per_second = self.runner.page_copy_bytes_per_s
+        self.tiers.warmed_up()
         return seconds
 
     def move_pages(self) -> None:
-        """Dispatch the page copies the scheduler and block manager queued, before the step that
-        relies on them: copies out first (swap-outs, pages leaving for the disk tier), which read
-        pages that the copies in (swap-ins, disk hits) and the step may then overwrite."""
-        sched, bm, runner = self.scheduler, self.block_manager, self.runner
-        for swapped in sched.swap_outs:
-            swapped.data = runner.gather_pages(swapped.source_pages)
-        sched.swap_outs = []
-        if bm.evicted:
-            self._write_to_disk(bm.evicted)
-            bm.evicted = []
-        for swapped, pages in sched.swap_ins:
-            runner.scatter_pages(swapped.data, pages)
-            sched.swap_pool.release(swapped)
-        sched.swap_ins = []
-        if bm.loaded:
-            runner.scatter_pages(runner.host_pieces([arrays for _, arrays in bm.loaded]), [p for p, _ in bm.loaded])
-            bm.loaded = []
-
-    def _write_to_disk(self, pages: list[tuple[int, CachedPage]]) -> None:
-        """Queue cached pages for the disk tier: copied now (in step order), written by its thread."""
-        pieces = self.runner.gather_pages([page for page, _ in pages])
-        start = 0
-        for data, count in pieces:
-            entries = [(e.digest, e.parent, e.tokens) for _, e in pages[start : start + count]]
-            self.disk.save_later(entries, functools.partial(_host_arrays, data))
-            start += count
+        """Dispatch the page copies (swap, disk tier) queued for the next step (`KVTiers`)."""
+        self.tiers.move_pages(self.scheduler, self.block_manager)
 
     def tier_stats(self) -> dict[str, int]:
-        """Where KV lives and moves (the `EngineStats` fields of each tier, read by /metrics)."""
-        bm, pool, disk = self.block_manager, self.scheduler.swap_pool, self.disk
-        stats = dict(memory_hit_tokens=bm.num_memory_hit_tokens, disk_hit_tokens=bm.num_disk_hit_tokens,
-                     dropped_pages=self.num_dropped_pages)  # fmt: skip
-        if pool is not None:
-            stats.update(swap_pages=pool.used_pages, swap_outs=pool.num_swap_outs, swap_ins=pool.num_swap_ins)
-        if disk is not None:
-            stats.update(disk_pages=disk.num_pages, disk_bytes=disk.num_bytes, disk_pages_written=disk.num_written,
-                         disk_corrupt=disk.num_corrupt)  # fmt: skip
-        return stats
+        """Where KV lives and moves (`KVTiers.stats`) and the pages compression dropped."""
+        return {**self.tiers.stats(self.block_manager), "dropped_pages": self.num_dropped_pages}
 
     def close(self) -> None:
-        """A clean shutdown: write every cached page still only in memory to the disk tier (so a
-        restarted server finds them) and wait for the writes. Safe to call twice."""
-        if self.disk is None or self.disk.closed:
-            return
-        self.move_pages()
-        self._write_to_disk(self.block_manager.pages_to_persist())
-        self.disk.close()
+        """A clean shutdown: the cached pages go to the disk tier, if there is one (`KVTiers.close`)."""
+        self.tiers.close(self.scheduler, self.block_manager)
 
     # ------------------------------------------------------------------ requests
 
