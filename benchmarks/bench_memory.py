@@ -171,14 +171,15 @@ class Timeline:
         # After a step a sequence's cache covers all its tokens but the one just sampled
         # (a prompt mid chunked-prefill has pages for the whole prompt already).
         held = [len(s) - (1 if s.output_token_ids else 0) for s in sched.running]
+        tiers = engine.tier_stats()
         self.samples.append({
             "step": len(self.samples),
             "t_s": round(time.monotonic() - self.t0, 4),
             "running": len(sched.running),
             "waiting": len(sched.waiting),
             "pages_used": bm.num_usable_pages - bm.num_free_pages,  # the memory tier
-            "swap_pages": engine.tier_stats().get("swap_pages", 0),
-            "disk_pages": engine.tier_stats().get("disk_pages", 0),
+            "swap_pages": tiers.get("swap_pages", 0),
+            "disk_pages": tiers.get("disk_pages", 0),
             "seq_tokens": held,
         })  # fmt: skip
 
@@ -259,6 +260,7 @@ def measure_ours(args: argparse.Namespace) -> dict[str, Any]:
     measured_pool = sum(x.nbytes for x in jax.tree.leaves(runner.cache))  # int8 pages: with their scales
     assert measured_pool == cfg.num_pages * per_page, (measured_pool, cfg.num_pages, per_page)
     pages = [s["pages_used"] for s in timeline.samples]
+    tiers = engine.tier_stats()
     frag = fragmentation(timeline.samples, [cfg.page_size, *args.page_sizes], cfg.max_model_len)
     for row in frag:  # the configured page size is also counted from the block manager itself
         if row["allocator"] == f"paged-{cfg.page_size}":
@@ -285,10 +287,10 @@ def measure_ours(args: argparse.Namespace) -> dict[str, Any]:
         "tiers": {  # where KV pages were: memory (the pool above), the host swap pool, the disk tier
             "memory_pages_peak": max(pages, default=0),
             "swap_pages_peak": max((s["swap_pages"] for s in timeline.samples), default=0),
-            "disk_pages_end": engine.tier_stats().get("disk_pages", 0),
+            "disk_pages_end": tiers.get("disk_pages", 0),
             "preemption_mode": cfg.preemption_mode,
             "kv_disk_dir": cfg.kv_disk_dir,
-            **{k: v for k, v in engine.tier_stats().items() if k != "swap_pages"},
+            **{k: v for k, v in tiers.items() if k != "swap_pages"},
         },
         "host_rss": {
             "rss_before_load_bytes": rss_start,

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from minivllm_jax import SamplingParams
+from minivllm_jax.engine.block_manager import ROOT_DIGEST, page_digest
 from minivllm_jax.engine.engine import LLMEngine
 from tests.test_engine_paths import MAX_LEN, PAGE, greedy, idle_free_pages, llm, random_ids, run_all, side_engine, tiny  # noqa: F401
 
@@ -148,11 +149,9 @@ def test_corrupt_page_file_is_a_miss(llm, tmp_path):  # noqa: F811
     first.close()
     files = sorted(tmp_path.rglob("*.kvpage"), key=lambda f: f.stat().st_mtime)
     assert len(files) >= 5
-    # Corrupt the file of the prefix's third page: a byte of its payload flipped.
+    # Corrupt the file of the prefix's third page (found by the prompt's digest chain): a byte of
+    # its payload flipped.
     second = disk_engine(llm, tmp_path)
-    third = second.block_manager  # the digest chain of the prompt, as the block manager keys it
-    from minivllm_jax.engine.block_manager import ROOT_DIGEST, page_digest
-
     parent = ROOT_DIGEST
     for i in range(3):
         parent = page_digest(parent, tuple(prompts[0][i * PAGE : (i + 1) * PAGE]))
@@ -164,7 +163,7 @@ def test_corrupt_page_file_is_a_miss(llm, tmp_path):  # noqa: F811
     assert_same_tokens(got, want)
     assert got[0].num_cached_tokens == 2 * PAGE  # two pages from disk, then the corrupt one missed
     assert second.tiers.disk.num_corrupt == 1 and not target.exists()
-    assert third.num_disk_hit_tokens == 2 * PAGE
+    assert second.block_manager.num_disk_hit_tokens == 2 * PAGE
 
 
 def test_evicted_pages_reach_disk_and_come_back(llm, tmp_path):  # noqa: F811

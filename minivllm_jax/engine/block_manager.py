@@ -113,8 +113,10 @@ class BlockManager:
         for i in range(len(seq.pages), (len(token_ids) - 1) // self.page_size):
             tokens = self._page_tokens(token_ids, i)
             digest = page_digest(parent, tokens)
-            arrays = self.disk.load(digest, parent, tokens) if self.disk.contains(digest) else None
-            if arrays is None or digest in self.digest_to_page:
+            if digest in self.digest_to_page or not self.disk.contains(digest):
+                break
+            arrays = self.disk.load(digest, parent, tokens)
+            if arrays is None:
                 break
             page = self._take_fresh_page()
             self.digest_to_page[digest] = page

@@ -185,9 +185,9 @@ class LLMEngine:
         # Unseeded requests still get a seed: reproducible from the engine seed and arrival order.
         # The n samples share it; the sampler keys sample i by fold_in(key(seed), i).
         seed = params.seed if params.seed is not None else self._seed_rng.randrange(2**62)
+        if params.kv_compression is not None:  # the engine's own was checked by EngineConfig
+            params.kv_compression.check_page_size(self.config.page_size)
         compression = params.kv_compression or self.config.kv_compression
-        if compression is not None:
-            compression.check_page_size(self.config.page_size)
         seqs, detoks = [], []
         for i in range(params.n):
             seqs.append(Sequence(request_id, ids, params, index=i, priority=priority, seed=seed,

@@ -336,7 +336,6 @@ class ModelRunner:
         for data, count in pieces:
             bucket = jax.tree.leaves(data)[0].shape[1]
             index = self._page_index(pages[start : start + count], bucket)
-            data = jax.tree.map(lambda x, c: x.astype(c.dtype), data, self.cache)
             program = self._program(("scatter_pages", bucket), scatter_pages_jit, self.cache, self._abstract(data),
                                     *self._abstract((index,)))  # fmt: skip
             self.cache = program(self.cache, *self._place((data, index)))
