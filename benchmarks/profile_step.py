@@ -156,7 +156,7 @@ def main(argv=None) -> None:
         T = bucket_for(tokens, engine.token_buckets)
         S = bucket_for(len(chunks), engine.seq_buckets(T))
         batch = build_step_batch(chunks, args.page_size, T, S, engine.num_listed_pages(S))
-        sampling = make_sampling_arrays([(SamplingParams(temperature=0.8, top_p=0.9), 1, 0, 0)] * len(chunks), S)
+        sampling = make_sampling_arrays([(SamplingParams(temperature=0.8, top_p=0.9), 1, 0, 0)] * len(chunks), S, cfg.vocab_size)
         rows = PenaltyRows(np.full(S, args.max_num_seqs, np.int32), np.zeros(S, np.int32), np.bool_(False))
 
         def timed(run) -> float:

@@ -198,7 +198,7 @@ def generate(
     for r, (p, sp, stop) in enumerate(zip(prompts, params_list, stops)):
         lens[r], stop_ids[r, : len(stop)] = len(p), stop
         limits[r] = min(max_new_tokens, sp.max_tokens or max_new_tokens)
-    arrays = make_sampling_arrays([(sp, seed, 0, 0) for sp, seed in zip(params_list, seeds)], B)
+    arrays = make_sampling_arrays([(sp, seed, 0, 0) for sp, seed in zip(params_list, seeds)], B, cfg.vocab_size)
     out = generate_tokens_jit(unstack_layers(params), tokens, lens, limits, stop_ids, arrays, cfg=cfg,
                               max_new_tokens=M, page_size=page_size, attention=resolve_attention(attention),
                               matmul="native" if kernels.native_available() else "reference",

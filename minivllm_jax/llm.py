@@ -234,6 +234,7 @@ class LLM:
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        self._check_grammars(params_list)
 
         ids: list[tuple[LLMEngine, str]] = []
         try:
@@ -257,9 +258,18 @@ class LLM:
                             bar.update(1)
         return [finished[id(engine), i] for engine, i in ids]
 
+    def _check_grammars(self, params_list: Sequence[SamplingParams]) -> None:
+        """Compile every distinct structured-output constraint first (in parallel with nothing
+        queued yet), so that a bad one raises its ValueError here rather than failing a request."""
+        specs = {p.structured_outputs.key: p.structured_outputs for p in params_list if p.structured_outputs is not None}
+        for engine in self.engines:
+            for future in [engine.grammar_compiler.submit(spec) for spec in specs.values()]:
+                future.result()
+
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas of one prompt as they are generated (first sample when n > 1)."""
         engine = self._route(prompt)
+        self._check_grammars([sampling_params or SamplingParams()])
         request_id = engine.add_request(prompt, sampling_params or SamplingParams())
         sent = 0
         try:

@@ -41,6 +41,10 @@ class SamplingArrays:
     frequency_penalty: jax.Array  # f32[B]
     repetition_penalty: jax.Array  # f32[B]
     want_logprobs: jax.Array  # bool[B]  logprob outputs are skipped when no row wants them
+    # Structured output: bit `t % 32` of word `t // 32` allows token `t` (all ones: no
+    # constraint); the masking is skipped when `use_bitmask` is False (no constrained row).
+    token_bitmask: jax.Array  # i32[B, ceil(V / 32)]
+    use_bitmask: jax.Array  # bool[]
 
 
 @jax.tree_util.register_dataclass
@@ -67,9 +71,10 @@ class SampleResult:
 SampleRow = tuple[SamplingParams, int, int, int]  # (params, request seed, sample index, step)
 
 
-def make_sampling_arrays(rows: list[SampleRow], batch_size: int) -> SamplingArrays:
+def make_sampling_arrays(rows: list[SampleRow], batch_size: int, vocab_size: int) -> SamplingArrays:
     """Host-side (numpy) arrays for `(params, seed, sample_index, step)` rows, padded to
-    `batch_size` greedy rows."""
+    `batch_size` greedy rows; every token allowed (`token_bitmask` is filled by the caller for
+    rows under a grammar, which then sets `use_bitmask`)."""
     if len(rows) > batch_size:
         raise ValueError(f"{len(rows)} rows do not fit a batch of {batch_size}")
     rows = list(rows) + [(SamplingParams(temperature=0.0), 0, 0, 0)] * (batch_size - len(rows))
@@ -86,7 +91,16 @@ def make_sampling_arrays(rows: list[SampleRow], batch_size: int) -> SamplingArra
         frequency_penalty=f32("frequency_penalty"),
         repetition_penalty=f32("repetition_penalty"),
         want_logprobs=np.array([r[0].logprobs is not None for r in rows], np.bool_),
+        token_bitmask=np.full((batch_size, -(-vocab_size // 32)), -1, np.int32),
+        use_bitmask=np.bool_(False),
     )
+
+
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """Disallowed tokens (a 0 bit in the row's `int32[ceil(V / 32)]` words) get -inf."""
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    allowed = bits.reshape(bitmask.shape[0], -1)[:, : logits.shape[1]].astype(jnp.bool_)
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def apply_penalties(logits: jax.Array, a: SamplingArrays, pen: Penalties) -> jax.Array:
@@ -222,7 +236,8 @@ def sample(logits: jax.Array, arrays: SamplingArrays, penalties: Penalties | Non
 
 def sample_penalized(x: jax.Array, raw: jax.Array, arrays: SamplingArrays) -> SampleResult:
     """`sample` for logits `x` that already carry the penalties; `raw` (float32, the model's
-    own logits) gives the logprobs."""
+    own logits) gives the logprobs. A structured-output row samples among its allowed tokens."""
+    x = lax.cond(arrays.use_bitmask, lambda: apply_token_bitmask(x, arrays.token_bitmask), lambda: x)
     m = jnp.max(x, -1)
     greedy = lambda: _first_argmax(x)
     is_random = arrays.temperature > 0  # all-greedy batches take the cheaper argmax

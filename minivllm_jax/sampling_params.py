@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from minivllm_jax.kv_compression import KVCompressionConfig
+from minivllm_jax.structured_output import StructuredOutputsParams, as_structured_outputs
 
 MAX_LOGPROBS = 20  # top-k logprobs are computed for this many candidates on device, every step
 
@@ -34,6 +35,9 @@ class SamplingParams:
     # Drop this request's KV pages by a policy as it grows (a dict is read as the config's
     # fields); None: the engine's `kv_compression`, if any (`minivllm_jax.kv_compression`).
     kv_compression: KVCompressionConfig | dict | None = None
+    # Constrain the output to a JSON schema, regex, choice or grammar (a dict is read as the
+    # params' fields; `minivllm_jax.structured_output`).
+    structured_outputs: StructuredOutputsParams | dict | None = None
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -75,6 +79,10 @@ class SamplingParams:
                 bad(f"kv_compression: {e}")
         elif self.kv_compression is not None and not isinstance(self.kv_compression, KVCompressionConfig):
             bad(f"kv_compression must be a KVCompressionConfig, a dict or None, got {type(self.kv_compression).__name__}")
+        try:
+            object.__setattr__(self, "structured_outputs", as_structured_outputs(self.structured_outputs))
+        except (TypeError, ValueError) as e:
+            bad(str(e) if str(e).startswith("structured_outputs") else f"structured_outputs: {e}")
         object.__setattr__(self, "stop", stops)
         object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids or []))
 

@@ -21,7 +21,7 @@ def logits(rows: int, vocab: int = V, seed: int = 0, scale: float = 3.0) -> np.n
 def draw(x: np.ndarray, rows: list[tuple], penalties: Penalties | None = None):
     """Rows are (params, seed, step) for sample 0 of a request, or (params, seed, index, step)."""
     rows = [r if len(r) == 4 else (r[0], r[1], 0, r[2]) for r in rows]
-    return sample_jit(jnp.asarray(x), make_sampling_arrays(rows, x.shape[0]), penalties)
+    return sample_jit(jnp.asarray(x), make_sampling_arrays(rows, x.shape[0], x.shape[1]), penalties)
 
 
 @pytest.mark.parametrize("mixed", [False, True])  # all-greedy batches take a separate, cheaper path
@@ -150,7 +150,7 @@ def test_penalties_follow_hf_and_openai():
     x = np.array([[2.0, 1.5, -1.0, 0.5]], np.float32)
     counts = np.array([[3.0, 0.0, 1.0, 0.0]], np.float32)
     seen = np.array([[True, False, True, True]])
-    a = make_sampling_arrays([(SP(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25), 0, 0, 0)], 1)
+    a = make_sampling_arrays([(SP(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25), 0, 0, 0)], 1, 4)
     got = apply_penalties(jnp.asarray(x), a, Penalties(jnp.asarray(counts), jnp.asarray(seen)))
     want = [2.0 / 2 - 0.75 - 0.5, 1.5, -1.0 * 2 - 0.25 - 0.5, 0.5 / 2]
     np.testing.assert_allclose(np.asarray(got)[0], want, rtol=1e-6)
@@ -166,13 +166,13 @@ def test_repetition_penalty_flips_greedy_choice():
 
 
 def test_make_sampling_arrays_pads_with_greedy_rows():
-    a = make_sampling_arrays([(SP(temperature=0.5, top_k=3, logprobs=1), 2**40 + 5, 2, 9)], 4)
+    a = make_sampling_arrays([(SP(temperature=0.5, top_k=3, logprobs=1), 2**40 + 5, 2, 9)], 4, 8)
     assert a.temperature.tolist() == [0.5, 0, 0, 0] and a.top_k.tolist() == [3, -1, -1, -1]
     assert a.seeds[0].tolist() == [2**8, 5] and a.steps.tolist() == [9, 0, 0, 0]
     assert a.sample_index.tolist() == [2, 0, 0, 0]
     assert a.want_logprobs.tolist() == [True, False, False, False]
     with pytest.raises(ValueError):
-        make_sampling_arrays([(SP(), 0, 0, 0)] * 3, 2)
+        make_sampling_arrays([(SP(), 0, 0, 0)] * 3, 2, 8)
 
 
 def test_sample_index_gets_its_own_stream_not_the_next_seed():

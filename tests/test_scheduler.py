@@ -436,3 +436,22 @@ def test_seq_buckets_hold_every_step():
 
 def test_default_server_config_compiles_few_step_programs():
     assert len(EngineConfig(max_num_seqs=16).step_shapes()) <= 40
+
+
+def test_grammar_rows_never_run_multi_step_or_speculate():
+    """A structured-output row's next mask needs its last token: no multi-step batch and no
+    draft while one runs; the same batch without it runs multi-step and may draft."""
+    from minivllm_jax.speculative import SpeculativeConfig
+
+    s = make(num_scheduler_steps=4, max_num_seqs=2,
+             speculative=SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2}))  # fmt: skip
+    plain, constrained = request(5, max_tokens=20), request(5, max_tokens=20, first=10)
+    constrained.grammar = object()  # the scheduler only asks whether there is one
+    for seq in (plain, constrained):
+        s.add(seq)
+    fake_step(s)  # both prefill
+    assert not s._multi_step_fits([plain, constrained]) and s._multi_step_fits([plain])
+    assert not s.wants_draft(constrained) and s.wants_draft(plain)
+    assert fake_step(s).num_steps == 1 and s.num_multi_steps == 0
+    s.finish(constrained, "stop")
+    assert fake_step(s).num_steps == 4

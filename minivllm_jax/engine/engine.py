@@ -12,6 +12,7 @@ import logging
 import random
 import time
 from collections.abc import Sequence as Seq
+from concurrent.futures import Future
 
 from jax.sharding import Mesh
 
@@ -27,6 +28,7 @@ from minivllm_jax.models.llama import Params
 from minivllm_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minivllm_jax.sampling_params import SamplingParams
 from minivllm_jax.speculative import accepted_length
+from minivllm_jax.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,10 @@ class _InFlight:
     pending: PendingStep
     slots: tuple[int | None, ...]
     dispatched: float
+
+
+def _has_grammar(batch: ScheduledBatch) -> bool:
+    return any(seq.grammar is not None for seq in batch.seqs)
 
 
 def _drop_pending(seq: Sequence) -> None:
@@ -95,6 +101,10 @@ class LLMEngine:
         self.block_manager = BlockManager(config.num_pages, config.page_size, config.enable_prefix_caching,
                                           self.tiers.disk)  # fmt: skip
         self.scheduler = Scheduler(config, self.block_manager, self.tiers.swap_pool)
+        # Structured output: grammars compile on the compiler's thread; a request waits in
+        # `_compiling` (not yet in the scheduler) until its grammar is ready.
+        self.grammar_compiler = GrammarCompiler(tokenizer, model_config.vocab_size, self.eos_token_ids)
+        self._compiling: dict[str, Future] = {}
         self.requests: dict[str, _Request] = {}
         self._request_counter = itertools.count()
         self._seed_rng = random.Random(seed)
@@ -131,6 +141,7 @@ class LLMEngine:
     def close(self) -> None:
         """A clean shutdown: the cached pages go to the disk tier, if there is one (`KVTiers.close`)."""
         self.tiers.close(self.scheduler, self.block_manager)
+        self.grammar_compiler.close()
 
     # ------------------------------------------------------------------ requests
 
@@ -196,21 +207,48 @@ class LLMEngine:
             detoks.append(IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop))
         request = _Request(request_id, text, ids, params, seqs, detoks, RequestMetrics(arrival), held=seqs[1:])
         self.requests[request_id] = request
-        self.scheduler.add(seqs[0])  # the prompt is prefilled once, by sample 0
+        if params.structured_outputs is not None:  # scheduled once its grammar is compiled
+            self._compiling[request_id] = self.grammar_compiler.submit(params.structured_outputs)
+        else:
+            self.scheduler.add(seqs[0])  # the prompt is prefilled once, by sample 0
         return request_id
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Schedule the requests whose grammars are compiled (each sample gets its own matcher);
+        fail those whose grammar did not compile."""
+        outputs = []
+        for request_id, future in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            request = self.requests[request_id]
+            error = future.exception()
+            if error is None:
+                for seq in request.seqs:
+                    seq.grammar = future.result().new_grammar()
+                self.scheduler.add(request.seqs[0])
+                continue
+            for seq in request.seqs:
+                self.scheduler.finish(seq, "error")
+            request.metrics.finished_time = time.monotonic()
+            del self.requests[request_id]
+            outputs.append(dataclasses.replace(self._output(request), error=str(error)))
+        return outputs
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its pages; False if it is unknown or already done."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
+        self._compiling.pop(request_id, None)
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()  # a sequence in flight is running, so counted here
+        # A sequence in flight is running, so counted here; a request whose grammar compiles is not yet.
+        return self.scheduler.has_unfinished() or bool(self._compiling)
 
     # ------------------------------------------------------------------ stepping
 
@@ -225,15 +263,18 @@ class LLMEngine:
         row in N+1, whose token is dropped. Without it, each step is read before returning."""
         now = time.monotonic()
         previous, self._in_flight = self._in_flight, None
-        outputs: list[RequestOutput] = []
-        if previous is not None and self._may_speculate():  # drafts are looked up in known tokens only
-            outputs, previous = self._read(previous, only_finished), None
+        outputs: list[RequestOutput] = self._admit_compiled() if self._compiling else []
+        # Drafts are looked up in known tokens only; a grammar's next mask needs its last token.
+        if previous is not None and (self._may_speculate() or _has_grammar(previous.batch)):
+            outputs, previous = outputs + self._read(previous, only_finished), None
         batch = self.scheduler.schedule(now)
         if batch is None:
             if previous is None:
                 opens = self.scheduler.next_admission_time()
                 if opens is not None and not outputs:  # admissions are held to gather a batch: wait, do not spin
                     time.sleep(min(max(opens - now, 0.0), 0.005))
+                elif self._compiling and not outputs:  # only grammars compiling: wait for them, do not spin
+                    time.sleep(0.001)
                 return outputs
         else:
             for seq in batch.seqs:
@@ -447,6 +488,14 @@ class LLMEngine:
             seq.logprobs.append(entry)
         request.metrics.first_token_time = request.metrics.first_token_time or now
         request.metrics.last_token_time = now
+        if seq.grammar is not None:
+            try:
+                seq.grammar.accept(token)
+            except RuntimeError:  # the mask allowed only grammar tokens: a bug, not bad input
+                logger.exception("request %s: sampled token outside its grammar", seq.request_id)
+                self.scheduler.finish(seq, "error")
+                request.detokenizers[seq.index].flush()
+                return
         self._check_stop(seq, token, slot + 1, request.detokenizers[seq.index])
 
     def _fork(self, request: _Request, parent: Sequence) -> None:
@@ -470,6 +519,8 @@ class LLMEngine:
             detok.add([token])
             if detok.finished:  # a stop string: the text is cut before it
                 self.scheduler.finish(seq, "stop", detok.stop_reason)
+            elif seq.grammar is not None and seq.grammar.finished:  # the output is complete
+                self.scheduler.finish(seq, "stop")
             elif num_outputs >= params.max_tokens or len(seq.prompt_token_ids) + num_outputs >= self.config.max_model_len:
                 self.scheduler.finish(seq, "length")
         if seq.is_finished:

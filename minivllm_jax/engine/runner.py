@@ -36,7 +36,7 @@ from minivllm_jax.kv_compression import needs_scores
 from minivllm_jax.models.llama import Params, model_dtype, unstack_layers
 from minivllm_jax.program_cache import ProgramCache
 from minivllm_jax.runtime import program_cache_dir
-from minivllm_jax.sampler import SampleResult, make_sampling_arrays
+from minivllm_jax.sampler import SampleResult, SamplingArrays, make_sampling_arrays
 from minivllm_jax.step import (PenaltyRows, PenaltyState, copy_pages_jit, engine_multi_step_jit, engine_step_jit,
                                engine_verify_step_jit, gather_pages_jit, init_penalty_state, load_penalty_row_jit,
                                page_attention_scores_jit, scatter_pages_jit)
@@ -165,7 +165,7 @@ class ModelRunner:
         program = self._programs.get(key)
         if program is not None:  # every step after warm-up: no abstract arguments to build
             return program
-        inputs = self._abstract(_step_inputs(self.config, num_tokens, num_seqs, kind))
+        inputs = self._abstract(_step_inputs(self.config, self.model_config, num_tokens, num_seqs, kind))
         return self._program(key, STEP_FUNCTIONS[kind], self.params, self.cache, self.penalty_state, self.fed_back,
                              *inputs, cfg=self.step_config, attention=self.attention, matmul=self.matmul,
                              mesh=self.mesh, **extra)  # fmt: skip
@@ -210,7 +210,7 @@ class ModelRunner:
             q = num_tokens - 1
             chunks.append(Chunk([0] * q, ps, [SCRATCH_PAGE] * (-(-(ps + q) // ps))))
         batch = build_step_batch(chunks, ps, num_tokens, num_seqs, self.config.num_listed_pages(num_seqs), lookahead)
-        inputs = _step_inputs(self.config, num_tokens, num_seqs, kind)
+        inputs = _step_inputs(self.config, self.model_config, num_tokens, num_seqs, kind)
         scratch = np.full(num_seqs, self.penalty_state.scratch_slot, np.int32)
         rows = PenaltyRows(scratch, np.zeros(num_seqs, np.int32), np.bool_(True))
         self._run_step(num_tokens, num_seqs, (batch, inputs[1], rows, *inputs[3:]), kind)
@@ -241,14 +241,27 @@ class ModelRunner:
         if kind == "verify":  # rows at each last token and draft token: draft token j is output number n + j
             rows = [(*row[:3], row[3] + j) for i, row in enumerate(rows) for j in range(1 + len(batch.draft(i)))]
             num_rows = self.config.verify_rows(step_batch.num_tokens, num_seqs)
-            inputs = (step_batch, make_sampling_arrays(rows, num_rows), self._penalty_rows(seqs, num_seqs),
+            inputs = (step_batch, self._sampling_arrays(batch, rows, num_rows), self._penalty_rows(seqs, num_seqs),
                       _verify_logit_rows(batch, step_batch, num_rows))  # fmt: skip
         else:
-            inputs = (step_batch, make_sampling_arrays(rows, num_seqs), self._penalty_rows(seqs, num_seqs))
+            inputs = (step_batch, self._sampling_arrays(batch, rows, num_seqs), self._penalty_rows(seqs, num_seqs))
         if self.channel is not None:  # the other processes run this step too
             self.channel.announce(distributed.STEP_OPS[kind], step_batch.num_tokens, num_seqs, inputs)
         result = self._run_step(step_batch.num_tokens, num_seqs, inputs, kind)
         return PendingStep(result, len(rows), any(s.params.logprobs is not None for s in seqs), batch.num_steps)
+
+    def _sampling_arrays(self, batch: ScheduledBatch, rows: list, num_rows: int) -> SamplingArrays:
+        """The per-row sampling settings, with the allowed-token bitmask of each row that samples
+        under a grammar (structured output; such rows are never multi-step or drafted, so a
+        sequence's row is its index plus the draft rows before it)."""
+        arrays = make_sampling_arrays(rows, num_rows, self.model_config.vocab_size)
+        row = 0
+        for i, seq in enumerate(batch.seqs):
+            if seq.grammar is not None and batch.samples_next_token(i):
+                seq.grammar.fill_bitmask(arrays.token_bitmask, row)
+                arrays = dataclasses.replace(arrays, use_bitmask=np.bool_(True))
+            row += 1 + len(batch.draft(i))
+        return arrays
 
     def _run_step(self, num_tokens: int, num_seqs: int, inputs: tuple, kind: str = "step") -> SampleResult:
         program = self._step_program(num_tokens, num_seqs, kind)
@@ -271,7 +284,7 @@ class ModelRunner:
                 return
             kind = next((k for k, v in distributed.STEP_OPS.items() if v == op), None)
             if kind is not None:
-                self._run_step(a, b, self.channel.payload(_step_inputs(self.config, a, b, kind)), kind)
+                self._run_step(a, b, self.channel.payload(_step_inputs(self.config, self.model_config, a, b, kind)), kind)
             elif op == distributed.LOAD_PENALTY_ROW:
                 self._load_penalty_row(self.channel.payload(_penalty_row_inputs(self.config)))
             else:
@@ -427,14 +440,16 @@ class ModelRunner:
 STEP_FUNCTIONS = {"step": engine_step_jit, "multi_step": engine_multi_step_jit, "verify": engine_verify_step_jit}
 
 
-def _step_inputs(config: EngineConfig, num_tokens: int, num_seqs: int, kind: str = "step") -> tuple:
+def _step_inputs(config: EngineConfig, model_config: ModelConfig, num_tokens: int, num_seqs: int,
+                 kind: str = "step") -> tuple:  # fmt: skip
     """Host inputs of a step of this bucket (empty): their shapes and dtypes."""
     rows = PenaltyRows(np.zeros(num_seqs, np.int32), np.zeros(num_seqs, np.int32), np.bool_(False))
     batch = _empty_batch(config, num_tokens, num_seqs)
+    vocab = model_config.vocab_size
     if kind != "verify":
-        return batch, make_sampling_arrays([], num_seqs), rows
+        return batch, make_sampling_arrays([], num_seqs, vocab), rows
     num_rows = config.verify_rows(num_tokens, num_seqs)
-    return batch, make_sampling_arrays([], num_rows), rows, np.zeros(num_rows, np.int32)
+    return batch, make_sampling_arrays([], num_rows, vocab), rows, np.zeros(num_rows, np.int32)
 
 
 def _verify_logit_rows(batch: ScheduledBatch, step_batch: StepBatch, num_rows: int) -> np.ndarray:

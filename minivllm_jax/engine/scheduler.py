@@ -261,7 +261,7 @@ class Scheduler:
         """The sequence may propose a draft at its next decode (its tokens must all be known:
         the engine then reads the step before scheduling the next)."""
         spec = self.config.speculative
-        return (spec is not None and not seq.params.uses_penalties
+        return (spec is not None and not seq.params.uses_penalties and seq.grammar is None
                 and len(seq.output_token_ids) >= seq.spec_resume_at
                 and (spec.disable_by_batch_size is None or len(self.running) <= spec.disable_by_batch_size))  # fmt: skip
 
@@ -298,6 +298,8 @@ class Scheduler:
         k = self.config.num_scheduler_steps
         admissible = self.waiting and len(self.running) < self.config.max_num_seqs
         if k == 1 or admissible or any(s.is_prefill for s in self.running):
+            return False
+        if any(s.grammar is not None for s in decodes):  # each token's mask needs the one before
             return False
         if any(len(s) + k - 1 > self.config.max_model_len for s in decodes):
             return False

@@ -13,6 +13,7 @@ from minivllm_jax.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from minivllm_jax.engine.swap import SwappedKV
     from minivllm_jax.kv_compression import KVCompressionConfig
+    from minivllm_jax.structured_output import Grammar
 
 _seq_counter = itertools.count()
 
@@ -66,6 +67,9 @@ class Sequence:
         # K/V slots are then `len(self) - num_dropped_tokens`; positions stay the true ones.
         self.kv_compression: KVCompressionConfig | None = None
         self.num_dropped_tokens = 0
+        # Structured output: the matcher of its grammar, advanced by each token read (set when
+        # the grammar is compiled, before the sequence is scheduled).
+        self.grammar: Grammar | None = None
         self.logprobs: list[TokenLogprobs] = []
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None

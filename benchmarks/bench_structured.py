@@ -1,0 +1,180 @@
+"""Structured output: decode speed constrained (JSON schema) against unconstrained, same run (JSON + PNG).
+
+For each batch size, the same chat prompts are run twice on one warmed-up engine:
+1. constrained: each with a JSON schema (`StructuredOutputsParams(json=...)`), greedy, until the
+   grammar completes (or `--max-tokens`); every output is parsed and validated with `jsonschema`;
+2. unconstrained: greedy, `ignore_eos`, each request forced to the token count its constrained
+   run produced, so both runs generate exactly the same number of tokens.
+Output tok/s of each (medians of `--repeats` alternated runs) and their ratio; the host time spent filling token masks (per constrained
+token); the grammar compile time of each distinct schema (cold, then cached).
+
+    python benchmarks/bench_structured.py              # SmolLM2, a few minutes
+    python benchmarks/bench_structured.py --quick      # batch sizes 1 and 4, fewer prompts
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import RESULTS, machine_info, new_figure, run_requests, save_plot, write_result  # noqa: E402
+
+SCHEMAS = [
+    {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
+     "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0, "maximum": 130},
+                    "city": {"type": "string", "enum": ["Paris", "London", "Tokyo", "Lima"]}}},
+    {"type": "object", "additionalProperties": False, "required": ["title", "author", "year"],
+     "properties": {"title": {"type": "string", "maxLength": 60}, "year": {"type": "integer"},
+                    "author": {"type": "object", "additionalProperties": False, "required": ["first", "last"],
+                               "properties": {"first": {"type": "string", "maxLength": 20},
+                                              "last": {"type": "string", "maxLength": 20}}}}},
+    {"type": "object", "additionalProperties": False, "required": ["items", "total"],
+     "properties": {"items": {"type": "array", "minItems": 1, "maxItems": 5,
+                              "items": {"type": "object", "additionalProperties": False, "required": ["item", "price"],
+                                        "properties": {"item": {"type": "string", "maxLength": 24},
+                                                       "price": {"type": "number"}}}},
+                    "total": {"type": "number"}}},
+]  # fmt: skip
+QUESTIONS = [
+    "Describe a person who lives in {city}, as JSON.",
+    "Name a book you like about {city}, with its author and year, as JSON.",
+    "Write a shopping list for a trip to {city} with prices, as JSON.",
+]
+CITIES = ["Paris", "London", "Tokyo", "Lima", "Oslo", "Cairo", "Quito", "Delhi"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--prompts", type=int, default=32, help="requests per batch size (at least one round of it)")
+    p.add_argument("--max-tokens", type=int, default=200)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs of each kind per batch size (medians)")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default=str(RESULTS / "structured.json"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batch_sizes, args.prompts, args.max_tokens, args.repeats = [1, 4], 4, 120, 1
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    import jsonschema
+
+    from minivllm_jax import LLM, SamplingParams, StructuredOutputsParams
+    from minivllm_jax.structured_output import Grammar
+
+    llm = LLM(args.model, max_num_seqs=max(args.batch_sizes), max_model_len=512, use_tqdm=False)
+    engine = llm.engine
+    compiler = engine.grammar_compiler
+    t0 = time.perf_counter()
+    compiler.compile(StructuredOutputsParams(regex="a"))  # builds llguidance's view of the tokenizer, once
+    tokenizer_ms = 1e3 * (time.perf_counter() - t0)
+    compile_ms = []
+    for schema in SCHEMAS:  # cold compile, then cached
+        spec = StructuredOutputsParams(json=schema)
+        t0 = time.perf_counter()
+        compiler.compile(spec)
+        cold = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        compiler.compile(spec)
+        compile_ms.append({"cold_ms": 1e3 * cold, "cached_ms": 1e3 * (time.perf_counter() - t0)})
+
+    mask_seconds = [0.0, 0]  # host time filling masks, masks filled
+    fill = Grammar.fill_bitmask
+
+    def timed_fill(self, bitmask, row):  # the host's share of a constrained token
+        t0 = time.perf_counter()
+        fill(self, bitmask, row)
+        mask_seconds[0] += time.perf_counter() - t0
+        mask_seconds[1] += 1
+
+    Grammar.fill_bitmask = timed_fill
+    rows, example = [], None
+    try:
+        for batch in args.batch_sizes:
+            rounds = max(1, args.prompts // batch)  # `batch` requests at a time: the concurrency
+            picks = [(i % len(SCHEMAS), CITIES[i % len(CITIES)]) for i in range(batch * rounds)]
+            prompts = [llm.apply_chat_template([{"role": "user", "content": QUESTIONS[s].format(city=c)}]) for s, c in picks]
+            constrained = [SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
+                                          structured_outputs=StructuredOutputsParams(json=SCHEMAS[s])) for s, _ in picks]
+            mask_seconds[:] = [0.0, 0]
+            run_c = _in_rounds(engine, prompts, constrained, batch)  # also a warm-up round for this batch size
+            masks = tuple(mask_seconds)
+            finished = sum(1 for t in run_c.token_ids if len(t) < args.max_tokens)
+            texts = [llm.tokenizer.decode(t, skip_special_tokens=True) for t in run_c.token_ids]
+            valid = 0
+            for (s, _), text in zip(picks, texts):
+                try:
+                    jsonschema.validate(json.loads(text), SCHEMAS[s])
+                    valid += 1
+                except (ValueError, jsonschema.ValidationError):
+                    pass
+            example = example or {"schema": SCHEMAS[picks[0][0]], "prompt": QUESTIONS[picks[0][0]].format(city=picks[0][1]),
+                                  "output": texts[0]}  # fmt: skip
+            plain = [SamplingParams(temperature=0.0, max_tokens=max(1, len(t)), ignore_eos=True) for t in run_c.token_ids]
+            speeds: dict[str, list[float]] = {"constrained": [], "unconstrained": []}
+            for _ in range(args.repeats):  # alternated, so the machine's drift hits both alike
+                for name, params in (("constrained", constrained), ("unconstrained", plain)):
+                    run = _in_rounds(engine, prompts, params, batch)
+                    speeds[name].append(run.output_tokens / run.elapsed_s)
+            n = len(prompts)
+            row = {
+                "batch_size": batch, "requests": n, "output_tokens": run_c.output_tokens,
+                "constrained_tok_s": statistics.median(speeds["constrained"]),
+                "unconstrained_tok_s": statistics.median(speeds["unconstrained"]), "runs_tok_s": speeds,
+                "valid_json": valid, "finished_by_grammar": finished,
+                "mask_fill_ms_per_token": 1e3 * masks[0] / max(masks[1], 1),
+            }  # fmt: skip
+            row["ratio"] = row["constrained_tok_s"] / row["unconstrained_tok_s"]
+            rows.append(row)
+            print(f"batch {batch:>3}: constrained {row['constrained_tok_s']:.1f} tok/s, unconstrained "
+                  f"{row['unconstrained_tok_s']:.1f} tok/s ({row['ratio']:.2f}x, medians of {args.repeats}), "
+                  f"{valid}/{n} valid JSON, {finished}/{n} completed by the grammar, "
+                  f"mask fill {row['mask_fill_ms_per_token']:.2f} ms/token", flush=True)  # fmt: skip
+    finally:
+        Grammar.fill_bitmask = fill
+    print(f"llguidance tokenizer view {tokenizer_ms:.0f} ms once; schema compiles (cold/cached, ms): "
+          + ", ".join(f"{c['cold_ms']:.1f}/{c['cached_ms']:.3f}" for c in compile_ms))
+    print("example:", json.dumps(example, indent=1))
+    result = {"benchmark": "structured", "machine": machine_info(), "model": args.model, "rows": rows,
+              "tokenizer_view_ms": tokenizer_ms, "compile": compile_ms, "example": example, "num_compiles_after_warmup": engine.num_compiles,
+              "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")}  # fmt: skip
+    out = write_result(result, args.out)
+    fig, axes = new_figure()
+    ax = axes[0, 0]
+    xs = [str(r["batch_size"]) for r in rows]
+    width = 0.4
+    ax.bar([i - width / 2 for i in range(len(xs))], [r["unconstrained_tok_s"] for r in rows], width, label="unconstrained")
+    ax.bar([i + width / 2 for i in range(len(xs))], [r["constrained_tok_s"] for r in rows], width, label="JSON schema")
+    ax.set_xticks(range(len(xs)), xs)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tok/s")
+    ax.set_title(f"Structured output on {args.model}")
+    ax.legend()
+    save_plot(fig, out.with_suffix(".png"))
+    return result
+
+
+def _in_rounds(engine, prompts: list, params: list, batch: int):
+    """`run_requests` on `batch` requests at a time; the rounds' times and tokens added up."""
+    runs = [run_requests(engine, prompts[i : i + batch], params[i : i + batch]) for i in range(0, len(prompts), batch)]
+    total = runs[0]
+    for run in runs[1:]:
+        total = dataclasses.replace(total, elapsed_s=total.elapsed_s + run.elapsed_s,
+                                    output_tokens=total.output_tokens + run.output_tokens,
+                                    token_ids=total.token_ids + run.token_ids)  # fmt: skip
+    return total
+
+
+if __name__ == "__main__":
+    main()
