@@ -46,6 +46,7 @@ SUITE: dict[str, list[str]] = {
     "scaling": ["bench_scaling.py"],
     "decoding": ["bench_decoding.py"],
     "kv_tiers": ["bench_kv_tiers.py"],
+    "family_parity": ["family_parity.py"],
 }
 
 

@@ -1,4 +1,5 @@
-"""Read a checkpoint into our params pytree, strictly through `hf_weight_map`.
+"""Read a checkpoint into our params pytree, strictly through `hf_weight_map` (the table of the
+family that config.json's architecture names: `minivllm_jax.models.registry`).
 
 Every tensor in the file must map to exactly one slot of the tree and every slot must be
 filled, with the shape the config implies. The tree is allocated once in the target dtype and
@@ -100,7 +101,8 @@ def _check_names(cfg: ModelConfig, entries: list[TensorEntry], table: dict) -> d
     tied_head = ["lm_head.weight"] if cfg.tie_word_embeddings else []
     unexpected = [n for n in by_name if n not in table and not _is_harmless(n) and n not in tied_head]
     if unexpected:
-        raise WeightMismatchError(f"unexpected tensors not in the Llama conversion table: {_listing(unexpected)}")
+        raise WeightMismatchError(f"unexpected tensors not in the {cfg.family} conversion table: "
+                                  f"{_listing(unexpected)}")  # fmt: skip
     missing = [n for n in table if n not in by_name]
     if missing:
         raise WeightMismatchError(f"missing tensors: {_listing(missing)}")

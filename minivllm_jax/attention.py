@@ -3,6 +3,7 @@
 The contract every implementation keeps (a native kernel goes behind the same signature):
 
     attention(q, k_new, v_new, cache, layer, batch) -> out
+    attention(q, k_new, v_new, cache, layer, batch, scale=..., softcap=..., window=...) -> out
 
 - `q`: `[T, H, hd]`, `k_new`/`v_new`: `[T, KVH, hd]`: the step's new tokens, flat (`H` a
   multiple of `KVH`: grouped-query attention). Queries are not pre-scaled.
@@ -17,6 +18,12 @@ The contract every implementation keeps (a native kernel goes behind the same si
 - `out`: `[T, H, hd]` in `q`'s dtype. A token of sequence `s` attends to `s`'s first
   `context_len[s]` cached tokens and to `s`'s new tokens up to and including itself, with
   softmax in float32 and scale `hd ** -0.5`. Padding tokens give zeros.
+- The keywords, for the families that need them (`ModelConfig.attention_extras`; only the
+  implementations in `ATTENTION_WITH_EXTRAS` take them): `scale` replaces `hd ** -0.5`;
+  `softcap` (static) maps scores to `softcap * tanh(score / softcap)` before the softmax;
+  `window` (an int or a traced int32 scalar, the layer's; 0 = none) keeps only the keys at
+  cache indices `> i - window` for a query at cache index `i` (a token's cache index is its
+  position: KV compression, which would shift them, is refused with a window).
 
 Nothing in it depends on how an implementation schedules its work: only these arrays.
 """
@@ -30,6 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from minivllm_jax.batch import StepBatch, token_sequences
+from minivllm_jax.config import ModelConfig
 from minivllm_jax.kv_cache import KVCache, as_stored, from_bits, dequantize_k_blocks, dequantize_v_blocks
 
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, KVCache, jax.Array, StepBatch], jax.Array]
@@ -76,17 +84,24 @@ def _safe(m: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(m), m, 0.0)
 
 
-def _new_tokens(qf: jax.Array, k_new: jax.Array, v_new: jax.Array, seq: jax.Array, valid: jax.Array) -> Partial:
+def _capped(scores: jax.Array, softcap: float | None) -> jax.Array:
+    return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
+
+
+def _new_tokens(qf: jax.Array, k_new: jax.Array, v_new: jax.Array, seq: jax.Array, valid: jax.Array,
+                index: jax.Array, softcap: float | None, floor: jax.Array | None) -> Partial:  # fmt: skip
     """Every token against the step's new keys: dense `[T, T]`, masked to its own sequence and
-    causally (a sequence's tokens are contiguous and in position order)."""
+    causally (a sequence's tokens are contiguous and in position order), and to its window."""
     T, KVH, G, hd = qf.shape
     dtype = qf.dtype
     q = qf.transpose(1, 0, 2, 3).reshape(KVH, T * G, hd)
     k = k_new.transpose(1, 0, 2).astype(dtype)  # [KVH, T, hd]
     v = v_new.transpose(1, 0, 2).astype(dtype)
-    scores = lax.dot_general(q, k, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32)
+    scores = _capped(lax.dot_general(q, k, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32), softcap)
     t = jnp.arange(T)
     ok = (seq[:, None] == seq[None, :]) & (t[None, :] <= t[:, None]) & valid[None, :]  # [T, T]
+    if floor is not None:
+        ok &= index[None, :] > floor[:, None]
     scores = jnp.where(jnp.repeat(ok, G, axis=0)[None], scores, -jnp.inf)  # rows r = t * G + g
     m = scores.max(-1)
     p = jnp.exp(scores - _safe(m)[..., None])
@@ -95,7 +110,8 @@ def _new_tokens(qf: jax.Array, k_new: jax.Array, v_new: jax.Array, seq: jax.Arra
     return to_tokens(m), to_tokens(p.sum(-1)), to_tokens(acc)
 
 
-def _decode_pages(qf: jax.Array, cache: KVCache, layer: jax.Array, batch: StepBatch) -> Partial:
+def _decode_pages(qf: jax.Array, cache: KVCache, layer: jax.Array, batch: StepBatch, softcap: float | None,
+                  floor: jax.Array | None) -> Partial:  # fmt: skip
     """Single-token sequences (decodes) against their cached pages, all sequences' pages in one
     flat list walked in chunks: each entry is scored against its owner's one query and the
     softmax parts are summed per token with segment reductions. Work follows the real number of
@@ -123,7 +139,11 @@ def _decode_pages(qf: jax.Array, cache: KVCache, layer: jax.Array, batch: StepBa
         blocks = _block_index(cache.k, layer, take(page_ids))  # [C, KVH]
         k_pages, v_pages = _gather_kv(cache, blocks, qf.dtype)  # [C, KVH, hd, ps], [C, KVH, ps, hd]
         scores = lax.dot_general(qf[tok], k_pages, (((3,), (2,)), dims), preferred_element_type=jnp.float32)
-        scores = jnp.where((jnp.arange(ps) < plen[:, None])[:, None, None, :], scores, -jnp.inf)  # [C, KVH, G, ps]
+        scores = _capped(scores, softcap)
+        ok = jnp.arange(ps) < plen[:, None]  # [C, ps]
+        if floor is not None:  # the keys' cache indices against the decode's window
+            ok &= take(entry - batch.page_start[owner])[:, None] * ps + jnp.arange(ps) > floor[tok][:, None]
+        scores = jnp.where(ok[:, None, None, :], scores, -jnp.inf)  # [C, KVH, G, ps]
         m_new = jnp.maximum(m, jax.ops.segment_max(scores.max(-1), tok, T, indices_are_sorted=True))
         p = jnp.exp(scores - _safe(m_new)[tok][..., None])
         scale = jnp.exp(m - _safe(m_new))
@@ -135,7 +155,8 @@ def _decode_pages(qf: jax.Array, cache: KVCache, layer: jax.Array, batch: StepBa
     return lax.fori_loop(0, -(-end // chunk), body, _empty(T, KVH, G, hd))
 
 
-def _chunk_pages(qf: jax.Array, cache: KVCache, layer: jax.Array, batch: StepBatch) -> Partial:
+def _chunk_pages(qf: jax.Array, cache: KVCache, layer: jax.Array, batch: StepBatch, softcap: float | None,
+                 floor: jax.Array | None) -> Partial:  # fmt: skip
     """Prompt chunks that have cached context (a chunk continuation, a prefix-cache hit) against
     those pages: tiles of `QUERY_TILE` queries of one sequence, each scored against the
     sequence's pages `TILE_PAGES` at a time with an online softmax. The loops run over real
@@ -146,6 +167,7 @@ def _chunk_pages(qf: jax.Array, cache: KVCache, layer: jax.Array, batch: StepBat
     span = min(batch.page_ids.shape[0], TILE_PAGES)
     page_ids = jnp.pad(batch.page_ids, (0, span))
     q_padded = jnp.pad(qf, ((0, tile), (0, 0), (0, 0), (0, 0)))
+    floor_padded = None if floor is None else jnp.pad(floor, (0, tile))
     npages = -(-batch.context_len // ps)
     tiles = jnp.where((batch.query_len > 1) & (batch.context_len > 0), -(-batch.query_len // tile), 0)
     first_tile = jnp.cumsum(tiles) - tiles
@@ -155,14 +177,20 @@ def _chunk_pages(qf: jax.Array, cache: KVCache, layer: jax.Array, batch: StepBat
         s = jnp.clip(jnp.searchsorted(first_tile + tiles, i, side="right", method="compare_all"), 0, S - 1)
         start = batch.query_start[s] + (i - first_tile[s]) * tile
         q = lax.dynamic_slice_in_dim(q_padded, start, tile).transpose(1, 0, 2, 3).reshape(KVH, tile * G, hd)
+        if floor is not None:  # per row r = t * G + g
+            row_floor = jnp.repeat(lax.dynamic_slice_in_dim(floor_padded, start, tile), G)[:, None, None]
 
         def page_body(c: jax.Array, run: Partial) -> Partial:
             m, l, acc = run
             blocks = _block_index(cache.k, layer, lax.dynamic_slice_in_dim(page_ids, batch.page_start[s] + c * span, span))
             k_pages, v_pages = _gather_kv(cache, blocks, qf.dtype)  # [span, KVH, hd, ps], [span, KVH, ps, hd]
             scores = lax.dot_general(q, k_pages, (((2,), (2,)), dims), preferred_element_type=jnp.float32)
+            scores = _capped(scores, softcap)
             key_pos = (c * span + jnp.arange(span))[:, None] * ps + jnp.arange(ps)  # [span, ps]
-            scores = jnp.where(key_pos < batch.context_len[s], scores, -jnp.inf)  # [KVH, tile*G, span, ps]
+            ok = key_pos < batch.context_len[s]
+            if floor is not None:
+                ok = ok & (key_pos > row_floor)  # [tile*G, span, ps]
+            scores = jnp.where(ok, scores, -jnp.inf)  # [KVH, tile*G, span, ps]
             m_new = jnp.maximum(m, scores.max((2, 3)))
             p = jnp.exp(scores - _safe(m_new)[..., None, None])
             scale = jnp.exp(m - _safe(m_new))
@@ -195,8 +223,9 @@ def _merge(parts: list[Partial], valid: jax.Array) -> jax.Array:
 
 
 def ragged_paged_attention(
-    q: jax.Array, k_new: jax.Array, v_new: jax.Array, cache: KVCache, layer: jax.Array, batch: StepBatch
-) -> jax.Array:
+    q: jax.Array, k_new: jax.Array, v_new: jax.Array, cache: KVCache, layer: jax.Array, batch: StepBatch, *,
+    scale: float | None = None, softcap: float | None = None, window: jax.Array | int | None = None,
+) -> jax.Array:  # fmt: skip
     """The pure-JAX reference of the contract in the module docstring: three softmax parts
     merged exactly, each doing only real work under static shapes (loop trip counts are
     values): the new tokens among themselves, decodes against their pages, and prompt chunks
@@ -205,12 +234,18 @@ def ragged_paged_attention(
     KVH = k_new.shape[1]
     G = H // KVH
     float_pages = jnp.issubdtype(cache.k.dtype, jnp.floating)  # else int8 values or 16-bit float bits
-    qf = (q.reshape(T, KVH, G, hd) * hd**-0.5).astype(cache.k.dtype if float_pages else q.dtype)
+    scale = hd**-0.5 if scale is None else scale
+    qf = (q.reshape(T, KVH, G, hd) * scale).astype(cache.k.dtype if float_pages else q.dtype)
     seq, valid = token_sequences(batch)
+    index = floor = None
+    if window is not None:
+        index = batch.context_len[seq] + jnp.arange(T) - batch.query_start[seq]  # each token's cache index
+        floor = jnp.where(window > 0, index - window, -1)  # the highest cache index out of its window
     k_new, v_new = as_stored(cache, k_new), as_stored(cache, v_new)
-    parts = [_new_tokens(qf, k_new, v_new, seq, valid), _decode_pages(qf, cache, layer, batch)]
+    parts = [_new_tokens(qf, k_new, v_new, seq, valid, index, softcap, floor),
+             _decode_pages(qf, cache, layer, batch, softcap, floor)]  # fmt: skip
     if T > 1:  # a one-token step has no prompt chunk
-        parts.append(_chunk_pages(qf, cache, layer, batch))
+        parts.append(_chunk_pages(qf, cache, layer, batch, softcap, floor))
     return _merge(parts, valid).astype(q.dtype).reshape(T, H, hd)
 
 
@@ -222,6 +257,8 @@ def _native(*args: jax.Array) -> jax.Array:
 
 
 ATTENTION: dict[str, AttentionFn] = {"reference": ragged_paged_attention, "native": _native}
+# The implementations that take the keywords `scale`, `softcap` and `window` (see the module docstring).
+ATTENTION_WITH_EXTRAS = ("reference",)
 
 
 def get_attention(name: str) -> AttentionFn:
@@ -230,19 +267,26 @@ def get_attention(name: str) -> AttentionFn:
     return ATTENTION[name]
 
 
-def resolve_attention(name: str) -> str:
+def resolve_attention(name: str, cfg: ModelConfig | None = None) -> str:
     """The implementation `name` means here: "auto" is the native kernel where it is built for
     this platform, else the reference; `MINIVLLM_KERNELS=reference` forces the reference.
+    Given the model's `cfg`, "auto" is the reference when the model's attention has what the
+    native kernel lacks (`ModelConfig.attention_extras`: sliding windows, soft-capping, another
+    scale), and asking for such a kernel by name is a ValueError.
 
     A "native" answer means the kernels are loaded (their FFI targets registered): a program
     loaded whole from the program cache is never traced, so nothing else would load them."""
     from minivllm_jax import kernels
 
+    extras = () if cfg is None else cfg.attention_extras
     if name == "auto":
-        return "native" if kernels.native_available() else "reference"
+        return "native" if kernels.native_available() and not extras else "reference"
     get_attention(name)  # unknown names fail here, before any tracing
     if kernels.reference_forced():
         return "reference"
+    if extras and name not in ATTENTION_WITH_EXTRAS:
+        raise ValueError(f"attention={name!r} does not implement {', '.join(extras)}, which this model uses; "
+                         f"use 'auto' or 'reference'")  # fmt: skip
     if name == "native" and not kernels.native_available():
         raise ValueError("attention='native' needs the native kernels, which are not available here (not built "
                          "or not a CPU backend: python -m minivllm_jax.kernels.build); use 'auto' or 'reference'")

@@ -10,8 +10,17 @@ from minivllm_jax.speculative import SpeculativeConfig
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+LAYER_TYPES = ("full_attention", "sliding_attention")  # HF `layer_types` values
+
+
+def __getattr__(name: str) -> Any:
+    # The supported architectures are the model registry's; imported late (the families import this module).
+    if name == "SUPPORTED_ARCHITECTURES":
+        from minivllm_jax.models.registry import supported_architectures
+
+        return supported_architectures()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class UnsupportedModelError(ValueError):
@@ -39,59 +48,117 @@ class ModelConfig:
     rope_scaling: tuple[str, tuple[tuple[str, float], ...]] | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # What other families change in the one decoder (`models/llama.py`). The defaults are Llama's,
+    # and the decoder branches on them in Python: a feature that is off adds nothing to the program.
+    family: str = "llama"  # the family's name in `models/registry.py`
+    qkv_bias: bool = False  # bias on q/k/v but not o_proj (Qwen2); `attention_bias` puts one on all four
+    qk_norm: bool = False  # RMSNorm over head_dim on each q and k head before RoPE (Qwen3, Gemma 3)
+    norm_weight_offset: float = 0.0  # RMSNorm scales by (offset + w) in float32 (Gemma: 1.0)
+    embedding_scale: float | None = None  # embeddings times this, in the model dtype (Gemma: sqrt(hidden))
+    hidden_act: str = "silu"  # the MLP's gate activation: "silu" or "gelu_pytorch_tanh"
+    sandwich_norms: bool = False  # attention and MLP outputs normed too, and the MLP input by its own norm (Gemma)
+    attn_logit_softcap: float | None = None  # attention scores -> c * tanh(scores / c) (Gemma 2)
+    final_logit_softcap: float | None = None  # logits -> c * tanh(logits / c) (Gemma 2)
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (Gemma); None: head_dim's
+    # Per layer: the sliding window w (a token at position p sees keys at positions > p - w) or 0 for
+    # full attention; () when every layer is full.
+    layer_windows: tuple[int, ...] = ()
+    local_rope_theta: float | None = None  # RoPE base of the sliding-window layers, unscaled (Gemma 3)
 
     @property
     def rope_scaling_dict(self) -> dict[str, float]:
         return dict(self.rope_scaling[1]) if self.rope_scaling else {}
 
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def has_sliding_window(self) -> bool:
+        """Some layer attends through a sliding window."""
+        return any(self.layer_windows)
+
+    @property
+    def attention_extras(self) -> tuple[str, ...]:
+        """What this model's attention adds to the plain causal softmax at scale head_dim ** -0.5
+        (empty for Llama): only the reference attention implements these."""
+        extras = ("a sliding window",) if self.has_sliding_window else ()
+        extras += ("attention logit soft-capping",) if self.attn_logit_softcap is not None else ()
+        return extras + (("a non-default attention scale",) if self.attention_scale != self.head_dim**-0.5 else ())
+
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
-        """Build from a `config.json` dict (transformers 4.x or 5.x layout)."""
-        archs = tuple(hf.get("architectures") or ())
-        model_type = hf.get("model_type")
-        if not (set(archs) & set(SUPPORTED_ARCHITECTURES)) and model_type != "llama":
-            raise UnsupportedModelError(
-                f"unsupported architecture {archs or model_type!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)} (model_type 'llama')"
-            )
-        if hf.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(f"unsupported hidden_act {hf['hidden_act']!r}; only 'silu'")
-        num_heads = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        """Build from a `config.json` dict (transformers 4.x or 5.x layout) by the family that its
+        architecture names (`minivllm_jax.models.registry`); `UnsupportedModelError` otherwise."""
+        from minivllm_jax.models.registry import config_from_hf
 
-        # transformers 5 moved rope_theta (and the scaling dict) into `rope_parameters`.
-        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        rope_theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
-        rope_type = rope.pop("rope_type", rope.pop("type", "default"))
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise UnsupportedModelError(
-                f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-            )
-        rope_scaling = None
-        if rope_type != "default":
-            items = tuple(sorted((k, float(v)) for k, v in rope.items() if isinstance(v, (int, float))))
-            rope_scaling = (rope_type, items)
+        return config_from_hf(hf)
 
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", False)),
-            mlp_bias=bool(hf.get("mlp_bias", False)),
-            rope_scaling=rope_scaling,
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+
+RopeScaling = tuple[str, tuple[tuple[str, float], ...]]  # ModelConfig.rope_scaling
+
+
+def parse_rope(rope: dict[str, Any], default_theta: float) -> tuple[float, RopeScaling | None]:
+    """`(rope_theta, rope_scaling)` from an HF RoPE dict (`rope_parameters`, or 4.x's `rope_scaling`)."""
+    rope = dict(rope)
+    theta = float(rope.pop("rope_theta", default_theta))
+    rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
+    if rope_type == "default":
+        return theta, None
+    return theta, (rope_type, tuple(sorted((k, float(v)) for k, v in rope.items() if isinstance(v, (int, float)))))
+
+
+def check_activation(hf: dict[str, Any], allowed: tuple[str, ...]) -> str:
+    """The MLP activation (`hidden_activation` in Gemma configs, else `hidden_act`), if implemented."""
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or allowed[0]
+    if act not in allowed:
+        raise UnsupportedModelError(f"unsupported hidden_act {act!r}; supported here: {', '.join(allowed)}")
+    return act
+
+
+def layer_windows(hf: dict[str, Any], window: int | None, default_types: list[str]) -> tuple[int, ...]:
+    """Per-layer windows from HF `layer_types` (`default_types`, the family's own rule, when the
+    config has none): `window` on "sliding_attention" layers, 0 on the others; () if none slides."""
+    types = hf.get("layer_types") or default_types
+    if len(types) != hf["num_hidden_layers"] or not set(types) <= set(LAYER_TYPES):
+        raise UnsupportedModelError(f"layer_types must name one of {LAYER_TYPES} per layer "
+                                    f"({hf['num_hidden_layers']}), got {types}")  # fmt: skip
+    if not window or "sliding_attention" not in types:
+        return ()
+    if int(window) < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {window}")
+    return tuple(int(window) if t == "sliding_attention" else 0 for t in types)
+
+
+def decoder_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """The `ModelConfig` fields every family reads alike (sizes, RoPE, norms' eps, special
+    tokens), from a `config.json` dict of transformers 4.x or 5.x; families add their own."""
+    num_heads = hf["num_attention_heads"]
+    # transformers 5 moved rope_theta (and the scaling dict) into `rope_parameters`.
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_theta, rope_scaling = parse_rope(rope, hf.get("rope_theta", 10000.0))
+    eos = hf.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+    return dict(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        rope_scaling=rope_scaling,
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+    )
 
 
 def _doubling(start: int, stop: int) -> tuple[int, ...]:

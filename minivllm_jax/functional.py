@@ -200,7 +200,7 @@ def generate(
         limits[r] = min(max_new_tokens, sp.max_tokens or max_new_tokens)
     arrays = make_sampling_arrays([(sp, seed, 0, 0) for sp, seed in zip(params_list, seeds)], B, cfg.vocab_size)
     out = generate_tokens_jit(unstack_layers(params), tokens, lens, limits, stop_ids, arrays, cfg=cfg,
-                              max_new_tokens=M, page_size=page_size, attention=resolve_attention(attention),
+                              max_new_tokens=M, page_size=page_size, attention=resolve_attention(attention, cfg),
                               matmul="native" if kernels.native_available() else "reference",
                               kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     out = jax.device_get(out)

@@ -91,6 +91,13 @@ class KVCompressionConfig:
                 raise ValueError(f"budget_tokens ({self.budget_tokens}) must be >= the sink and window rounded to "
                                  f"pages of {page_size} ({fixed})")  # fmt: skip
 
+    def check_model(self, model_config: Any) -> None:
+        """Refuse a model with sliding-window layers (`ModelConfig.has_sliding_window`): its windows
+        count keys by cache index, which dropped pages would make differ from positions."""
+        if model_config.has_sliding_window:
+            raise ValueError(f"KV compression is not supported for {model_config.family} models with sliding-window "
+                             f"attention; use kv_compression=None")  # fmt: skip
+
 
 def _pages(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)

@@ -156,7 +156,7 @@ class LLM:
             target_tpot_ms=target_tpot_ms,
             target_ttft_ms=target_ttft_ms,
             max_batch_wait_ms=max_batch_wait_ms,
-            attention=resolve_attention(attention),
+            attention=resolve_attention(attention, cfg),
             async_scheduling=async_scheduling,
             kv_cache_dtype=kv_cache_dtype,
             num_scheduler_steps=num_scheduler_steps,

@@ -172,13 +172,15 @@ def make_tiny_llama(path, seed: int = 0, **overrides):
     return model
 
 
-def save_tiny_tokenizer(path, *, add_bos: bool = False, chat_template: str | None = None) -> None:
-    """A word-level tokenizer over the tiny vocab (128 ids: `<unk>`, `<s>`, `</s>`, `w3`..`w127`);
-    `add_bos` makes it prepend `<s>` to every encoded text, as Llama-2/3 tokenizers do."""
+def save_tiny_tokenizer(path, *, add_bos: bool = False, chat_template: str | None = None,
+                        vocab_size: int = TINY_LLAMA["vocab_size"]) -> None:  # fmt: skip
+    """A word-level tokenizer over the tiny vocab (`vocab_size` ids, 128 by default: `<unk>`, `<s>`,
+    `</s>`, `w3`..`w127`); `add_bos` makes it prepend `<s>` to every encoded text, as Llama-2/3
+    tokenizers do."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, TINY_LLAMA["vocab_size"])}}
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     if add_bos:

@@ -22,7 +22,9 @@ L, NUM_PAGES, KVH, G, HD, PS = 2, 96, 2, 3, 16, 4
 SPECS = [(5, 1), (0, 1), (17, 1), (0, 7), (9, 30), (3, 1), (140, 70), (0, 2), (64, 1)]
 
 
-def naive_attention(q, k_new, v_new, k_cache, v_cache, layer, specs, chunks):
+def naive_attention(q, k_new, v_new, k_cache, v_cache, layer, specs, chunks, scale=HD**-0.5, softcap=None, window=0):
+    """Per token and head: softmax over its keys, at scale `scale`, scores soft-capped by `softcap`,
+    only the keys at the `window` latest cache indices (itself included) when `window` > 0."""
     out = np.zeros_like(q)
     t = 0
     for (context, n), chunk in zip(specs, chunks):
@@ -33,7 +35,11 @@ def naive_attention(q, k_new, v_new, k_cache, v_cache, layer, specs, chunks):
             keys = np.concatenate([k_past, k_new[t : t + i + 1].transpose(1, 0, 2)], axis=1)  # [KVH, c+i+1, hd]
             values = np.concatenate([v_past, v_new[t : t + i + 1].transpose(1, 0, 2)], axis=1)
             for h in range(KVH * G):
-                s = keys[h // G] @ q[t + i, h] / np.sqrt(HD)
+                s = keys[h // G] @ q[t + i, h] * scale
+                if softcap is not None:
+                    s = softcap * np.tanh(s / softcap)
+                if window:  # the query is at cache index context + i, key j at index j
+                    s = np.where(np.arange(len(s)) > context + i - window, s, -np.inf)
                 p = np.exp(s - s.max())
                 out[t + i, h] = (p / p.sum()) @ values[h // G]
         t += n
@@ -59,12 +65,8 @@ def round_as_int8(x: np.ndarray) -> np.ndarray:
     return (np.clip(np.round(x / scale), -127, 127) * scale).astype(np.float32)
 
 
-@pytest.mark.parametrize("page_dtype", ["float32", "int8"])
-@pytest.mark.parametrize("impl", sorted(ATTENTION))
-def test_ragged_attention_matches_per_token_softmax(impl, page_dtype):
-    if impl == "native" and not kernels.native_available():
-        pytest.skip("native kernels not available (not built, or MINIVLLM_KERNELS=reference)")
-    rng = np.random.default_rng(0)
+def mixed_step(rng, page_dtype: str):
+    """A cache and a step over every kind of sequence in `SPECS`, plus padding."""
     cache, k_cache, v_cache = random_cache(rng, page_dtype)
     free = list(rng.permutation(np.arange(1, NUM_PAGES)))
     chunks = []
@@ -75,6 +77,16 @@ def test_ragged_attention_matches_per_token_softmax(impl, page_dtype):
     batch = build_step_batch(chunks, PS, num_tokens, len(SPECS) + 3, 120)
     q = rng.standard_normal((num_tokens, KVH * G, HD)).astype(np.float32)
     k_new, v_new = (rng.standard_normal((num_tokens, KVH, HD)).astype(np.float32) for _ in range(2))
+    return cache, k_cache, v_cache, chunks, batch, q, k_new, v_new
+
+
+@pytest.mark.parametrize("page_dtype", ["float32", "int8"])
+@pytest.mark.parametrize("impl", sorted(ATTENTION))
+def test_ragged_attention_matches_per_token_softmax(impl, page_dtype):
+    if impl == "native" and not kernels.native_available():
+        pytest.skip("native kernels not available (not built, or MINIVLLM_KERNELS=reference)")
+    rng = np.random.default_rng(0)
+    cache, k_cache, v_cache, chunks, batch, q, k_new, v_new = mixed_step(rng, page_dtype)
     attend = jax.jit(get_attention(impl))
     real = sum(n for _, n in SPECS)
     for layer in range(L):
@@ -88,3 +100,32 @@ def test_ragged_attention_matches_per_token_softmax(impl, page_dtype):
 def test_unknown_attention_implementation_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown attention implementation 'flash'; available: native, reference"):
         get_attention("flash")
+
+
+@pytest.mark.parametrize("page_dtype", ["float32", "int8"])
+@pytest.mark.parametrize("windows", [(3, 0), (21, 21)], ids=["per_layer", "constant"])
+def test_reference_honours_window_softcap_and_scale(page_dtype, windows):
+    """Sliding windows (a traced value per layer: one shorter than a page, then none; or the
+    same constant for every layer, spanning pages), soft-capping and another scale, against the
+    per-token softmax over the same mixed step: windows that end inside the new tokens, inside
+    a decode's pages and inside a chunk's cached page spans."""
+    rng = np.random.default_rng(1)
+    cache, k_cache, v_cache, chunks, batch, q, k_new, v_new = mixed_step(rng, page_dtype)
+    scale, softcap = 0.4, 2.0  # scores of about N(0, 1.6): the cap bends many of them
+    per_layer = len(set(windows)) > 1
+
+    @jax.jit
+    def attend(q, k_new, v_new, cache, layer, batch):
+        window = jnp.asarray(windows, jnp.int32)[layer] if per_layer else windows[0]
+        return ATTENTION["reference"](q, k_new, v_new, cache, layer, batch, scale=scale, softcap=softcap, window=window)
+
+    real = sum(n for _, n in SPECS)
+    stored = (lambda x: x) if page_dtype == "float32" else round_as_int8
+    for layer in range(L):
+        got = np.asarray(attend(q, k_new, v_new, cache, jnp.int32(layer), batch))
+        args = (q, stored(k_new), stored(v_new), k_cache, v_cache, layer, SPECS, chunks, scale, softcap)
+        want = naive_attention(*args, window=windows[layer])
+        np.testing.assert_allclose(got[:real], want[:real], atol=2e-5, rtol=1e-5)
+        assert not np.any(got[real:])
+        if windows[layer]:  # the window changes the answer: ignoring it would fail the test
+            assert np.abs(naive_attention(*args)[:real] - want[:real]).max() > 0.1

@@ -91,6 +91,8 @@ class LLMEngine:
                 f"num_pages={config.num_pages} cannot hold one max_model_len={config.max_model_len} sequence "
                 f"({config.max_pages_per_seq} pages of {config.page_size} + the scratch page)"
             )
+        if config.kv_compression is not None:
+            config.kv_compression.check_model(model_config)
         self.model_config = model_config
         self.config = config
         self.tokenizer = tokenizer
@@ -196,8 +198,9 @@ class LLMEngine:
         # Unseeded requests still get a seed: reproducible from the engine seed and arrival order.
         # The n samples share it; the sampler keys sample i by fold_in(key(seed), i).
         seed = params.seed if params.seed is not None else self._seed_rng.randrange(2**62)
-        if params.kv_compression is not None:  # the engine's own was checked by EngineConfig
+        if params.kv_compression is not None:  # the engine's own was checked by EngineConfig and __init__
             params.kv_compression.check_page_size(self.config.page_size)
+            params.kv_compression.check_model(self.model_config)
         compression = params.kv_compression or self.config.kv_compression
         seqs, detoks = [], []
         for i in range(params.n):

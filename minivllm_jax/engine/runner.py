@@ -102,7 +102,7 @@ class ModelRunner:
                               jax.sharding.SingleDeviceSharding(self.device) if self.mesh is None else
                               jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))  # fmt: skip
         self._new_device_state()
-        self.attention = resolve_attention(config.attention)  # loads native kernels before any program
+        self.attention = resolve_attention(config.attention, model_config)  # loads native kernels before any program
         self.matmul = "native" if kernels.native_available() else "reference"  # quantized projections
         self._programs: dict[tuple, Any] = {}
         devices = list(mesh.devices.flat) if mesh is not None else None  # in the mesh's order

@@ -1,10 +1,16 @@
-"""The Llama family as pure functions over a params pytree and a paged KV cache.
+"""The decoder every model family runs (`models/registry.py`), as pure functions over a params
+pytree and a paged KV cache: Llama's math, plus what other families change in it as static
+`ModelConfig` fields (q/k/v biases, q/k norms, Gemma's norms and embedding scale, GeGLU, sliding
+windows, soft-capping, per-layer RoPE bases). Each is a Python-level branch: a Llama program
+contains none of them. This module is also the Llama family itself (`FAMILY`).
 
 params = {
   "embed_tokens": [vocab, hidden],
   "layers": {                               # stacked over layers (leading axis L)
     "input_layernorm": [L, hidden], "post_attention_layernorm": [L, hidden],
-    "q_proj": {"kernel": [L, hidden, heads*hd], "bias"?: [L, heads*hd]},
+    "pre_feedforward_layernorm"? / "post_feedforward_layernorm"?: [L, hidden],   # sandwich_norms
+    "q_norm"? / "k_norm"?: [L, hd],                                              # qk_norm
+    "q_proj": {"kernel": [L, hidden, heads*hd], "bias"?: [L, heads*hd]},  # bias: attention_bias or qkv_bias
     "k_proj" / "v_proj": {"kernel": [L, hidden, kv_heads*hd], "bias"?: [L, kv_heads*hd]},
     "o_proj": {"kernel": [L, heads*hd, hidden], "bias"?: [L, hidden]},
     "gate_proj" / "up_proj": {"kernel": [L, hidden, inter], "bias"?: [L, inter]},
@@ -28,6 +34,7 @@ batch-1 decode step).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -38,17 +45,37 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from minivllm_jax.attention import AttentionFn, get_attention
+from minivllm_jax.attention import ATTENTION_WITH_EXTRAS, AttentionFn, get_attention
 from minivllm_jax.batch import StepBatch
-from minivllm_jax.config import ModelConfig
+from minivllm_jax.config import ModelConfig, check_activation, decoder_fields
 from minivllm_jax.kernels.float_matmul import float_matmul_transposed_native
 from minivllm_jax.kv_cache import KVCache, write_kv
+from minivllm_jax.models.registry import ModelFamily, layer_weight_names
 from minivllm_jax.quantization import MATMUL, is_quantized, lookup_embedding, serving_layout
 
 Params = dict[str, Any]
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
+
+# HF activation names -> the function; gelu_pytorch_tanh is GELU's tanh approximation.
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu,
+    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
+}
+
+
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """Llama's `ModelConfig` from its HF config dict."""
+    check_activation(hf, ("silu",))
+    return ModelConfig(**decoder_fields(hf), attention_bias=bool(hf.get("attention_bias", False)),
+                       mlp_bias=bool(hf.get("mlp_bias", False)))  # fmt: skip
+
+
+def _has_bias(cfg: ModelConfig, name: str) -> bool:
+    if name in _MLP:
+        return cfg.mlp_bias
+    return cfg.attention_bias or (cfg.qkv_bias and name != "o_proj")
 
 
 def _proj_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -64,9 +91,13 @@ def param_shapes(cfg: ModelConfig, dtype: Any = jnp.float32) -> Params:
     L, d = cfg.num_layers, cfg.hidden_size
     sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))  # noqa: E731
     layers: dict[str, Any] = {"input_layernorm": sds(L, d), "post_attention_layernorm": sds(L, d)}
+    if cfg.sandwich_norms:
+        layers["pre_feedforward_layernorm"] = layers["post_feedforward_layernorm"] = sds(L, d)
+    if cfg.qk_norm:
+        layers["q_norm"] = layers["k_norm"] = sds(L, cfg.head_dim)
     for name, (din, dout) in _proj_dims(cfg).items():
         layers[name] = {"kernel": sds(L, din, dout)}
-        if (name in _ATTN and cfg.attention_bias) or (name in _MLP and cfg.mlp_bias):
+        if _has_bias(cfg, name):
             layers[name]["bias"] = sds(L, dout)
     params: Params = {"embed_tokens": sds(cfg.vocab_size, d), "layers": layers, "norm": sds(d)}
     if not cfg.tie_word_embeddings:
@@ -83,10 +114,15 @@ def hf_weight_map(cfg: ModelConfig) -> dict[str, tuple[tuple[str, ...], int | No
     if not cfg.tie_word_embeddings:
         table["lm_head.weight"] = (("lm_head",), None, True)
     shapes = param_shapes(cfg)["layers"]
+    modules = layer_weight_names(cfg)  # the norms' HF names, the family's own included
+    norms = [key for key, leaf in shapes.items() if not isinstance(leaf, dict)]
+    unnamed = [key for key in norms if key not in modules]
+    if unnamed:
+        raise ValueError(f"family {cfg.family!r} gives no HF name for the layer weights {unnamed}")
     for i in range(cfg.num_layers):
         pre = f"model.layers.{i}."
-        table[pre + "input_layernorm.weight"] = (("layers", "input_layernorm"), i, False)
-        table[pre + "post_attention_layernorm.weight"] = (("layers", "post_attention_layernorm"), i, False)
+        for key in norms:
+            table[f"{pre}{modules[key]}.weight"] = (("layers", key), i, False)
         for name in _ATTN + _MLP:
             module = ("self_attn." if name in _ATTN else "mlp.") + name
             table[f"{pre}{module}.weight"] = (("layers", name, "kernel"), i, True)
@@ -138,8 +174,11 @@ def unstack_layers(params: Params) -> Params:
 # ----------------------------------------------------------------------------------------- math
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse frequencies (float32), with HF's `linear` and `llama3` scaling rules."""
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> np.ndarray:
+    """Inverse frequencies (float32), with HF's `linear` and `llama3` scaling rules; `local`:
+    those of the sliding-window layers when they have their own base (`cfg.local_rope_theta`)."""
+    if local:
+        cfg = dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=None)
     dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
     if cfg.rope_scaling is None:
@@ -159,10 +198,19 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """HF's RMSNorm. With an `offset` (Gemma's `1 + w`), scaled in float32 before the cast
+    back, as Gemma does; Llama casts first, then scales."""
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if offset:
+        return (x32 * (offset + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * x32.astype(x.dtype)
+
+
+def softcap(x: jax.Array, cap: float) -> jax.Array:
+    """Gemma's soft-capping: `cap * tanh(x / cap)`."""
+    return cap * jnp.tanh(x / cap)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -188,18 +236,27 @@ def _linear(matmul: QuantizedMatmul, x: jax.Array, p: dict[str, jax.Array], axis
 
 def _attention_inputs(cfg: ModelConfig, matmul: QuantizedMatmul, lp: Params, x: jax.Array) -> tuple[jax.Array, ...]:
     T, q_dim, kv_dim = x.shape[0], cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    qkv = _linear(matmul, rms_norm(x, lp["input_layernorm"], cfg.rms_norm_eps), lp["qkv_proj"])
+    eps, offset = cfg.rms_norm_eps, cfg.norm_weight_offset
+    qkv = _linear(matmul, rms_norm(x, lp["input_layernorm"], eps, offset), lp["qkv_proj"])
     q, k, v = jnp.split(qkv, [q_dim, q_dim + kv_dim], axis=-1)
-    return (q.reshape(T, cfg.num_heads, cfg.head_dim), k.reshape(T, cfg.num_kv_heads, cfg.head_dim),
-            v.reshape(T, cfg.num_kv_heads, cfg.head_dim))  # fmt: skip
+    q, k = q.reshape(T, cfg.num_heads, cfg.head_dim), k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:  # per head, before RoPE
+        q, k = rms_norm(q, lp["q_norm"], eps, offset), rms_norm(k, lp["k_norm"], eps, offset)
+    return q, k, v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
 
 
 def _attention_output_and_mlp(cfg: ModelConfig, matmul: QuantizedMatmul, axis: str | None, lp: Params,
                               x: jax.Array, attn: jax.Array) -> jax.Array:  # fmt: skip
-    x = x + _linear(matmul, attn, lp["o_proj"], axis)
-    h = rms_norm(x, lp["post_attention_layernorm"], cfg.rms_norm_eps)
+    eps, offset = cfg.rms_norm_eps, cfg.norm_weight_offset
+    if cfg.sandwich_norms:  # Gemma: post_attention_layernorm norms the attention output, not the MLP input
+        x = x + rms_norm(_linear(matmul, attn, lp["o_proj"], axis), lp["post_attention_layernorm"], eps, offset)
+        h = rms_norm(x, lp["pre_feedforward_layernorm"], eps, offset)
+    else:
+        x = x + _linear(matmul, attn, lp["o_proj"], axis)
+        h = rms_norm(x, lp["post_attention_layernorm"], eps, offset)
     gate, up = jnp.split(_linear(matmul, h, lp["gate_up_proj"]), 2, axis=-1)
-    return x + _linear(matmul, jax.nn.silu(gate) * up, lp["down_proj"], axis)
+    y = _linear(matmul, ACTIVATIONS[cfg.hidden_act](gate) * up, lp["down_proj"], axis)
+    return x + (rms_norm(y, lp["post_feedforward_layernorm"], eps, offset) if cfg.sandwich_norms else y)
 
 
 def _with_layer(layers: Sequence[Params], layer: jax.Array, fn, *args):
@@ -253,22 +310,59 @@ def forward(
     `[L, T, H, hd]`, as a third value (page scores, `minivllm_jax.step.page_attention_scores`);
     the logits and cache are the same either way.
     """
-    attend, qmatmul = get_attention(attention), MATMUL[matmul]
+    attend, qmatmul = _layer_attention(cfg, attention), MATMUL[matmul]
     x = _embed(params["embed_tokens"], batch.tokens, cfg, model_dtype(params), axis)  # [T, d]
-    freqs = batch.positions[:, None].astype(jnp.float32) * rope_inv_freq(cfg)
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    if cfg.embedding_scale is not None:  # a float32 scalar cast to the model dtype, as HF's
+        x = x * jnp.asarray(cfg.embedding_scale, jnp.float32).astype(x.dtype)
+    cos, sin = _rope(cfg, batch.positions, x.dtype)
+    local_rope = cfg.local_rope_theta is not None and cfg.has_sliding_window
+    if local_rope:  # Gemma 3: sliding-window layers rotate by their own base, picked per layer
+        local_cos, local_sin = _rope(cfg, batch.positions, x.dtype, local=True)
+        is_local = jnp.asarray([w > 0 for w in cfg.layer_windows])
 
     layers = unstack_layers(params)["layers"]
 
     def body(x, layer):
-        x, q, k, v = _layer(cfg, attend, qmatmul, axis, x, layers, cache, layer, cos, sin, batch)
+        c, s = cos, sin
+        if local_rope:
+            c, s = jnp.where(is_local[layer], local_cos, cos), jnp.where(is_local[layer], local_sin, sin)
+        x, q, k, v = _layer(cfg, attend, qmatmul, axis, x, layers, cache, layer, c, s, batch)
         return x, (k, v, q) if return_queries else (k, v)  # the default program stacks no queries
 
     x, stacked = jax.lax.scan(body, x, jnp.arange(cfg.num_layers, dtype=jnp.int32))
     cache = write_kv(cache, stacked[0], stacked[1], batch.slot_mapping)
     logits = _logits(params, cfg, matmul, qmatmul, axis, x, batch, all_logits, logit_rows)
+    if cfg.final_logit_softcap is not None:
+        logits = softcap(logits, cfg.final_logit_softcap)
     return (logits, cache, stacked[2]) if return_queries else (logits, cache)
+
+
+def _rope(cfg: ModelConfig, positions: jax.Array, dtype: Any, local: bool = False) -> tuple[jax.Array, jax.Array]:
+    """cos and sin `[T, hd]` of the tokens' positions (`local`: see `rope_inv_freq`)."""
+    freqs = positions[:, None].astype(jnp.float32) * rope_inv_freq(cfg, local)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def _layer_attention(cfg: ModelConfig, name: str) -> AttentionFn:
+    """The attention implementation `name`, given the model's sliding windows (per layer, by the
+    traced layer index), soft-capping and scale when it has any (`cfg.attention_extras`). An
+    implementation that lacks them is refused rather than run without them."""
+    attend = get_attention(name)
+    if not cfg.attention_extras:
+        return attend
+    if name not in ATTENTION_WITH_EXTRAS:
+        raise ValueError(f"attention={name!r} does not implement {', '.join(cfg.attention_extras)}, which this "
+                         f"model uses; use {' or '.join(map(repr, ATTENTION_WITH_EXTRAS))} ('auto' picks it)")  # fmt: skip
+    options = dict(scale=cfg.attention_scale, softcap=cfg.attn_logit_softcap)
+    windows = set(cfg.layer_windows)
+    per_layer = len(windows) > 1  # else none, or every layer's the same (Mistral): a constant
+
+    def attend_layer(q, k, v, cache, layer, batch):
+        window = jnp.asarray(cfg.layer_windows, jnp.int32)[layer] if per_layer else next(iter(windows), None)
+        return attend(q, k, v, cache, layer, batch, window=window, **options)
+
+    return attend_layer
 
 
 def _logits(params: Params, cfg: ModelConfig, matmul: str, qmatmul: QuantizedMatmul, axis: str | None, x: jax.Array,
@@ -279,7 +373,7 @@ def _logits(params: Params, cfg: ModelConfig, matmul: str, qmatmul: QuantizedMat
     elif not all_logits:
         last = batch.query_start + jnp.maximum(batch.query_len, 1) - 1
         x = x[jnp.clip(last, 0, batch.num_tokens - 1)]
-    x = rms_norm(x, params["norm"], cfg.rms_norm_eps)
+    x = rms_norm(x, params["norm"], cfg.rms_norm_eps, cfg.norm_weight_offset)
     head = params["embed_tokens"] if cfg.tie_word_embeddings else params["lm_head"]
     if is_quantized(head):  # int8 per vocabulary entry (`quantization.quantize_head`)
         return qmatmul(x, head).astype(jnp.float32)
@@ -304,3 +398,6 @@ def _embed(table: Any, tokens: jax.Array, cfg: ModelConfig, dtype: Any, axis: st
     mine = (local >= 0) & (local < rows)
     x = lookup_embedding(table, jnp.where(mine, local, 0), dtype)
     return lax.psum(jnp.where(mine[:, None], x, jnp.zeros_like(x)), axis)
+
+
+FAMILY = ModelFamily("llama", ("LlamaForCausalLM",), ("llama",), config_from_hf)
