@@ -4,6 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.minivllm-installed
 PEER_STAMP := $(VENV)/.minivllm-peer-installed
+BROWSER_STAMP := $(VENV)/.minivllm-browser-installed
 KERNELS := minivllm_jax/kernels/_build/libminivllm_kernels.so
 PYTEST_ARGS ?=
 
@@ -34,8 +35,23 @@ run: setup
 # (pytest-xdist): much of the suite is single-threaded XLA compiles, so two cores take 0.8x the
 # time of one worker (1,111 against about 1,330 s here). TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
-test: setup
+test: setup $(BROWSER_STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=25 $(PYTEST_ARGS)
+
+# Debian's chromium and chromium-driver, for the chat page test (tests/test_chat_page.py drives
+# them through Selenium). Installed with apt-get when missing and we are root (about 35 s here);
+# if that cannot happen this warns, the test skips saying why, and the next `make test` retries.
+# `make serve` never needs them.
+BROWSER := /usr/bin/chromium /usr/bin/chromedriver
+$(BROWSER_STAMP): | $(STAMP)
+	@if ! ls $(BROWSER) >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing chromium and chromium-driver (apt-get) for the chat page test"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
+			{ apt-get update -q >/dev/null && apt-get install -y -q chromium chromium-driver >/dev/null; }; \
+	fi; \
+	if ls $(BROWSER) >/dev/null 2>&1; then touch $@; else \
+		echo "warning: no $(BROWSER) (Debian packages chromium and chromium-driver); the chat page browser test will skip"; fi
 
 # The llama.cpp peer (the `peer` extra), built once. If it cannot build, this warns and the
 # benchmarks run without it (each prints why it skipped the peer); the next `make bench` retries.

@@ -1,5 +1,6 @@
 """FastAPI app: OpenAI-compatible completions and chat (JSON and SSE), `WS /v1/stream`,
-`/health`, `/metrics` and `/v1/models`, over one `AsyncEngine` shared by every request.
+`/health`, `/metrics`, `/v1/models` and the chat page at `/`, over one `AsyncEngine` shared by
+every request.
 
 Bodies are read and parsed by hand (size limit, strict UTF-8, strict JSON, pydantic models) so
 every bad input gets an OpenAI-style `{"error": {...}}` with a 4xx code, never FastAPI's 422.
@@ -23,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from minivllm_jax.sampling_params import SamplingParams
 from server.engine_loop import EngineStopped, RequestFailed, RequestStream
 from server.middleware import GateMiddleware
+from server.page import chat_page
 from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_json, parse_request
 from server.responses import ChatFormatter, CompletionFormatter, _Formatter, beam_search_output, sse
 from server.security import OriginPolicy, normalize_hosts
@@ -73,6 +75,10 @@ def create_app(
     app.add_middleware(GateMiddleware, state=state, allowed_hosts=normalize_hosts(allowed_hosts), origins=origins)
     _add_error_handlers(app)
 
+    @app.get("/")
+    async def page() -> Response:
+        return chat_page()
+
     @app.get("/health")
     async def health() -> Response:
         if state.healthy:
@@ -100,6 +106,7 @@ def create_app(
         req = parse_request(CompletionRequest, parse_json(await _read_body(request, state.max_body_bytes)))
         state.check_model(req.model)
         params = None if req.use_beam_search else req.sampling_params()
+        await state.check_constraints(req.constraints_to_check())
         ids = await state.prompt_ids(req.single_prompt(), None)
         rid = f"cmpl-{uuid.uuid4().hex}"
         fmt = CompletionFormatter(rid, state.model_name, int(time.time()), state.table, req.logprobs, req.n,
@@ -116,10 +123,12 @@ def create_app(
         req = parse_request(ChatCompletionRequest, parse_json(await _read_body(request, state.max_body_bytes)))
         state.check_model(req.model)
         params = None if req.use_beam_search else req.sampling_params()
-        ids = await state.prompt_ids(None, req.messages)
+        await state.check_constraints(req.constraints_to_check())
+        ids = await state.prompt_ids(None, req.messages, req.offered_tools(), req.parallel_tool_calls is not False)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         top_k = (req.top_logprobs or 0) if req.logprobs else None
-        fmt = ChatFormatter(rid, state.model_name, int(time.time()), state.table, top_k, req.n, req.include_usage)
+        fmt = ChatFormatter(rid, state.model_name, int(time.time()), state.table, top_k, req.n, req.include_usage,
+                            tool_plan=req.parsed_tool_plan())  # fmt: skip
         if params is None:
             return await _respond_beam_search(request, state, ids, req, fmt, arrival)
         return await _respond(request, state, ids, params, fmt, req.stream, arrival, {"logprobs": "top_logprobs"})

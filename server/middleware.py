@@ -2,7 +2,8 @@
 before it reaches a handler, and a request counter by route and status for /metrics.
 
 In order: the Host header (421), a WebSocket's Origin (403), the API key on every `/v1/*`
-path (401), and a JSON Content-Type on every POST (415). See `server/security.py` for why.
+path (401; a browser's WebSocket may offer it as a subprotocol instead), and a JSON
+Content-Type on every POST (415). See `server/security.py` for why.
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ import json
 from typing import Any
 
 from server.protocol import APIError
-from server.security import OriginPolicy, header, host_allowed, is_json
+from server.security import OriginPolicy, header, host_allowed, is_json, websocket_key
 from server.state import ServerState
 
-ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/stream")
+ROUTES = ("/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/stream")
 
 
 def route_label(path: str) -> str:
@@ -46,7 +47,10 @@ class GateMiddleware:
         if key is None or not scope["path"].startswith("/v1"):
             return True
         scheme, _, token = (header(scope, b"authorization") or "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+        if scheme.lower() == "bearer":
+            return hmac.compare_digest(token.strip().encode(), key.encode())
+        offered = websocket_key(scope) if scope["type"] == "websocket" else None  # a browser page's socket
+        return offered is not None and hmac.compare_digest(offered.encode(), key.encode())
 
     def _refusal(self, scope: dict[str, Any]) -> APIError | None:
         """The error that stops this request, or None to let it through."""

@@ -4,16 +4,22 @@ Tokenizing a long prompt takes about 1 s per MB of text here; done on the engine
 would stall every stream. So prompts are tokenized on one worker thread with its own copy of
 the tokenizer (HF tokenizers are not safe to share across threads), and the engine receives
 token ids. Prompts far too long to fit are rejected from their length alone, before any work.
+Output constraints are compiled here too (on the engine's grammar compiler, which caches them),
+so a bad schema is a 400 and the engine finds the request's grammar already compiled.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import json
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from server.protocol import invalid
+from minivllm_jax.structured_output import StructuredOutputsParams
+from server.protocol import constraint_error, invalid
+from server.tool_calls import messages_without_tool_support
 
 # A normalizer could shrink text before tokenizing (NFC, ...); this margin keeps the
 # characters-only length check conservative.
@@ -50,10 +56,13 @@ class TokenTable:
 
 
 class Preprocessor:
-    """Prompt -> token ids (text or chat messages) on a single worker thread."""
+    """Prompt -> token ids (text or chat messages) on a single worker thread; output constraints
+    -> compiled grammars on `compiler` (the engine's `GrammarCompiler`; None: not checked)."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int, max_token_bytes: int) -> None:
+    def __init__(self, tokenizer: Any, max_model_len: int, max_token_bytes: int, compiler: Any = None) -> None:
         self._tokenizer = copy.deepcopy(tokenizer)
+        self._compiler = compiler
+        self._template_takes_tools: bool | None = None  # probed on first use
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
         self.max_model_len = max_model_len
         # A token covers at most max_token_bytes bytes, so more characters than this can
@@ -81,21 +90,64 @@ class Preprocessor:
         self._check_length(len(prompt), "prompt")
         return await self._run(lambda: self._tokenizer.encode(prompt, add_special_tokens=True))
 
-    async def chat(self, messages: list[dict[str, str]]) -> list[int]:
+    async def chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        parallel_tool_calls: bool = True,
+    ) -> list[int]:
         """The tokenizer's chat template with the generation prompt (as `LLM.apply_chat_template`);
-        the template writes any BOS itself, so none is added on top."""
+        the template writes any BOS itself, so none is added on top. `tools` go to the template
+        (`tools=`), or, when it ignores them, into a system prompt (`server/tool_calls.py`)."""
         if not messages:
             raise invalid("messages must not be empty", "messages")
-        self._check_length(sum(len(m["content"]) for m in messages), "messages")
+        chars = sum(len(m.get("content") or "") + len(json.dumps(m.get("tool_calls") or "")) for m in messages)
+        self._check_length(chars + len(json.dumps(tools or "")), "messages")
+        uses_tools = bool(tools) or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
 
         def apply() -> list[int]:
-            ids = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            conversation, kwargs = messages, {}
+            if uses_tools and self._takes_tools():
+                kwargs = {"tools": tools} if tools else {}
+            elif uses_tools:
+                conversation = messages_without_tool_support(messages, tools, parallel_tool_calls)
+            ids = self._tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, **kwargs)
             return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
         try:
             return await self._run(apply)
         except Exception as e:  # template errors (e.g. jinja raise_exception on role order)
             raise invalid(f"messages could not be formatted with the chat template: {e}", "messages") from None
+
+    def _takes_tools(self) -> bool:
+        """Whether the chat template renders `tools=` (it changes the prompt); many, SmolLM2's
+        among them, silently ignore it. Probed once, on the worker thread."""
+        if self._template_takes_tools is None:
+            probe = [{"role": "user", "content": "ping"}]
+            tool = {"type": "function", "function": {"name": "probe_tool", "description": "probe", "parameters": {}}}
+            try:
+                plain = self._tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False)
+                with_tools = self._tokenizer.apply_chat_template(probe, tools=[tool], add_generation_prompt=True,
+                                                                 tokenize=False)  # fmt: skip
+                self._template_takes_tools = plain != with_tools
+            except Exception:  # a template (or tokenizer) without the tools argument
+                self._template_takes_tools = False
+        return self._template_takes_tools
+
+    async def compile(self, constraints: Sequence[tuple[str, StructuredOutputsParams]]) -> None:
+        """Compile each (field, constraint) on the engine's compiler, whose cache the engine then
+        hits; a bad one is a 400 naming its field. Nothing waits on the engine thread."""
+        if self._compiler is None:
+            return
+        seen = set()
+        for param, spec in constraints:
+            if spec.key in seen:
+                continue
+            seen.add(spec.key)
+            try:
+                await asyncio.wrap_future(self._compiler.submit(spec))
+            except ValueError as e:
+                raise constraint_error(param, e) from None
 
     async def _run(self, fn: Any) -> list[int]:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn)

@@ -4,6 +4,10 @@ Types are checked here (strict: no "10" for 10, no NaN); value ranges are checke
 `SamplingParams`, whose messages name the field, so every error says which `param` was wrong.
 Fields OpenAI clients send that do not change the output (`user`, `metadata`, ...) are accepted
 and ignored; fields that would change it but are unsupported must keep their neutral value.
+Output constraints (`response_format`, vLLM's `structured_outputs` and older `guided_*` fields)
+become one `StructuredOutputsParams`, checked here for shape and compiled by the server before
+the request reaches the engine; chat `tools` / `tool_choice` become a `ToolPlan`
+(`server/tool_calls.py`).
 """
 
 from __future__ import annotations
@@ -12,10 +16,12 @@ import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from minivllm_jax.beam_search import BeamSearchParams
 from minivllm_jax.sampling_params import SamplingParams
+from minivllm_jax.structured_output import StructuredOutputsParams
+from server.tool_calls import ToolPlan
 
 MAX_N = 16  # choices per request: each one is a sequence in the engine
 # Every stop string is searched for in the new text after each token, so both are bounded.
@@ -62,6 +68,45 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(_Strict):
+    """OpenAI's `response_format.json_schema`. The schema is always enforced, so `strict` changes
+    nothing here."""
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise _FieldError("json_schema", 'json_schema is required with type "json_schema", and only with it')
+        return self
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: exactly one of the constraints."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None  # JSON without free whitespace (default true here)
+
+    def params(self) -> dict[str, Any]:
+        kw = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+              "json_object": bool(self.json_object)}  # fmt: skip
+        if self.disable_any_whitespace is not None:
+            kw["disable_any_whitespace"] = self.disable_any_whitespace
+        return kw
+
+
 class _Sampling(_Strict):
     """Fields shared by every generation request (OpenAI names, vLLM extensions)."""
 
@@ -95,6 +140,14 @@ class _Sampling(_Strict):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
+    # Output constraints: at most one of these per request.
+    _constraint: tuple[str, StructuredOutputsParams] | None = PrivateAttr(None)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older names
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _neutral(self) -> "_Sampling":
@@ -103,6 +156,43 @@ class _Sampling(_Strict):
         if self.stream_options is not None and not self.stream:
             raise _FieldError("stream_options", "stream_options is only allowed when stream is true")
         return self
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> "_Sampling":
+        found = []
+        if self.response_format is not None and self.response_format.type != "text":
+            fmt = self.response_format
+            spec = {"json": fmt.json_schema.schema_} if fmt.json_schema is not None else {"json_object": True}
+            found.append(("response_format", spec))
+        if self.structured_outputs is not None:
+            found.append(("structured_outputs", self.structured_outputs.params()))
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                found.append((f"guided_{name}", {name: value}))
+        if len(found) > 1:
+            names = " and ".join(param for param, _ in found)
+            raise _FieldError(found[1][0], f"only one output constraint per request; got {names}")
+        self._constraint = None
+        if found:
+            param, spec = found[0]
+            try:
+                self._constraint = (param, StructuredOutputsParams(**spec))
+            except ValueError as e:
+                raise _FieldError(param, f"{param}: {_constraint_message(e)}") from None
+            if self.use_beam_search:
+                raise _unsupported(param, f"{param} is not supported with use_beam_search")
+        return self
+
+    def output_constraint(self) -> tuple[str, StructuredOutputsParams] | None:
+        """(the field it came from, the constraint) for the output, if the request has one."""
+        return self._constraint
+
+    def constraints_to_check(self) -> list[tuple[str, StructuredOutputsParams]]:
+        """Every constraint the server compiles before admitting the request (a bad one is a 400
+        naming its field)."""
+        constraint = self.output_constraint()
+        return [constraint] if constraint else []
 
     @model_validator(mode="after")
     def _bounded_stop(self) -> "_Sampling":
@@ -138,12 +228,14 @@ class _Sampling(_Strict):
             raise beam_search_error(e) from None
 
     def sampling_kwargs(self) -> dict[str, Any]:
+        constraint = self.output_constraint()
         return dict(
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, n=self.n,
             stop=self.stop, seed=self.seed, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
             ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
             skip_special_tokens=self.skip_special_tokens, kv_compression=self.kv_compression,
+            structured_outputs=constraint[1] if constraint else None,
         )  # fmt: skip
 
     @property
@@ -193,18 +285,76 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    """A call in an assistant message of the conversation (one the model made earlier)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None only for an assistant message with tool_calls
     name: str | None = None  # accepted, ignored (the chat template has no slot for it)
+    tool_calls: list[ToolCall] | None = None  # assistant only
+    tool_call_id: str | None = None  # tool only: the call this message answers
 
-    def as_template_dict(self) -> dict[str, str]:
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+    @model_validator(mode="after")
+    def _tool_fields(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise _FieldError("content", "content is required (only an assistant message with tool_calls may omit it)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise _FieldError("tool_calls", "tool_calls is only allowed in assistant messages")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise _FieldError("tool_call_id", 'a "tool" message needs tool_call_id (and only a tool message has it)')
+        for i, call in enumerate(self.tool_calls or []):
+            try:
+                json.loads(call.function.arguments)
+            except ValueError:
+                raise _FieldError(f"tool_calls.{i}.function.arguments", "arguments must be JSON text") from None
+        return self
+
+    def as_template_dict(self) -> dict[str, Any]:
+        """The message as chat templates take it: text content, calls with their arguments parsed
+        (templates write them with `tojson`)."""
+        content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments)}}
+                for c in self.tool_calls
+            ]  # fmt: skip
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text"]
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments; none: no arguments
+    strict: bool | None = None  # arguments always follow the schema when a call is forced
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Sampling):
@@ -215,23 +365,79 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none"] | None = None
-    parallel_tool_calls: bool | None = None  # accepted, ignored
-    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
+    parallel_tool_calls: bool | None = None  # false: at most one call
 
     @model_validator(mode="after")
     def _supported(self) -> "ChatCompletionRequest":
         if not self.messages:
             raise _FieldError("messages", "messages must not be empty")
-        if self.tools:
-            raise _unsupported("tools")
         if self.top_logprobs is not None and not self.logprobs:
             raise _FieldError("top_logprobs", "top_logprobs needs logprobs: true")
         return self
 
-    def template_messages(self) -> list[dict[str, str]]:
+    @model_validator(mode="after")
+    def _tools(self) -> "ChatCompletionRequest":
+        names = [t.function.name for t in self.tools or []]
+        duplicate = next((n for n in names if names.count(n) > 1), None)
+        if duplicate is not None:
+            raise _FieldError("tools", f"tools: the function name {duplicate!r} is used more than once")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not names:
+            raise _FieldError("tool_choice", "tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise _FieldError("tool_choice", f"tool_choice names the function {choice.function.name!r}, which is "
+                              f"not in tools ({', '.join(names)})")  # fmt: skip
+        plan = self.tool_plan()
+        if plan is not None and self.use_beam_search:
+            raise _unsupported("tools", "tools are not supported with use_beam_search")
+        constraint = self._constraint
+        if plan is not None and plan.mode != "auto" and constraint is not None:
+            raise _FieldError(constraint[0], f"{constraint[0]} cannot be combined with a forced tool_choice "
+                              "(the call's arguments already follow the tool's schema)")  # fmt: skip
+        return self
+
+    def tool_plan(self) -> ToolPlan | None:
+        """How tools are used; None when none are offered (no tools, or tool_choice "none")."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        tools = tuple(t.model_dump(exclude_none=True) for t in self.tools)
+        parallel = self.parallel_tool_calls is not False
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return ToolPlan("named", tools, self.tool_choice.function.name, parallel)
+        return ToolPlan(self.tool_choice or "auto", tools, None, parallel)  # type: ignore[arg-type]
+
+    def parsed_tool_plan(self) -> ToolPlan | None:
+        """The plan the output is parsed with: none when an "auto" request also sets an output
+        constraint (the output then follows that format and is returned as content)."""
+        plan = self.tool_plan()
+        return None if plan is not None and plan.mode == "auto" and self._constraint is not None else plan
+
+    def output_constraint(self) -> tuple[str, StructuredOutputsParams] | None:
+        """A forced tool_choice constrains the output to the call's schema (`ToolPlan`)."""
+        plan = self.tool_plan()
+        schema = plan.forced_schema() if plan is not None else None
+        if schema is None:
+            return self._constraint
+        return "tools", StructuredOutputsParams(json=schema)
+
+    def constraints_to_check(self) -> list[tuple[str, StructuredOutputsParams]]:
+        """Every offered tool's parameters schema is compiled, even when calls are not forced, so
+        a schema the server could not enforce is refused up front, by name (a named call reuses
+        its tool's compile from the cache)."""
+        plan = self.tool_plan()
+        checks = [(f"tools.{i}.function.parameters", StructuredOutputsParams(json=plan.parameters(name)))
+                  for i, name in enumerate(plan.names)] if plan is not None else []  # fmt: skip
+        return checks + super().constraints_to_check()
+
+    def template_messages(self) -> list[dict[str, Any]]:
         return [m.as_template_dict() for m in self.messages]
+
+    def offered_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the prompt lists (none with tool_choice "none")."""
+        plan = self.tool_plan()
+        return list(plan.tools) if plan is not None else None
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -322,10 +528,11 @@ def _from_validation_error(e: ValidationError) -> APIError:
     # (a list of message parts with an image part, not "should be a string").
     err = max(errors, key=lambda x: len(x["loc"]))
     cause = err.get("ctx", {}).get("error")
-    if isinstance(cause, _FieldError):
-        return invalid(str(cause), cause.param)
     # Union members add their type name to loc ("prompt", "str", ...): keep the data path.
     loc = [str(x) for x in err["loc"] if isinstance(x, int) or not _is_type_name(x)]
+    if isinstance(cause, _FieldError):  # raised by a validator of the model at `loc`
+        param = ".".join([*loc, cause.param])
+        return invalid(f"{param}: {cause}" if loc else str(cause), param)
     param = ".".join(loc) or None
     if err["type"] == "extra_forbidden":
         return invalid(f"unknown field {param!r}", param, "unknown_field")
@@ -335,7 +542,20 @@ def _from_validation_error(e: ValidationError) -> APIError:
 
 
 def _is_type_name(part: Any) -> bool:
-    return isinstance(part, str) and bool(re.search(r"[\[\]]|^(str|int|float|bool|TextPart)$", part))
+    return isinstance(part, str) and bool(re.search(r"[\[\]]|^(str|int|float|bool|TextPart|NamedToolChoice)$", part))
+
+
+def _constraint_message(e: ValueError) -> str:
+    """`StructuredOutputsParams` names its own fields ("structured_outputs.regex must ..."); the
+    request's field is named by the caller, so keep only what is wrong."""
+    return re.sub(r"^(invalid )?structured_outputs\.?", "", str(e)).strip() or str(e)
+
+
+def constraint_error(param: str, e: ValueError) -> APIError:
+    """A constraint that did not compile (bad schema, regex or grammar) as a 400 naming its field
+    (the compiler's "invalid structured_outputs.json: ..." names its own)."""
+    reason = re.sub(r"^invalid structured_outputs\.[a-z_]+: ", "", str(e))
+    return invalid(f"invalid {param}: {reason}", param)
 
 
 def make_sampling_params(

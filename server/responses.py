@@ -16,6 +16,7 @@ from typing import Any
 from minivllm_jax.beam_search import BeamSearchOutput
 from minivllm_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from server.preprocess import TokenTable
+from server.tool_calls import ToolCallParser, ToolPlan, delta_messages, message_parts
 
 MIN_LOGPROB = -9999.0  # JSON has no -Infinity
 
@@ -169,7 +170,25 @@ class CompletionFormatter(_Formatter):
 
 
 class ChatFormatter(_Formatter):
+    """With a `tool_plan`, each choice's text goes through a `ToolCallParser`: calls come out as
+    `tool_calls` (streamed as `delta.tool_calls`), the rest as content."""
+
     object_name, chunk_object_name = "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, *args: Any, tool_plan: ToolPlan | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        n = len(self.tracker.done)
+        self.parsers = [ToolCallParser(tool_plan) for _ in range(n)] if tool_plan is not None else None
+
+    def _message(self, d: Delta) -> tuple[dict[str, Any], str | None]:
+        if self.parsers is None:
+            return {"role": "assistant", "content": d.text}, d.finish_reason
+        parser = self.parsers[d.index]
+        content, calls = message_parts(parser.feed(d.text) + parser.finish())
+        message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+        if calls:
+            message["tool_calls"] = calls
+        return message, parser.finish_reason(d.finish_reason)
 
     def _logprobs(self, d: Delta) -> dict[str, Any] | None:
         if self.top_k is None or d.logprobs is None:
@@ -179,9 +198,9 @@ class ChatFormatter(_Formatter):
     def response(self, out: RequestOutput, prompt_tokens: int) -> dict[str, Any]:
         choices = []
         for d in self.tracker.deltas(out):
-            message = {"role": "assistant", "content": d.text}
+            message, finish_reason = self._message(d)
             lp = self._logprobs(d)
-            choices.append({"index": d.index, "message": message, "logprobs": lp, "finish_reason": d.finish_reason})
+            choices.append({"index": d.index, "message": message, "logprobs": lp, "finish_reason": finish_reason})
         body = self._envelope(self.object_name, sorted(choices, key=lambda c: c["index"]))
         body["usage"] = usage(out, prompt_tokens)
         return body
@@ -199,10 +218,18 @@ class ChatFormatter(_Formatter):
         result = []
         for d in self.tracker.deltas(out):
             logprobs = self._logprobs(d)
-            if d.text or logprobs:
-                choice = {"index": d.index, "delta": {"content": d.text}, "logprobs": logprobs, "finish_reason": None}
+            deltas, finish_reason = [{"content": d.text}] if d.text or logprobs else [], d.finish_reason
+            if self.parsers is not None:
+                parser = self.parsers[d.index]
+                deltas = delta_messages(parser.feed(d.text) + (parser.finish() if d.finish_reason else []))
+                finish_reason = parser.finish_reason(d.finish_reason)
+                if logprobs and not deltas:  # the text is held back (it may open a tool call)
+                    deltas = [{}]
+            for i, delta in enumerate(deltas):
+                choice = {"index": d.index, "delta": delta, "logprobs": logprobs if i == 0 else None,
+                          "finish_reason": None}  # fmt: skip
                 result.append(self._envelope(self.chunk_object_name, [choice]))
-            if d.finish_reason:
-                choice = {"index": d.index, "delta": {}, "logprobs": None, "finish_reason": d.finish_reason}
+            if finish_reason:
+                choice = {"index": d.index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
                 result.append(self._envelope(self.chunk_object_name, [choice]))
         return result

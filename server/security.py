@@ -8,17 +8,23 @@ browser. The gate (`server/middleware.py`) applies these:
   handshake from another origin gets 403 unless `--allowed-origins` lists it.
 - Content-Type: a cross-site `<form>` or `fetch` may POST `text/plain` without a CORS
   preflight; a POST body that is not `application/json` gets 415.
+- API key on a WebSocket: a browser cannot set `Authorization` on one, so a page offers the
+  key as a subprotocol (`websocket_key`); the server accepts the plain `minivllm` one.
 
 No response carries CORS headers, so other origins can never read an HTTP response.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 from collections.abc import Collection
 from typing import Any
 from urllib.parse import urlsplit
 
 DEFAULT_PORTS = {"http": 80, "https": 443}
+WS_SUBPROTOCOL = "minivllm"  # the subprotocol the server accepts; a client offering a key offers it too
+WS_KEY_PREFIX = "minivllm.bearer."  # + the API key, base64url without padding (subprotocols are tokens)
 
 
 def header(scope: dict[str, Any], name: bytes) -> str | None:
@@ -107,6 +113,20 @@ def _own_origin(scope: dict[str, Any]) -> tuple[str, str, int] | None:
     scheme = "https" if scope.get("scheme") in ("https", "wss") else "http"
     name, port = split_host(host)
     return scheme, name, port if port is not None else DEFAULT_PORTS[scheme]
+
+
+def websocket_key(scope: dict[str, Any]) -> str | None:
+    """The API key a browser offered as the subprotocol `minivllm.bearer.<base64url(key)>`
+    beside `minivllm` (it cannot set `Authorization` on a WebSocket); None when absent or malformed."""
+    for offered in scope.get("subprotocols") or []:
+        if offered.startswith(WS_KEY_PREFIX):
+            encoded = offered[len(WS_KEY_PREFIX) :]
+            try:
+                raw = base64.b64decode(encoded + "=" * (-len(encoded) % 4), altchars=b"-_", validate=True)
+                return raw.decode("utf-8")
+            except (binascii.Error, UnicodeDecodeError):
+                return None
+    return None
 
 
 def is_json(content_type: str | None) -> bool:

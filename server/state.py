@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 from minivllm_jax.beam_search import BeamSearchOutput, BeamSearchParams
 from minivllm_jax.sampling_params import SamplingParams
+from minivllm_jax.structured_output import StructuredOutputsParams
 from server.engine_loop import AsyncEngine, DataParallelEngine, EngineStopped, QueueFull, RequestFailed, RequestStream
 from server.metrics import ServerMetrics
 from server.preprocess import Preprocessor, TokenTable
@@ -68,7 +69,8 @@ class ServerState:
     def attach(self, llm: LLMLike) -> None:
         """Wrap a loaded, warmed-up LLM and start its engine loop (any thread may call this)."""
         self.table = TokenTable(llm.tokenizer)
-        self.pre = Preprocessor(llm.tokenizer, llm.engine.config.max_model_len, self.table.max_token_bytes)
+        compiler = getattr(llm.engine, "grammar_compiler", None)  # stand-in engines in tests may have none
+        self.pre = Preprocessor(llm.tokenizer, llm.engine.config.max_model_len, self.table.max_token_bytes, compiler)
         replicas = getattr(llm, "engines", [llm.engine])  # data parallelism: several
         if len(replicas) > 1:
             engine = DataParallelEngine(replicas, llm.engine.config.page_size, max_queue=self.max_queue,
@@ -119,13 +121,24 @@ class ServerState:
                 param="model", code="model_not_found",
             )  # fmt: skip
 
-    async def prompt_ids(self, prompt: str | list[int] | None, messages: list[ChatMessage] | None) -> list[int]:
+    async def prompt_ids(
+        self,
+        prompt: str | list[int] | None,
+        messages: list[ChatMessage] | None,
+        tools: list[dict[str, Any]] | None = None,
+        parallel_tool_calls: bool = True,
+    ) -> list[int]:
         assert self.pre is not None
         if messages is not None:
-            return await self.pre.chat([m.as_template_dict() for m in messages])
+            return await self.pre.chat([m.as_template_dict() for m in messages], tools, parallel_tool_calls)
         if prompt is None:
             raise invalid("prompt is required", "prompt")
         return await self.pre.encode(prompt)
+
+    async def check_constraints(self, constraints: list[tuple[str, StructuredOutputsParams]]) -> None:
+        """Compile the request's output constraints before it is admitted (400 for a bad one)."""
+        assert self.pre is not None
+        await self.pre.compile(constraints)
 
     async def start(
         self,

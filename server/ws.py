@@ -20,6 +20,7 @@ from fastapi import WebSocket
 from server.engine_loop import EngineStopped, RequestFailed, RequestStream
 from server.protocol import APIError, StreamRequest, parse_json, parse_request
 from server.responses import ChoiceTracker, chat_logprobs, usage
+from server.security import WS_SUBPROTOCOL
 from server.state import ServerState, stream_error
 
 logger = logging.getLogger(__name__)
@@ -28,7 +29,10 @@ MAX_PENDING = 8  # requests queued on one socket behind the one streaming
 
 
 async def serve_socket(websocket: WebSocket, state: ServerState) -> None:
-    await websocket.accept()
+    # A browser that offered subprotocols (the chat page, for its API key) drops a socket whose
+    # answer names none of them, so the plain one is echoed back; the key one never is.
+    offered = websocket.scope.get("subprotocols") or []
+    await websocket.accept(subprotocol=WS_SUBPROTOCOL if WS_SUBPROTOCOL in offered else None)
     pending: collections.deque[dict[str, Any]] = collections.deque()
     receiving: asyncio.Task[Any] | None = None
     try:
@@ -107,6 +111,7 @@ async def _start(state: ServerState, message: dict[str, Any]) -> tuple[RequestSt
     req = parse_request(StreamRequest, data)
     state.check_model(req.model)
     params = req.sampling_params()
+    await state.check_constraints(req.constraints_to_check())
     ids = await state.prompt_ids(req.prompt, req.messages)
     stream = await state.start(ids, params, f"ws-{uuid.uuid4().hex}", arrival)
     return stream, req.logprobs

@@ -352,7 +352,11 @@ BAD_INPUTS = [
     ("chat image part", CHAT, {"messages": [{"role": "user", "content": [IMAGE_PART]}]}, 400, "messages.0.content.0.type", None),
     ("chat top_logprobs alone", CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs", None),
     ("chat top_logprobs too many", CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs", None),
-    ("chat tools unsupported", CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools", None),
+    ("chat tool without function", CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools.0.function", None),
+    ("chat tool_choice unknown function", CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}],
+     "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice", None),
+    ("chat two output constraints", CHAT, {"messages": USER, "response_format": {"type": "json_object"},
+     "guided_regex": "a+"}, 400, "guided_regex", None),
     ("chat max_tokens too large", CHAT, {"messages": USER, "max_tokens": 10_000}, 400, "max_tokens", "context_length_exceeded"),
     ("chat unknown model", CHAT, {"model": "/etc/passwd", "messages": USER}, 404, "model", "model_not_found"),
 ]

@@ -6,6 +6,7 @@ tests/test_server_units.py, so no model is needed."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import re
 from pathlib import Path
@@ -19,7 +20,9 @@ from server.middleware import GateMiddleware
 from server.protocol import (
     MAX_N, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_STOPS, APIError, CompletionRequest, parse_request,
 )  # fmt: skip
-from server.security import OriginPolicy, host_allowed, is_json, split_host
+from server.security import (
+    WS_KEY_PREFIX, WS_SUBPROTOCOL, OriginPolicy, host_allowed, is_json, split_host, websocket_key,
+)  # fmt: skip
 from server.state import ServerState
 from tests.test_server_units import _app_client, expected_text, fake_llm, run
 
@@ -290,3 +293,46 @@ def test_readme_limits_match_the_code():
     for value in (MAX_N, MAX_STOPS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_LOGPROBS, MAX_PENDING, defaults.max_queue,
                   defaults.max_body_bytes, defaults.max_model_len):  # fmt: skip
         assert re.search(rf"\b{value:,}\b|\b{value}\b", limits), value
+
+
+# ---------------------------------------------------------------------- 14. the API key on a browser's WebSocket
+
+
+def _key_protocol(key: str) -> str:
+    return WS_KEY_PREFIX + base64.urlsafe_b64encode(key.encode()).decode().rstrip("=")
+
+
+def test_ws_takes_the_api_key_as_a_subprotocol_and_answers_minivllm():
+    key = "k+/é=?"  # characters that are no subprotocol token: base64url carries them
+    with TestClient(create_app(fake_llm(), model_name="fake", api_key=key)) as client:
+        with client.websocket_connect("/v1/stream", subprotocols=[WS_SUBPROTOCOL, _key_protocol(key)]) as ws:
+            assert ws.accepted_subprotocol == WS_SUBPROTOCOL  # echoed, never the key
+            _stream_once(ws)
+        wrong = ["wrong", key + "x", ""]
+        offers = [[WS_SUBPROTOCOL, _key_protocol(w)] for w in wrong] + [[WS_SUBPROTOCOL, WS_KEY_PREFIX + "%%"]]
+        for offer in [*offers, [WS_SUBPROTOCOL]]:
+            with pytest.raises(WebSocketDenialResponse) as e:
+                with client.websocket_connect("/v1/stream", subprotocols=offer):
+                    pass
+            assert e.value.status_code == 401 and e.value.json()["error"]["code"] == "invalid_api_key", offer
+        # Only a WebSocket may carry the key that way; an HTTP request still needs Authorization.
+        assert client.get("/v1/models", headers={"sec-websocket-protocol": _key_protocol(key)}).status_code == 401
+
+
+def test_ws_subprotocol_is_echoed_only_when_offered():
+    with TestClient(create_app(fake_llm(), model_name="fake")) as client:
+        with client.websocket_connect("/v1/stream") as ws:
+            assert ws.accepted_subprotocol is None
+            _stream_once(ws)
+        with client.websocket_connect("/v1/stream", subprotocols=[WS_SUBPROTOCOL]) as ws:
+            assert ws.accepted_subprotocol == WS_SUBPROTOCOL
+
+
+def test_websocket_key_decodes_base64url_and_refuses_garbage():
+    def scope(*offered: str) -> dict:
+        return {**_scope(), "subprotocols": list(offered)}
+
+    assert websocket_key(scope(WS_SUBPROTOCOL, _key_protocol("sk-1"))) == "sk-1"
+    assert websocket_key(scope(WS_SUBPROTOCOL)) is None
+    assert websocket_key(scope(WS_KEY_PREFIX + "!!")) is None  # not base64
+    assert websocket_key(scope(WS_KEY_PREFIX + base64.urlsafe_b64encode(b"\xff\xfe").decode())) is None  # not UTF-8

@@ -143,7 +143,7 @@ def test_parse_json_errors(raw, fragment):
     (ChatCompletionRequest, {"messages": [{"role": "user"}]}, "messages.0.content"),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]},
      "messages.0.content.0.text"),
-    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
      "response_format.type"),
     (StreamRequest, {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "prompt"),
     (StreamRequest, {}, "prompt"),
