@@ -421,12 +421,7 @@ class _CallsScanner:
             self._parameters_char(ch, events)
             return
         if self.in_string:
-            if self.escape:
-                self.escape = False
-            elif ch == "\\":
-                self.escape = True
-            elif ch == '"':
-                self.in_string = False
+            if self._closes_string(ch):
                 try:
                     value = json.loads(f'"{self.string}"')
                 except ValueError:  # the grammar writes valid JSON; anything else names no tool
@@ -453,6 +448,17 @@ class _CallsScanner:
             self.expect_value = True
         elif ch == "}":
             self.depth = 1
+
+    def _closes_string(self, ch: str) -> bool:
+        """Inside a JSON string: whether `ch` ends it (a quote not escaped)."""
+        if self.escape:
+            self.escape = False
+        elif ch == "\\":
+            self.escape = True
+        elif ch == '"':
+            self.in_string = False
+            return True
+        return False
 
     def _string_done(self, value: str, events: list[Event]) -> None:
         if not self.expect_value:
@@ -485,14 +491,8 @@ class _CallsScanner:
             return
         self.args += ch
         if self.in_string:
-            if self.escape:
-                self.escape = False
-            elif ch == "\\":
-                self.escape = True
-            elif ch == '"':
-                self.in_string = False
-                if self.args_depth == 0:
-                    self._end_value(events)
+            if self._closes_string(ch) and self.args_depth == 0:
+                self._end_value(events)
         elif ch == '"':
             self.in_string = True
         elif ch in "{[":

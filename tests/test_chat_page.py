@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -29,6 +28,7 @@ from starlette.testclient import TestClient
 
 from server.app import create_app
 from tests.conftest import TINY_LLAMA, make_tiny_llama, save_tiny_tokenizer
+from tests.test_server import _free_port
 from tests.test_server_units import fake_llm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,12 +118,6 @@ def test_page_is_served_while_the_model_loads():
 
 
 # ---------------------------------------------------------------------- the page in a browser
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
