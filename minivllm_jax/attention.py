@@ -282,11 +282,11 @@ def resolve_attention(name: str, cfg: ModelConfig | None = None) -> str:
     if name == "auto":
         return "native" if kernels.native_available() and not extras else "reference"
     get_attention(name)  # unknown names fail here, before any tracing
-    if kernels.reference_forced():
-        return "reference"
-    if extras and name not in ATTENTION_WITH_EXTRAS:
+    if extras and name not in ATTENTION_WITH_EXTRAS:  # an error whatever the switch says, as without it
         raise ValueError(f"attention={name!r} does not implement {', '.join(extras)}, which this model uses; "
                          f"use 'auto' or 'reference'")  # fmt: skip
+    if kernels.reference_forced():
+        return "reference"
     if name == "native" and not kernels.native_available():
         raise ValueError("attention='native' needs the native kernels, which are not available here (not built "
                          "or not a CPU backend: python -m minivllm_jax.kernels.build); use 'auto' or 'reference'")
