@@ -154,15 +154,13 @@ class Grammar:
 
 
 class CompiledGrammar:
-    """A checked grammar: the matcher each sequence copies."""
+    """A checked grammar: the matcher each sequence copies (on its engine's thread)."""
 
     def __init__(self, matcher: Any) -> None:
         self._template = matcher
-        self._lock = threading.Lock()
 
     def new_grammar(self) -> Grammar:
-        with self._lock:  # copies may be made from the engine and the server threads at once
-            return Grammar(self._template.deep_copy())
+        return Grammar(self._template.deep_copy())
 
 
 class GrammarCompiler:
@@ -182,10 +180,6 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self.num_compiled = 0  # grammars compiled (cache misses), for tests and /metrics
-
-    @property
-    def bitmask_width(self) -> int:
-        return -(-self.vocab_size // 32)
 
     def _tokenizer(self) -> Any:
         """llguidance's view of the tokenizer: built once (about 0.6 s for a 49k vocabulary)."""
@@ -240,10 +234,6 @@ class GrammarCompiler:
         """Compile now (or take the cached result); raises ValueError on a bad constraint. For
         callers on their own thread (the server's preprocessing)."""
         return self.submit(spec).result()
-
-    def new_bitmask(self, rows: int) -> np.ndarray:
-        """All tokens allowed in every row."""
-        return np.full((rows, self.bitmask_width), -1, np.int32)
 
     def close(self) -> None:
         if self._pool is not None:

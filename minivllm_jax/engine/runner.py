@@ -255,13 +255,13 @@ class ModelRunner:
         under a grammar (structured output; such rows are never multi-step or drafted, so a
         sequence's row is its index plus the draft rows before it)."""
         arrays = make_sampling_arrays(rows, num_rows, self.model_config.vocab_size)
-        row = 0
+        row, constrained = 0, False
         for i, seq in enumerate(batch.seqs):
             if seq.grammar is not None and batch.samples_next_token(i):
                 seq.grammar.fill_bitmask(arrays.token_bitmask, row)
-                arrays = dataclasses.replace(arrays, use_bitmask=np.bool_(True))
+                constrained = True
             row += 1 + len(batch.draft(i))
-        return arrays
+        return dataclasses.replace(arrays, use_bitmask=np.bool_(True)) if constrained else arrays
 
     def _run_step(self, num_tokens: int, num_seqs: int, inputs: tuple, kind: str = "step") -> SampleResult:
         program = self._step_program(num_tokens, num_seqs, kind)
