@@ -16,8 +16,10 @@ config values that change lowering), the package's source (the traced code lives
 program's name, its static arguments and the shapes, dtypes and tree structure of its
 arguments. A file holds a SHA-256 of its payload: a truncated or corrupt file
 is a miss (logged and removed), never a crash. Files are written atomically; the oldest are
-removed beyond `MAX_FILES`. Loading runs pickled code, so the directory must be trusted like
-any compile cache (it is the user's own cache folder).
+removed beyond `MAX_FILES`. Loading runs pickled code, so the directory must be ours alone
+(`minivllm_jax.private_dir`): one owned by another user or writable by group or others turns
+the cache off with a warning (programs are then compiled), and a file in it that is not ours
+is never unpickled.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ import jax
 import jaxlib
 import numpy as np
 from jax.experimental import serialize_executable
+
+from minivllm_jax.private_dir import check_owned_by_us, ensure_private_dir
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +127,12 @@ class ProgramCache:
     def __init__(self, directory: str | Path | None, devices: list[jax.Device] | None = None) -> None:
         self.directory = Path(directory) if directory else None
         self.devices = devices
+        if self.directory is not None:
+            try:
+                ensure_private_dir(self.directory, "the compiled-program cache directory")
+            except (ValueError, OSError) as e:  # a cache is an optimisation: run without it
+                logger.warning("%s; the compiled-program cache is off (programs are compiled)", e)
+                self.directory = None
 
     def load_or_compile(self, name: tuple, fn: Any, args: tuple, static: dict[str, Any]) -> tuple[Any, bool]:
         if self.directory is None:
@@ -140,11 +150,14 @@ class ProgramCache:
 
     def _load(self, path: Path) -> Any | None:
         try:
-            blob = path.read_bytes()
+            with open(path, "rb") as f:
+                owner = os.fstat(f.fileno())
+                blob = f.read()
         except OSError:
             return None
         digest, payload = blob[:32], blob[32:]
         try:
+            check_owned_by_us(owner, f"the stored program {path.name}")  # before unpickling anything
             if hashlib.sha256(payload).digest() != digest:
                 raise ValueError("checksum mismatch (truncated or corrupt file)")
             serialized, in_tree, out_tree = pickle.loads(payload)
@@ -161,7 +174,7 @@ class ProgramCache:
         tmp = None
         try:
             payload = pickle.dumps(serialize_executable.serialize(program))
-            path.parent.mkdir(parents=True, exist_ok=True)
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # removed since start-up
             fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
             with os.fdopen(fd, "wb") as f:
                 f.write(hashlib.sha256(payload).digest() + payload)

@@ -124,7 +124,7 @@ def test_wrong_parent_or_tokens_is_a_miss(store):
 
 @pytest.mark.parametrize(
     "damage, reason",
-    [("flip_payload", "checksum"), ("truncate", "payload is"), ("garbage_header", "unreadable"),
+    [("flip_payload", "HMAC mismatch"), ("truncate", "HMAC mismatch"), ("garbage_header", "HMAC mismatch"),
      ("bad_magic", "magic"), ("empty", "unreadable")],
 )  # fmt: skip
 def test_corrupt_file_is_a_miss_and_removed(store, caplog, damage, reason):
@@ -137,7 +137,7 @@ def test_corrupt_file_is_a_miss_and_removed(store, caplog, damage, reason):
     elif damage == "truncate":
         data = data[:-7]
     elif damage == "garbage_header":
-        data[20:40] = b"\xff{not json, at all!"
+        data[60:80] = b"\xff{not json, at all!"  # past the prefix and the tag: in the JSON header
     elif damage == "bad_magic":
         data[:8] = b"NOTAPAGE"
     else:

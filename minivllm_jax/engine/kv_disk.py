@@ -7,19 +7,29 @@ model and KV layout, so pages of another model or layout are never seen. One fil
 
     <directory>/<namespace>/<digest hex[:2]>/<digest hex>.kvpage   (the fan-out keeps folders small)
 
+A page read back is served to whichever request's prefix has its digest, so the folder is
+trusted only as far as it is private: the directory must be ours and writable by no one else
+(`minivllm_jax.private_dir`; created 0700, files 0600), and every file carries an HMAC-SHA256
+under the key in `<directory>/kv-disk.key` (32 random bytes, 0600, made on first use), so a file
+that another party wrote or damaged is a miss.
+
 File format (little-endian):
-    b"MVKVPAGE" | uint32 format version | uint32 header length | JSON header | payload
-The JSON header holds namespace, digest (hex), parent (hex), tokens (list of ints), arrays (a list
-of {name, dtype (numpy dtype str), shape}, one page: `leaf[:, i]` of the cache), payload_crc32
-and payload_bytes; the payload is each array's C-contiguous bytes in header order.
+    b"MVKVPAGE" | uint32 format version | uint32 header length | HMAC tag (32 bytes) | JSON header | payload
+The tag covers every other byte of the file. The JSON header holds namespace, digest (hex), parent
+(hex), tokens (list of ints), arrays (a list of {name, dtype (numpy dtype str), shape}, one page:
+`leaf[:, i]` of the cache) and payload_bytes; the payload is each array's C-contiguous bytes in
+header order. The header is parsed only after the tag checks out, and only when its length and
+nesting are within bounds (`MAX_HEADER_BYTES`, `MAX_HEADER_DEPTH`).
 
 A file is written to a unique temp file and renamed into place, so readers never see half a
 file and writers of the same page (threads or processes) cannot clash. Any file that does not
-check out is a miss: it is logged and removed, never raised to the engine.
+check out is a miss: it is logged, counted in `num_corrupt` and removed, never raised to the engine.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -29,18 +39,26 @@ import secrets
 import struct
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
+from minivllm_jax.private_dir import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, check_private_file, ensure_private_dir
+
 logger = logging.getLogger(__name__)
 
 MAGIC = b"MVKVPAGE"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: an HMAC tag instead of a CRC (files of version 1 are misses)
 _PREFIX = struct.Struct("<8sII")  # magic, format version, header length
+TAG_BYTES = hashlib.sha256().digest_size  # the HMAC-SHA256 tag after the prefix
+KEY_FILE = "kv-disk.key"  # in the directory the user named: one key for every namespace
+KEY_BYTES = 32
+# Bounds checked before the header is parsed: ours is a few hundred bytes (tokens of one page),
+# nested 4 deep ({"arrays": [{"shape": [...]}]}).
+MAX_HEADER_BYTES = 1 << 20
+MAX_HEADER_DEPTH = 4
 SUFFIX = ".kvpage"
 TMP_MARK = ".tmp-"  # `<digest hex>.kvpage.tmp-<pid>-<thread id>-<random>`
 # A crash between write and rename leaves a temp file behind. The scan removes only old ones:
@@ -52,8 +70,57 @@ Entry = tuple[bytes, bytes, tuple[int, ...]]  # (digest, parent, tokens)
 
 
 def _raw(a: np.ndarray) -> np.ndarray:
-    """A C-contiguous array's bytes as a uint8 view (no copy), for zlib and file writes."""
+    """A C-contiguous array's bytes as a uint8 view (no copy), for the HMAC and file writes."""
     return a.reshape(-1).view(np.uint8)
+
+
+def load_or_create_key(directory: Path) -> bytes:
+    """The directory's HMAC key, made (32 random bytes, 0600) if it has none. Processes racing to
+    make it agree: each writes its own temp file and hard-links it into place, and a link never
+    replaces a file, so all of them read the first one's key. Raises ValueError for a key file
+    that is not ours, is readable by others, or is not 32 bytes."""
+    path = directory / KEY_FILE
+    if not path.exists():
+        tmp = directory / f"{KEY_FILE}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(os.urandom(KEY_BYTES))
+            os.link(tmp, path)
+        except FileExistsError:  # another process made it first: use theirs
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+    with open(path, "rb") as f:
+        check_private_file(os.fstat(f.fileno()), f"the KV disk key file {path}")
+        key = f.read(KEY_BYTES + 1)
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"the KV disk key file {path} holds {len(key)} bytes, expected {KEY_BYTES}; delete it "
+                         "(a new key is made, and the pages it signed become misses)")  # fmt: skip
+    return key
+
+
+def nesting_depth_within(text: bytes, limit: int) -> bool:
+    """Whether JSON `text` nests objects and arrays at most `limit` deep (brackets inside strings
+    do not count). Checked before `json.loads`, whose recursion a deep enough file would exhaust."""
+    depth, in_string, escaped = 0, False, False
+    for byte in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            if depth > limit:
+                return False
+        elif byte in (0x5D, 0x7D):  # ] }
+            depth -= 1
+    return True
 
 
 def _file_size(path: Path) -> int | None:
@@ -95,8 +162,9 @@ class DiskPageStore:
             raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
         if not _NAMESPACE.fullmatch(namespace) or namespace in (".", ".."):
             raise ValueError(f"namespace must be a plain identifier (letters, digits, _ . -), got {namespace!r}")
-        self.root = Path(directory) / namespace
-        self.root.mkdir(parents=True, exist_ok=True)
+        directory = ensure_private_dir(directory, "the KV disk directory (kv_disk_dir)")
+        self.root = ensure_private_dir(directory / namespace, "the KV disk namespace directory")
+        self._key = load_or_create_key(directory)
         self.max_bytes = max_bytes
         self.namespace = namespace
         self._lock = threading.Lock()  # guards the index, the pending map and the counters
@@ -186,12 +254,17 @@ class DiskPageStore:
             return None if arrays is None else {name: np.array(a[:, i]) for name, a in arrays.items()}
         path = self._path(digest)
         try:
-            data = path.read_bytes()
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                data = f.read() if size <= self.max_bytes else None  # a larger file was never ours
         except OSError:  # not there (or removed by another process): a plain miss
             self._track(digest, None)
             self._count(misses=1)
             return None
-        arrays, reason = self._decode(data, digest, parent, tokens)
+        if data is None:
+            arrays, reason = None, f"{size} bytes, more than the {self.max_bytes}-byte budget"
+        else:
+            arrays, reason = self._decode(data, digest, parent, tokens)
         if arrays is None:
             logger.warning("kv disk: dropping %s: %s", path, reason)
             path.unlink(missing_ok=True)
@@ -202,40 +275,53 @@ class DiskPageStore:
             os.utime(path)  # mtime is the LRU order a restart rebuilds
         except OSError:
             pass
-        self._track(digest, len(data))
+        self._track(digest, size)
         self._count(hits=1)
         return arrays
 
     def _decode(self, data: bytes, digest: bytes, parent: bytes, tokens: tuple[int, ...]):
-        """(arrays, None) for a sound file holding exactly the requested page, else (None, reason)."""
+        """(arrays, None) for an authentic file holding exactly the requested page, else (None,
+        reason). Never raises: whatever a file holds, it is a miss at worst."""
         try:
+            if len(data) < _PREFIX.size + TAG_BYTES:
+                return None, f"unreadable: {len(data)} bytes, shorter than the fixed header"
             magic, version, header_len = _PREFIX.unpack_from(data)
             if magic != MAGIC or version != FORMAT_VERSION:
                 return None, f"magic {magic!r} version {version}, expected {MAGIC!r} version {FORMAT_VERSION}"
-            start = _PREFIX.size + header_len
-            h = json.loads(data[_PREFIX.size : start])
+            start = _PREFIX.size + TAG_BYTES
+            if header_len > MAX_HEADER_BYTES or start + header_len > len(data):
+                return None, f"header length {header_len} is out of bounds for a {len(data)}-byte file"
+            view = memoryview(data)
+            mac = hmac.new(self._key, view[: _PREFIX.size], hashlib.sha256)
+            mac.update(view[start:])
+            if not hmac.compare_digest(mac.digest(), data[_PREFIX.size : start]):
+                return None, "HMAC mismatch (damaged, truncated, or not written with this directory's key)"
+            head = data[start : start + header_len]
+            if not nesting_depth_within(head, MAX_HEADER_DEPTH):
+                return None, f"unreadable: the header nests deeper than {MAX_HEADER_DEPTH}"
+            h = json.loads(head.decode("utf-8"))
+            if not isinstance(h, dict):
+                return None, "unreadable: the header is not a JSON object"
             if (h["namespace"], h["digest"], h["parent"], h["tokens"]) != (
                 self.namespace, digest.hex(), parent.hex(), list(tokens)):  # fmt: skip
                 return None, "the header's namespace, digest, parent or tokens differ from the request"
-            payload = memoryview(data)[start:]
+            payload = view[start + header_len :]
             if len(payload) != h["payload_bytes"]:
                 return None, f"payload is {len(payload)} bytes, the header says {h['payload_bytes']}"
-            # A checksum, not a MAC: it catches torn or damaged files. The directory is the
-            # operator's and trusted, as the model weights are.
-            if zlib.crc32(payload) != h["payload_crc32"]:
-                return None, "payload checksum mismatch"
             arrays, offset = {}, 0
             for spec in h["arrays"]:
                 dtype, shape = np.dtype(spec["dtype"]), tuple(int(n) for n in spec["shape"])
+                if dtype.hasobject or any(n < 0 for n in shape):
+                    return None, f"unreadable: array {spec['name']!r} has dtype {dtype} shape {shape}"
                 count = int(np.prod(shape, dtype=np.int64))
                 a = np.frombuffer(payload, dtype, count=count, offset=offset)  # ValueError past the end
-                arrays[spec["name"]] = a.reshape(shape).copy()  # a copy: writable, not tied to `data`
+                arrays[str(spec["name"])] = a.reshape(shape).copy()  # a copy: writable, not tied to `data`
                 offset += a.nbytes
             if offset != len(payload):
                 return None, "the arrays do not fill the payload"
             return arrays, None
-        except (ValueError, TypeError, KeyError, struct.error) as e:  # short file, JSON or field garbage
-            return None, f"unreadable ({e!r})"
+        except Exception as e:  # noqa: BLE001  short file, JSON, field or dtype garbage: a miss
+            return None, f"unreadable ({e!r})"[:500]
 
     def save(self, digest: bytes, parent: bytes, tokens: tuple[int, ...], arrays: dict[str, np.ndarray]) -> bool:
         """Write one page (arrays of ONE page) atomically unless present. True if this call stored it."""
@@ -249,24 +335,26 @@ class DiskPageStore:
         parts = [np.ascontiguousarray(a) for a in arrays.values()]
         if any(np.dtype(a.dtype.str) != a.dtype for a in parts):  # bfloat16: store its bits, as the cache does
             raise ValueError(f"dtypes {[a.dtype for a in parts]} must round-trip through their dtype str")
-        crc = 0
-        for a in parts:
-            crc = zlib.crc32(_raw(a), crc)
         header = {
             "namespace": self.namespace, "digest": digest.hex(), "parent": parent.hex(),
             "tokens": [int(t) for t in tokens],
             "arrays": [{"name": n, "dtype": a.dtype.str, "shape": list(a.shape)} for n, a in zip(arrays, parts)],
-            "payload_crc32": crc, "payload_bytes": sum(a.nbytes for a in parts),
+            "payload_bytes": sum(a.nbytes for a in parts),
         }  # fmt: skip
         head = json.dumps(header, separators=(",", ":")).encode()
-        size = _PREFIX.size + len(head) + header["payload_bytes"]
+        size = _PREFIX.size + TAG_BYTES + len(head) + header["payload_bytes"]
         if size > self.max_bytes:
             return False
-        path.parent.mkdir(exist_ok=True)
+        prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(head))
+        mac = hmac.new(self._key, prefix, hashlib.sha256)
+        mac.update(head)
+        for a in parts:
+            mac.update(_raw(a))
+        path.parent.mkdir(mode=PRIVATE_DIR_MODE, exist_ok=True)
         tmp = path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}")
         try:  # no fsync: a file torn by a power loss fails its checks and is a miss, like any other
-            with open(tmp, "xb") as f:
-                f.write(_PREFIX.pack(MAGIC, FORMAT_VERSION, len(head)) + head)
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE), "wb") as f:
+                f.write(prefix + mac.digest() + head)
                 for a in parts:
                     f.write(_raw(a))
             os.replace(tmp, path)  # atomic: readers and racing writers see a whole file (all equal)
