@@ -22,6 +22,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minivllm_jax.sampling_params import SamplingParams
+from server.connections import (
+    BODY_READ_TIMEOUT_S, ConnectionLimits, OpenSockets, SlowReader, drop_connection, record_transport, send_within,
+)  # fmt: skip
 from server.engine_loop import EngineStopped, RequestFailed, RequestStream
 from server.middleware import GateMiddleware
 from server.page import chat_page
@@ -47,13 +50,18 @@ def create_app(
     on_load_error: Callable[[BaseException], None] | None = None,
     allowed_hosts: Collection[str] | None = None,
     allowed_origins: Collection[str] = (),
+    limits: ConnectionLimits | None = None,
 ) -> FastAPI:
     """Build the app around an already-built `LLM` (ready at once) or a factory, which runs on
     a background thread after start-up so `/health` answers 503 while it loads and warms up.
 
     `allowed_hosts`: Host names (port ignored) the server answers to, others get 421; None
     turns the check off (the CLI passes the loopback names when bound to loopback).
-    `allowed_origins`: origins besides the server's own whose pages may open the WebSocket."""
+    `allowed_origins`: origins besides the server's own whose pages may open the WebSocket.
+    `limits`: send timeout, WebSocket cap and idle timeout, hung-step timeout (default: the
+    `server.connections` constants, at most `max_queue` WebSockets)."""
+    limits = limits or ConnectionLimits(max_websockets=max_queue)
+    sockets = OpenSockets(limits)
     state = ServerState(model_name, api_key=api_key, max_queue=max_queue, max_body_bytes=max_body_bytes)
 
     @asynccontextmanager
@@ -69,8 +77,9 @@ def create_app(
         finally:
             await asyncio.to_thread(state.close)
 
-    app = FastAPI(title="minivllm-jax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = _ServerApp(title="minivllm-jax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.minivllm = state
+    app.state.limits, app.state.sockets = limits, sockets
     origins = OriginPolicy(allowed_origins)  # here, not lazily in the middleware stack: bad ones fail now
     app.add_middleware(GateMiddleware, state=state, allowed_hosts=normalize_hosts(allowed_hosts), origins=origins)
     _add_error_handlers(app)
@@ -81,6 +90,10 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
+        stalled = state.engine.stalled_for() if state.engine is not None else 0.0
+        if state.healthy and stalled >= limits.hung_step_timeout_s:  # a hung step: the supervisor should restart us
+            error = f"the engine has made no step progress for {stalled:.0f} s"
+            return JSONResponse({"status": "stalled", "error": error}, 503, headers={"Retry-After": "1"})
         if state.healthy:
             return JSONResponse({"status": "ok", "model": state.model_name})
         return JSONResponse({"status": state.status, "error": state.error}, 503, headers={"Retry-After": "1"})
@@ -135,7 +148,7 @@ def create_app(
 
     @app.websocket("/v1/stream")
     async def stream(websocket: WebSocket) -> None:
-        await serve_socket(websocket, state)
+        await serve_socket(websocket, state, sockets)
 
     return app
 
@@ -165,16 +178,22 @@ def _model_card(state: ServerState) -> dict[str, Any]:
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it is known to exceed `limit` bytes."""
+    """The body, refused with 413 as soon as it is known to exceed `limit` bytes, and with 408
+    unless it has all arrived within `BODY_READ_TIMEOUT_S` (a slow body holds a connection)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(BODY_READ_TIMEOUT_S):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(limit)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {BODY_READ_TIMEOUT_S:g} s",
+                       code="request_timeout", headers={"Connection": "close"}) from None  # fmt: skip
     return b"".join(chunks)
 
 
@@ -182,17 +201,36 @@ def _too_large(limit: int) -> APIError:
     return APIError(413, f"request body is larger than the {limit}-byte limit", code="request_too_large")
 
 
-class _EngineStreamResponse(StreamingResponse):
-    """SSE response that aborts its request however the response ends (done, client gone,
-    cancelled at shutdown, or never started)."""
-
-    def __init__(self, stream: RequestStream, content: AsyncIterator[str]) -> None:
-        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
-        self._stream = stream
+class _ServerApp(FastAPI):
+    """FastAPI, noting each connection's transport in its scope (`record_transport`) so a
+    response whose client stopped reading can drop the connection."""
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] in ("http", "websocket"):
+            record_transport(scope, send)
+        await super().__call__(scope, receive, send)
+
+
+class _EngineStreamResponse(StreamingResponse):
+    """SSE response that aborts its request however the response ends (done, client gone,
+    cancelled at shutdown, or never started). A chunk the client does not take within
+    `send_timeout_s` (it stopped reading) aborts the request and drops the connection."""
+
+    def __init__(self, stream: RequestStream, content: AsyncIterator[str], send_timeout_s: float) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._stream = stream
+        self._send_timeout_s = send_timeout_s
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def send_or_give_up(message: Any) -> None:
+            await send_within(send(message), self._send_timeout_s)
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_or_give_up)
+        except SlowReader as e:
+            logger.info("dropping an SSE client of %s: %s", self._stream.request_id, e)
+            self._stream.abort()  # before the drop: its pages are free whatever the server does next
+            await drop_connection(scope)
         finally:
             self._stream.abort()
 
@@ -209,7 +247,7 @@ async def _respond(
 ) -> Response:
     stream = await state.start(ids, params, fmt.id, arrival, renames)
     if streaming:
-        return _EngineStreamResponse(stream, _sse_events(stream, fmt))
+        return _EngineStreamResponse(stream, _sse_events(stream, fmt), request.app.state.limits.send_timeout_s)
     try:
         final = await _unless_disconnected(request, _last_output(stream))
     except (EngineStopped, RequestFailed) as e:

@@ -1,8 +1,10 @@
 """`minivllm-serve` / `python -m server`: load a model, warm it up and serve it with uvicorn.
 
 uvicorn starts first, so `/health` answers 503 while the model loads and compiles, then 200.
-SIGTERM/SIGINT stop accepting connections, let in-flight requests finish for up to
-`--shutdown-timeout` seconds, cancel (abort) the rest, and exit with status 0.
+SIGTERM/SIGINT stop accepting connections, let in-flight requests (HTTP and WebSocket) finish
+for up to `--shutdown-timeout` seconds, cancel (abort) the rest, and exit with status 0. If the
+engine loop goes down for good (its restart budget spent), the server exits with status 1 so a
+supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -15,10 +17,19 @@ import os
 import signal
 import sys
 import threading
+from typing import TYPE_CHECKING
 
+from server.connections import (
+    CONNECTION_HEADROOM, HUNG_STEP_TIMEOUT_S, SEND_TIMEOUT_S, WS_IDLE_TIMEOUT_S, ConnectionLimits, DrainingServer,
+    default_limit_concurrency,
+)  # fmt: skip
 from server.security import origin_key
 
+if TYPE_CHECKING:
+    from server.state import ServerState
+
 API_KEY_ENV = "MINIVLLM_API_KEY"
+MAX_HEADER_BYTES = 16 * 1024  # request line + headers (h11's own default, set explicitly); past it: 400
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
@@ -56,6 +67,15 @@ def _is_loopback(host: str) -> bool:
         return host in LOOPBACK or ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:  # a host name other than localhost
         return False
+
+
+def engine_failure(state: ServerState) -> str | None:
+    """Why the engine loop is down for good (restart budget spent), or None while it serves
+    (or is still loading, or was stopped on purpose)."""
+    engine = state.engine
+    if engine is None or engine.error is None:
+        return None
+    return f"{type(engine.error).__name__}: {engine.error}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,6 +157,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=256, help="requests in flight before new ones get 429")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body / WebSocket message")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to drain requests on SIGTERM")
+    p.add_argument("--send-timeout", type=float, default=SEND_TIMEOUT_S,
+                   help="seconds a stream may wait for a client that reads nothing before its request is aborted "
+                        "and its connection dropped (SSE and WebSocket)")  # fmt: skip
+    p.add_argument("--max-websockets", type=int, default=None,
+                   help="open WebSockets; past it a new one is closed with 1013 (default: --max-queue)")
+    p.add_argument("--ws-idle-timeout", type=float, default=WS_IDLE_TIMEOUT_S,
+                   help="seconds a WebSocket may stay open with no request before it is closed with 1000")
+    p.add_argument("--limit-concurrency", type=int, default=None,
+                   help="open connections (and tasks) before uvicorn answers 503 to everything, /health included "
+                        f"(default: --max-queue + --max-websockets + {CONNECTION_HEADROOM})")  # fmt: skip
+    p.add_argument("--hung-step-timeout", type=float, default=HUNG_STEP_TIMEOUT_S,
+                   help="/health answers 503 once one engine step has run this many seconds (a hung device)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -183,23 +215,31 @@ def main(argv: list[str] | None = None) -> int:
         load_errors.append(error)
         server.should_exit = True
 
+    limits = ConnectionLimits(
+        send_timeout_s=args.send_timeout, ws_idle_timeout_s=args.ws_idle_timeout,
+        hung_step_timeout_s=args.hung_step_timeout, max_websockets=args.max_queue if args.max_websockets is None else args.max_websockets,
+    )  # fmt: skip
     app = create_app(
         lambda: load_llm(args), model_name=args.model, api_key=args.api_key, max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes, on_load_error=on_load_error,
         allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts), allowed_origins=args.allowed_origins,
+        limits=limits,
     )  # fmt: skip
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
         timeout_graceful_shutdown=args.shutdown_timeout, ws_max_size=args.max_body_bytes,
+        limit_concurrency=args.limit_concurrency or default_limit_concurrency(args.max_queue, limits.max_websockets),
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
     )  # fmt: skip
-    server = uvicorn.Server(config)
+    state = app.state.minivllm
+    server = DrainingServer(config, drain=app.state.sockets.drain, engine_error=lambda: engine_failure(state))
     # uvicorn re-raises the signal that stopped it once its own handlers are removed; these
     # no-op handlers make that a clean exit (status 0) instead of death by signal.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     server.run()
 
-    code = 1 if load_errors or not server.started else 0
+    code = 1 if load_errors or server.engine_failure or not server.started else 0
     if any(t.name == "model-loader" and t.is_alive() for t in threading.enumerate()):
         # Stopped during warm-up: don't wait for XLA to finish compiling.
         logging.shutdown()

@@ -69,6 +69,10 @@ class RequestStream:
     run. The final output (or the error that ends the stream) is the last thing put, so it is
     delivered exactly once. `abort()` is idempotent and safe after the end; callers use it in
     `finally` so a client that goes away frees its pages.
+
+    The request leaves the `max_queue` count when the engine is done with it (its final output
+    or error arrives), not when the consumer reads that: a client that stops reading a finished
+    stream holds no slot, so it cannot make others' requests 429 while the engine idles.
     """
 
     def __init__(self, owner: AsyncEngine, request_id: str, prompt_tokens: int, n: int, arrival: float) -> None:
@@ -80,6 +84,7 @@ class RequestStream:
         self._slot: RequestOutput | BaseException | None = None  # newest output, or the error ending it
         self._ready = asyncio.Event()  # set while the slot holds something unread, or on abort
         self._closed = False
+        self._released = False  # left the in-flight count (engine done, or closed first)
         self._arrival = arrival
         self._last_token_time: float | None = None
         self._tokens = 0
@@ -89,6 +94,8 @@ class RequestStream:
         if not isinstance(self._slot, BaseException):
             self._slot = item
         self._ready.set()
+        if isinstance(item, BaseException) or item.finished:
+            self._release()  # the engine holds nothing more for it, whether or not anyone reads
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -132,12 +139,18 @@ class RequestStream:
             metrics.itl.observe((now - self._last_token_time) / new, new)
         self._tokens, self._last_token_time = tokens, now
 
+    def _release(self) -> None:
+        """Leave the in-flight count exactly once (the engine finished it, or it was closed)."""
+        if not self._released:
+            self._released = True
+            self._owner.num_in_flight -= 1
+
     def _close(self, reason: str | None) -> None:
-        """Leave the in-flight count exactly once (finished, aborted or failed)."""
+        """The consumer is done with it (finished, aborted or failed): record it once."""
         if self._closed:
             return
         self._closed = True
-        self._owner.num_in_flight -= 1
+        self._release()
         if reason is not None:
             self._owner.metrics.observe_finished(reason, time.monotonic() - self._arrival)
 
@@ -171,6 +184,7 @@ class AsyncEngine:
         self._beam_jobs: collections.deque[_BeamJob] = collections.deque()  # engine thread only
         self._held: list[tuple[str, Callable[[], None]]] = []  # engine thread: adds waiting for the beam jobs
         self._steps = 0
+        self._busy_since: float | None = None  # engine thread: when its current iteration began; None while idle
         self.stats = self._snapshot()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
@@ -180,6 +194,12 @@ class AsyncEngine:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping and self.error is None
+
+    def stalled_for(self) -> float:
+        """Seconds the engine thread has spent in its current iteration (commands and one step);
+        0 while it waits for work. A large value means a hung step (`/health` reports it)."""
+        since = self._busy_since  # one read: the engine thread may clear it meanwhile
+        return 0.0 if since is None else time.monotonic() - since
 
     async def add(
         self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str, arrival: float | None = None
@@ -303,7 +323,9 @@ class AsyncEngine:
         while True:
             with self._cond:
                 while not (self._commands or self._stopping or self._beam_jobs or self.engine.has_unfinished()):
+                    self._busy_since = None
                     self._cond.wait()
+            self._busy_since = time.monotonic()
             self._run_commands()
             if self._stopping:
                 return
@@ -433,6 +455,15 @@ class DataParallelEngine:
     @property
     def alive(self) -> bool:
         return all(r.alive for r in self.replicas)
+
+    @property
+    def error(self) -> BaseException | None:
+        """The first replica's loop that went down for good, if any."""
+        return next((r.error for r in self.replicas if r.error is not None), None)
+
+    def stalled_for(self) -> float:
+        """The longest current iteration of any replica (see `AsyncEngine.stalled_for`)."""
+        return max(r.stalled_for() for r in self.replicas)
 
     @property
     def num_in_flight(self) -> int:

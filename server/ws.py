@@ -4,6 +4,11 @@ Requests on one socket run one after another; one sent while another streams wai
 `{"type": "cancel"}` aborts the current request (it ends with `finish_reason: "abort"`).
 A bad request gets `{"type": "error", ...}` and the socket stays open for the next one. A
 client that disconnects aborts its request, so its KV pages go back to the pool at once.
+
+Limits (`server.connections`): a socket idle for `ws_idle_timeout_s` is closed with 1000; past
+`max_websockets` open ones a new socket is closed with 1013; a client that reads nothing for
+`send_timeout_s` loses its request and its connection. At shutdown the running request finishes,
+later ones get a 503 error message, then the socket is closed with 1001.
 """
 
 from __future__ import annotations
@@ -13,10 +18,14 @@ import collections
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import WebSocket
 
+from server.connections import (
+    WS_GOING_AWAY, WS_NORMAL, WS_TRY_AGAIN_LATER, OpenSockets, SlowReader, drop_connection, send_within,
+)  # fmt: skip
 from server.engine_loop import EngineStopped, RequestFailed, RequestStream
 from server.protocol import APIError, StreamRequest, parse_json, parse_request
 from server.responses import ChoiceTracker, chat_logprobs, usage
@@ -28,11 +37,29 @@ logger = logging.getLogger(__name__)
 MAX_PENDING = 8  # requests queued on one socket behind the one streaming
 
 
-async def serve_socket(websocket: WebSocket, state: ServerState) -> None:
+async def serve_socket(websocket: WebSocket, state: ServerState, sockets: OpenSockets) -> None:
     # A browser that offered subprotocols (the chat page, for its API key) drops a socket whose
     # answer names none of them, so the plain one is echoed back; the key one never is.
     offered = websocket.scope.get("subprotocols") or []
     await websocket.accept(subprotocol=WS_SUBPROTOCOL if WS_SUBPROTOCOL in offered else None)
+    if not sockets.enter():
+        if sockets.draining.is_set():
+            await websocket.close(WS_GOING_AWAY, "the server is shutting down")
+        else:
+            await websocket.close(WS_TRY_AGAIN_LATER, f"too many open WebSockets (max {sockets.limits.max_websockets})")
+        return
+    try:
+        await _serve_requests(websocket, state, sockets)
+    finally:
+        sockets.leave()
+
+
+async def _serve_requests(websocket: WebSocket, state: ServerState, sockets: OpenSockets) -> None:
+    limits = sockets.limits
+
+    async def send(message: dict[str, Any]) -> None:
+        await send_within(websocket.send_json(message), limits.send_timeout_s)
+
     pending: collections.deque[dict[str, Any]] = collections.deque()
     receiving: asyncio.Task[Any] | None = None
     try:
@@ -41,18 +68,27 @@ async def serve_socket(websocket: WebSocket, state: ServerState) -> None:
                 message = pending.popleft()
             else:
                 receiving = receiving or asyncio.ensure_future(websocket.receive())
-                message, receiving = await receiving, None
+                if not await _arrives(receiving, sockets):
+                    if sockets.draining.is_set():
+                        await websocket.close(WS_GOING_AWAY, "the server is shutting down")
+                    else:
+                        await websocket.close(WS_NORMAL, f"idle for {limits.ws_idle_timeout_s:g} s")
+                    return
+                message, receiving = receiving.result(), None
             if message["type"] == "websocket.disconnect":
                 return
+            if sockets.draining.is_set():  # only the request already running finishes
+                await send(error_message(_SHUTTING_DOWN))
+                continue
             try:
                 started = await _start(state, message)
             except APIError as e:
-                await websocket.send_json(error_message(e))
+                await send(error_message(e))
                 continue
             if started is None:  # a cancel with nothing running
                 continue
             stream, top_k = started
-            pump = asyncio.ensure_future(_pump(websocket, state, stream, top_k))
+            pump = asyncio.ensure_future(_pump(send, state, stream, top_k))
             try:
                 while not pump.done():
                     receiving = receiving or asyncio.ensure_future(websocket.receive())
@@ -68,16 +104,35 @@ async def serve_socket(websocket: WebSocket, state: ServerState) -> None:
                         pending.append(message)
                     else:
                         busy = APIError(429, "too many requests queued on this socket", code="queue_full")
-                        await websocket.send_json(error_message(busy))
+                        await send(error_message(busy))
                 pump.result()  # a send that failed means the client is gone
             finally:
                 stream.abort()
                 pump.cancel()
+    except SlowReader as e:  # its request is aborted (above); drop what is queued for it, and the socket
+        logger.info("dropping a WebSocket client: %s", e)
+        await drop_connection(websocket.scope)
     except Exception as e:  # the socket broke mid-send; nothing left to tell the client
         logger.debug("websocket closed: %r", e)
     finally:
         if receiving is not None:
             receiving.cancel()
+
+
+_SHUTTING_DOWN = APIError(503, "the server is shutting down; retry on a new connection", type="service_unavailable",
+                          code="shutting_down")  # fmt: skip
+
+
+async def _arrives(receiving: asyncio.Task[Any], sockets: OpenSockets) -> bool:
+    """Wait for the socket's next message; False if it stays idle for the idle timeout, or
+    (at once) if the server is draining."""
+    draining = asyncio.ensure_future(sockets.draining.wait())
+    try:
+        await asyncio.wait({receiving, draining}, timeout=sockets.limits.ws_idle_timeout_s,
+                           return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+    finally:
+        draining.cancel()
+    return receiving.done()
 
 
 def error_message(e: APIError) -> dict[str, Any]:
@@ -117,7 +172,8 @@ async def _start(state: ServerState, message: dict[str, Any]) -> tuple[RequestSt
     return stream, req.logprobs
 
 
-async def _pump(websocket: WebSocket, state: ServerState, stream: RequestStream, top_k: int | None) -> None:
+async def _pump(send: Callable[[dict[str, Any]], Awaitable[None]], state: ServerState, stream: RequestStream,
+                top_k: int | None) -> None:  # fmt: skip
     tracker = ChoiceTracker(stream.n)
     last = None
     try:
@@ -130,13 +186,13 @@ async def _pump(websocket: WebSocket, state: ServerState, stream: RequestStream,
                                        "token_ids": d.token_ids}  # fmt: skip
                 if top_k is not None and d.logprobs is not None and state.table is not None:
                     msg["logprobs"] = chat_logprobs(state.table, d.token_ids, d.logprobs, top_k)
-                await websocket.send_json(msg)
+                await send(msg)
     except (EngineStopped, RequestFailed) as e:
-        await websocket.send_json(error_message(stream_error(e)))
+        await send(error_message(stream_error(e)))
         return
     reasons = [c.finish_reason or "abort" for c in last.outputs] if last is not None else ["abort"] * stream.n
     done: dict[str, Any] = {"type": "done", "id": stream.request_id, "finish_reason": reasons[0],
                             "usage": usage(last, stream.prompt_tokens)}  # fmt: skip
     if stream.n > 1:
         done["finish_reasons"] = reasons
-    await websocket.send_json(done)
+    await send(done)
