@@ -222,8 +222,10 @@ class LLM:
         *,
         priority: Sequence[int] | None = None,
         use_tqdm: bool = True,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Run all prompts to completion together; outputs come back in input order.
+        `cache_salt`: these prompts share prefix-cache pages only with requests of the same salt.
 
         This is offline work: nobody reads tokens as they come, so the scheduler gives prompt
         chunks the whole token budget (no TPOT to protect) and only finished outputs are built."""
@@ -241,7 +243,7 @@ class LLM:
             for i, (prompt, p) in enumerate(zip(prompts, params_list)):
                 engine = self._route(prompt)
                 ids.append((engine, engine.add_request(prompt, p, priority=priority[i] if priority else 0,
-                                                       streaming=False)))  # fmt: skip
+                                                       streaming=False, cache_salt=cache_salt)))  # fmt: skip
         except Exception:
             for engine, request_id in ids:  # all or nothing: don't leave half a batch queued
                 engine.abort(request_id)

@@ -27,7 +27,26 @@ from minivllm_jax.engine.kv_disk import DiskPageStore
 from minivllm_jax.engine.sequence import Sequence
 from minivllm_jax.kv_cache import SCRATCH_PAGE
 
-ROOT_DIGEST = b""  # the "parent" of a sequence's first page
+ROOT_DIGEST = b""  # the "parent" of a sequence's first page (no cache salt)
+MAX_CACHE_SALT_CHARS = 256  # a salt is an identifier (vLLM's cache_salt), not a payload
+
+
+def check_cache_salt(cache_salt: str | None) -> None:
+    """ValueError unless `cache_salt` is None or a non-empty string of at most MAX_CACHE_SALT_CHARS."""
+    if cache_salt is None:
+        return
+    if not isinstance(cache_salt, str) or not cache_salt or len(cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
+
+
+def root_digest(cache_salt: str | None) -> bytes:
+    """The parent of a sequence's first page: `ROOT_DIGEST`, or a digest of the request's cache
+    salt (vLLM's `cache_salt`), so every page of a salted chain differs from the unsalted one and
+    from other salts' (in memory and in the disk tier, keyed by the same digests): a client cannot
+    learn by timing whether a differently salted request cached a prompt."""
+    if cache_salt is None:
+        return ROOT_DIGEST
+    return hashlib.sha256(b"minivllm cache_salt\0" + cache_salt.encode("utf-8", "surrogatepass")).digest()
 
 
 def page_digest(parent: bytes, tokens: tuple[int, ...]) -> bytes:
@@ -80,13 +99,14 @@ class BlockManager:
     def _page_tokens(self, token_ids: list[int], i: int) -> tuple[int, ...]:
         return tuple(token_ids[i * self.page_size : (i + 1) * self.page_size])
 
-    def _cached_prefix(self, token_ids: list[int]) -> tuple[list[int], list[bytes]]:
-        """Pages (and their digests) holding the longest cached prefix, leaving a token to compute."""
+    def _cached_prefix(self, token_ids: list[int], root: bytes = ROOT_DIGEST) -> tuple[list[int], list[bytes]]:
+        """Pages (and their digests) holding the longest cached prefix, leaving a token to compute.
+        `root`: the chain's first parent (`root_digest` of the request's cache salt)."""
         pages: list[int] = []
         digests: list[bytes] = []
         if not self.enable_prefix_caching:
             return pages, digests
-        parent = ROOT_DIGEST
+        parent = root
         for i in range((len(token_ids) - 1) // self.page_size):
             tokens = self._page_tokens(token_ids, i)
             digest = page_digest(parent, tokens)
@@ -109,7 +129,7 @@ class BlockManager:
         """Extend the sequence's cached prefix with pages found in the disk tier (each checked
         in full by the store: a corrupt or mismatched file is a miss), into fresh pages."""
         token_ids = seq.token_ids
-        parent = seq.page_hashes[-1] if seq.page_hashes else ROOT_DIGEST
+        parent = seq.page_hashes[-1] if seq.page_hashes else root_digest(seq.cache_salt)
         for i in range(len(seq.pages), (len(token_ids) - 1) // self.page_size):
             tokens = self._page_tokens(token_ids, i)
             digest = page_digest(parent, tokens)
@@ -140,7 +160,7 @@ class BlockManager:
             return self.pages_for(seq.cache_len) + reserve <= self.num_free_pages
         if seq.pages:  # forked: only the pages past the shared prompt are new
             return self.pages_for(seq.cache_len) - len(seq.pages) + reserve <= self.num_free_pages
-        cached, _ = self._cached_prefix(seq.token_ids)
+        cached, _ = self._cached_prefix(seq.token_ids, root_digest(seq.cache_salt))
         needed = self.pages_for(len(seq)) - len(cached)
         free_after_hits = self.num_free_pages - sum(1 for p in cached if self.refcount[p] == 0)
         return needed + reserve <= free_after_hits
@@ -152,7 +172,7 @@ class BlockManager:
         if seq.swapped is not None:
             seq.pages = [self._take_fresh_page() for _ in range(seq.swapped.num_pages)]
         elif not seq.pages:
-            cached, digests = self._cached_prefix(seq.token_ids)
+            cached, digests = self._cached_prefix(seq.token_ids, root_digest(seq.cache_salt))
             for page in cached:
                 if self.refcount[page] == 0:
                     del self.free[page]
@@ -211,7 +231,7 @@ class BlockManager:
         token_ids = seq.token_ids
         for i in range(first, seq.num_computed_tokens // self.page_size):
             page = seq.pages[i]
-            parent = seq.page_hashes[-1] if seq.page_hashes else ROOT_DIGEST
+            parent = seq.page_hashes[-1] if seq.page_hashes else root_digest(seq.cache_salt)
             tokens = self._page_tokens(token_ids, i)
             digest = page_digest(parent, tokens)
             if digest not in self.digest_to_page and page not in self.cached:

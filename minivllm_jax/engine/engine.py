@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 from minivllm_jax.config import EngineConfig, ModelConfig
 from minivllm_jax.detokenizer import IncrementalDetokenizer
-from minivllm_jax.engine.block_manager import BlockManager
+from minivllm_jax.engine.block_manager import BlockManager, check_cache_salt
 from minivllm_jax.engine.runner import ModelRunner, PendingStep, StepResult
 from minivllm_jax.engine.scheduler import ScheduledBatch, Scheduler, note_draft_result
 from minivllm_jax.engine.sequence import Sequence, SequenceStatus
@@ -174,13 +174,16 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         streaming: bool = True,
+        cache_salt: str | None = None,
     ) -> str:
         """Validate and queue a request; returns its id. Raises ValueError on bad input.
 
         `streaming=False` marks offline work (`LLM.generate`): no client reads its tokens as
-        they come, so the scheduler does not hold prompt work back to protect its TPOT."""
+        they come, so the scheduler does not hold prompt work back to protect its TPOT.
+        `cache_salt` (vLLM's): prefix-cache pages are shared only between requests of equal salt."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        check_cache_salt(cache_salt)
         request_id = str(next(self._request_counter)) if request_id is None else request_id
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -205,7 +208,7 @@ class LLMEngine:
         seqs, detoks = [], []
         for i in range(params.n):
             seqs.append(Sequence(request_id, ids, params, index=i, priority=priority, seed=seed,
-                                 arrival_time=arrival, streaming=streaming))  # fmt: skip
+                                 arrival_time=arrival, streaming=streaming, cache_salt=cache_salt))  # fmt: skip
             seqs[-1].kv_compression = compression
             detoks.append(IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop))
         request = _Request(request_id, text, ids, params, seqs, detoks, RequestMetrics(arrival), held=seqs[1:])

@@ -43,6 +43,7 @@ class Sequence:
         seed: int = 0,
         arrival_time: float | None = None,
         streaming: bool = True,
+        cache_salt: str | None = None,
     ) -> None:
         self.seq_id = next(_seq_counter)
         self.request_id = request_id
@@ -57,6 +58,7 @@ class Sequence:
         self.seed = seed  # the request's PRNG seed: tokens depend only on (seed, index, step)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.streaming = streaming  # a client reads tokens as they come: its TPOT matters
+        self.cache_salt = cache_salt  # prefix-cache pages are shared only with requests of the same salt
         self.status = SequenceStatus.WAITING
         self.pages: list[int] = []
         self.page_hashes: list[bytes] = []  # prefix-cache digest of each full, computed page
