@@ -225,7 +225,10 @@ class EngineConfig:
       (`minivllm_jax.engine.kv_disk`): full pages evicted from memory (and all cached pages at a
       clean shutdown) are written there and found again, also by a later process.
     - `kv_compression`: drop KV pages of long sequences by a policy (`minivllm_jax.kv_compression`)
-      for every request (a request may also ask for its own).
+      for every request.
+    - `allow_request_kv_compression`: a request may ask for its own policy
+      (`SamplingParams.kv_compression`); its programs (page scores) compile at warm-up, so
+      nothing compiles while serving. Off: such a request is refused (ValueError).
     """
 
     max_num_seqs: int = 64  # sequences in one step (and running at once)
@@ -247,6 +250,7 @@ class EngineConfig:
     kv_disk_dir: str | None = None  # disk tier of the prefix cache (None: off)
     kv_disk_gb: float = 10.0
     kv_compression: KVCompressionConfig | dict | None = None  # engine-wide KV drop policy (None: off)
+    allow_request_kv_compression: bool = False  # requests may ask for their own policy (compiled at warm-up)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "page_size", "max_num_batched_tokens", "num_scheduler_steps"):

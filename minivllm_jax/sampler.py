@@ -70,27 +70,62 @@ class SampleResult:
 
 SampleRow = tuple[SamplingParams, int, int, int]  # (params, request seed, sample index, step)
 
+# One row's settings as the device arrays hold them, typed once when a request is added
+# (`sampling_row`): building a step's arrays then only copies these records.
+SAMPLING_ROW_DTYPE = np.dtype([
+    ("temperature", np.float32), ("top_k", np.int32), ("top_p", np.float32), ("min_p", np.float32),
+    ("seed_hi", np.uint32), ("seed_lo", np.uint32), ("sample_index", np.int32),
+    ("presence_penalty", np.float32), ("frequency_penalty", np.float32), ("repetition_penalty", np.float32),
+    ("want_logprobs", np.bool_),
+])  # fmt: skip
+
+
+def sampling_row(params: SamplingParams, seed: int, sample_index: int) -> np.ndarray:
+    """The device-typed record of one sample's settings (a 0-d `SAMPLING_ROW_DTYPE` array).
+    Raises ValueError if a value does not fit its device type (SamplingParams' ranges make
+    that impossible; this is the check that keeps a bad row out of every later step)."""
+    if not 0 <= seed < 2**64:
+        raise ValueError(f"seed must fit 64 bits unsigned, got {seed}")
+    try:
+        return np.array((params.temperature, params.top_k, params.top_p, params.min_p, (seed >> 32) & 0xFFFFFFFF,
+                         seed & 0xFFFFFFFF, sample_index, params.presence_penalty, params.frequency_penalty,
+                         params.repetition_penalty, params.logprobs is not None), SAMPLING_ROW_DTYPE)  # fmt: skip
+    except (OverflowError, TypeError) as e:
+        raise ValueError(f"sampling settings do not fit the device arrays: {e}") from e
+
+
+GREEDY_ROW = sampling_row(SamplingParams(temperature=0.0), 0, 0)  # what padded rows hold
+
 
 def make_sampling_arrays(rows: list[SampleRow], batch_size: int, vocab_size: int) -> SamplingArrays:
     """Host-side (numpy) arrays for `(params, seed, sample_index, step)` rows, padded to
     `batch_size` greedy rows; every token allowed (`token_bitmask` is filled by the caller for
     rows under a grammar, which then sets `use_bitmask`)."""
+    prepared = [(sampling_row(params, seed, index), step) for params, seed, index, step in rows]
+    return sampling_arrays(prepared, batch_size, vocab_size)
+
+
+def sampling_arrays(rows: list[tuple[np.ndarray, int]], batch_size: int, vocab_size: int) -> SamplingArrays:
+    """`make_sampling_arrays` from prepared `(sampling_row(...), step)` pairs: only copies."""
     if len(rows) > batch_size:
         raise ValueError(f"{len(rows)} rows do not fit a batch of {batch_size}")
-    rows = list(rows) + [(SamplingParams(temperature=0.0), 0, 0, 0)] * (batch_size - len(rows))
-    f32 = lambda name: np.array([getattr(r[0], name) for r in rows], np.float32)
+    table = np.full(batch_size, GREEDY_ROW, SAMPLING_ROW_DTYPE)
+    steps = np.zeros(batch_size, np.int32)
+    for i, (row, step) in enumerate(rows):
+        table[i], steps[i] = row, step
+    column = lambda name: np.ascontiguousarray(table[name])
     return SamplingArrays(
-        temperature=f32("temperature"),
-        top_k=np.array([r[0].top_k for r in rows], np.int32),
-        top_p=f32("top_p"),
-        min_p=f32("min_p"),
-        seeds=np.array([((s >> 32) & 0xFFFFFFFF, s & 0xFFFFFFFF) for _, s, _, _ in rows], np.uint32),
-        sample_index=np.array([i for _, _, i, _ in rows], np.int32),
-        steps=np.array([n for _, _, _, n in rows], np.int32),
-        presence_penalty=f32("presence_penalty"),
-        frequency_penalty=f32("frequency_penalty"),
-        repetition_penalty=f32("repetition_penalty"),
-        want_logprobs=np.array([r[0].logprobs is not None for r in rows], np.bool_),
+        temperature=column("temperature"),
+        top_k=column("top_k"),
+        top_p=column("top_p"),
+        min_p=column("min_p"),
+        seeds=np.stack([table["seed_hi"], table["seed_lo"]], axis=1),
+        sample_index=column("sample_index"),
+        steps=steps,
+        presence_penalty=column("presence_penalty"),
+        frequency_penalty=column("frequency_penalty"),
+        repetition_penalty=column("repetition_penalty"),
+        want_logprobs=column("want_logprobs"),
         token_bitmask=np.full((batch_size, -(-vocab_size // 32)), -1, np.int32),
         use_bitmask=np.bool_(False),
     )

@@ -3,11 +3,35 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 from minivllm_jax.kv_compression import KVCompressionConfig
 from minivllm_jax.structured_output import StructuredOutputsParams, as_structured_outputs
 
 MAX_LOGPROBS = 20  # top-k logprobs are computed for this many candidates on device, every step
+
+# The ranges of the numeric fields. Each value becomes an int32/float32 device array entry (the
+# seed: two uint32 words), so every bound keeps it representable there; a value outside is a
+# ValueError naming the field (the server's 400), never an error inside a step.
+INT32_MAX = 2**31 - 1
+MAX_N = 128  # samples of one request (OpenAI's limit for `n`)
+MAX_TOP_K = INT32_MAX  # any k >= the vocabulary keeps every token
+MAX_TOKENS_LIMIT = INT32_MAX  # max_tokens (max_model_len bounds it further when the request is added)
+MAX_SEED = 2**63 - 1  # seeds are int64 in the OpenAI API; the sampler keys on all 64 bits
+MAX_TEMPERATURE = 100.0  # beyond it every row samples uniformly in float32 anyway
+MAX_REPETITION_PENALTY = 100.0
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI)
+MAX_TOKEN_ID = INT32_MAX  # stop_token_ids
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    """A finite real number (NaN and infinities are refused everywhere)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,35 +67,41 @@ class SamplingParams:
         def bad(msg: str) -> None:
             raise ValueError(msg)
 
-        if not isinstance(self.n, int) or self.n < 1:
-            bad(f"n must be an integer >= 1, got {self.n!r}")
-        if not self.temperature >= 0.0:  # also rejects NaN
-            bad(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            bad(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
-            bad(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}")
-        if not 0.0 <= self.min_p <= 1.0:
-            bad(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            bad(f"max_tokens must be a positive integer or None, got {self.max_tokens!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            bad(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
-        if not self.repetition_penalty > 0.0:
-            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
-            bad(f"seed must be a non-negative integer, got {self.seed!r}")
+        def int_in(name: str, low: int, high: int, what: str) -> None:
+            value = getattr(self, name)
+            if not _is_int(value) or not low <= value <= high:
+                bad(f"{name} must be {what}, got {value!r}")
+
+        def number_in(name: str, low: float, high: float, what: str, low_open: bool = False) -> None:
+            value = getattr(self, name)
+            if not _is_number(value) or not low <= value <= high or (low_open and value == low):
+                bad(f"{name} must be a finite number {what}, got {value!r}")
+
+        int_in("n", 1, MAX_N, f"an integer in [1, {MAX_N}]")
+        number_in("temperature", 0.0, MAX_TEMPERATURE, f"in [0, {MAX_TEMPERATURE:g}]")
+        number_in("top_p", 0.0, 1.0, "in (0, 1]", low_open=True)
+        if not _is_int(self.top_k) or not (self.top_k == -1 or 1 <= self.top_k <= MAX_TOP_K):
+            bad(f"top_k must be -1 (disabled) or an integer in [1, {MAX_TOP_K}], got {self.top_k!r}")
+        number_in("min_p", 0.0, 1.0, "in [0, 1]")
+        if self.max_tokens is not None:
+            int_in("max_tokens", 1, MAX_TOKENS_LIMIT, f"an integer in [1, {MAX_TOKENS_LIMIT}] or None")
+        if self.logprobs is not None:
+            int_in("logprobs", 0, MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}]")
+        number_in("presence_penalty", -MAX_PENALTY, MAX_PENALTY, f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
+        number_in("frequency_penalty", -MAX_PENALTY, MAX_PENALTY, f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
+        number_in("repetition_penalty", 0.0, MAX_REPETITION_PENALTY, f"in (0, {MAX_REPETITION_PENALTY:g}]",
+                  low_open=True)  # fmt: skip
+        if self.seed is not None:
+            int_in("seed", 0, MAX_SEED, f"an integer in [0, {MAX_SEED}]")
         if self.n > 1 and self.temperature == 0.0:
             bad("n > 1 needs temperature > 0 (greedy samples would all be identical)")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stops):
             bad(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
-            bad(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            bad(f"stop_token_ids must be a list of integers, got {type(self.stop_token_ids).__name__}")
+        if any(not _is_int(t) or not 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids or []):
+            bad(f"stop_token_ids must be integers in [0, {MAX_TOKEN_ID}], got {self.stop_token_ids!r}")
         if isinstance(self.kv_compression, dict):
             try:
                 object.__setattr__(self, "kv_compression", KVCompressionConfig.from_dict(self.kv_compression))

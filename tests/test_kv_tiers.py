@@ -235,7 +235,7 @@ def test_compression_is_per_request_and_leaves_other_rows_alone(llm):  # noqa: F
     solo run; the former's tokens equal the uncompressed ones until its first drop."""
     prompts = [random_ids(4700, 30), random_ids(4701, 30)]
     solo = run_all(side_engine(llm), prompts, [greedy(200)] * 2)
-    engine = side_engine(llm)
+    engine = side_engine(llm, allow_request_kv_compression=True)
     compressed = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, kv_compression=WINDOW)
     got = run_all(engine, prompts, [compressed, greedy(200)])
     assert got[1].outputs[0].token_ids == solo[1].outputs[0].token_ids

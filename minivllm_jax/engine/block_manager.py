@@ -263,6 +263,42 @@ class BlockManager:
         self.cached.clear()
         self.evicted.clear()
 
+    def drop_cached(self, pages: set[int]) -> None:
+        """Forget these pages' prefix-cache entries without writing them anywhere: their
+        contents never arrived (a failed load from the disk tier)."""
+        for page in pages:
+            entry = self.cached.pop(page, None)
+            if entry is not None and self.digest_to_page.get(entry.digest) == page:
+                del self.digest_to_page[entry.digest]
+
+    def reset(self) -> None:
+        """Rebuild the accounting from scratch once no sequence holds a page (a recovery):
+        every page free with refcount 0, nothing cached or queued to move."""
+        self.refcount = [0] * self.num_pages
+        self.free = OrderedDict((p, None) for p in range(self.num_pages) if p != SCRATCH_PAGE)
+        self.clear_cache()
+        self.loaded = []
+
+    def check(self, holders: list[Sequence]) -> None:
+        """Raise AssertionError unless the accounting is consistent with `holders` (every live
+        sequence): free + used == usable pages, and each page's refcount equals the number of
+        those sequences holding it (tests call it after every fault)."""
+        owners = [0] * self.num_pages
+        for seq in holders:
+            for page in seq.pages:
+                owners[page] += 1
+        used = [p for p in range(self.num_pages) if self.refcount[p] > 0]
+        problems = []
+        if len(self.free) + len(used) != self.num_usable_pages:
+            problems.append(f"{len(self.free)} free + {len(used)} used != {self.num_usable_pages} pages")
+        if SCRATCH_PAGE in self.free or owners[SCRATCH_PAGE] or self.refcount[SCRATCH_PAGE]:
+            problems.append("the scratch page is handed out")
+        problems += [f"page {p}: refcount {self.refcount[p]}, held by {owners[p]}" for p in range(self.num_pages)
+                     if self.refcount[p] != owners[p]]  # fmt: skip
+        problems += [f"page {p} is free with refcount {self.refcount[p]}" for p in self.free if self.refcount[p]]
+        if problems:
+            raise AssertionError("block manager accounting: " + "; ".join(problems[:10]))
+
     def pages_to_persist(self) -> list[tuple[int, CachedPage]]:
         """Cached pages in memory that the disk tier does not hold yet (a clean shutdown writes them)."""
         if self.disk is None:

@@ -19,11 +19,11 @@ from jax.sharding import Mesh
 from minivllm_jax.config import EngineConfig, ModelConfig
 from minivllm_jax.detokenizer import IncrementalDetokenizer
 from minivllm_jax.engine.block_manager import BlockManager, check_cache_salt
-from minivllm_jax.engine.runner import ModelRunner, PendingStep, StepResult
+from minivllm_jax.engine.runner import ModelRunner, PendingStep, RowsFailed, StepResult
 from minivllm_jax.engine.scheduler import ScheduledBatch, Scheduler, note_draft_result
 from minivllm_jax.engine.sequence import Sequence, SequenceStatus
-from minivllm_jax.engine.tiers import KVTiers
-from minivllm_jax.kv_compression import kept_pages, needs_scores, wants_compression
+from minivllm_jax.engine.tiers import FailedMoves, KVTiers
+from minivllm_jax.kv_compression import KVCompressionConfig, kept_pages, needs_scores, wants_compression
 from minivllm_jax.models.llama import Params
 from minivllm_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minivllm_jax.sampling_params import SamplingParams
@@ -44,6 +44,7 @@ class _Request:
     metrics: RequestMetrics
     # Samples 1..n-1 wait here until sample 0 has computed the prompt, then fork from it.
     held: list[Sequence] = dataclasses.field(default_factory=list)
+    error: str | None = None  # why it failed (finish_reason "error"), reported with its output
 
     @property
     def finished(self) -> bool:
@@ -62,8 +63,27 @@ class _InFlight:
     dispatched: float
 
 
+class _DispatchFailed(Exception):
+    """Dispatching `batch` raised (the cause): the step is failed as a whole (`_fail_batch`)."""
+
+    def __init__(self, batch: ScheduledBatch) -> None:
+        super().__init__(f"dispatching a step over {len(batch.seqs)} sequences failed")
+        self.batch = batch
+
+
 def _has_grammar(batch: ScheduledBatch) -> bool:
     return any(seq.grammar is not None for seq in batch.seqs)
+
+
+def _without(batch: ScheduledBatch, drop: set[int]) -> ScheduledBatch | None:
+    """The batch less the sequences whose `seq_id` is in `drop` (None if none is left)."""
+    keep = [i for i, seq in enumerate(batch.seqs) if seq.seq_id not in drop]
+    if not keep:
+        return None
+    drafts = tuple(batch.drafts[i] for i in keep) if batch.drafts else ()
+    return ScheduledBatch(tuple(batch.seqs[i] for i in keep), tuple(batch.num_new_tokens[i] for i in keep),
+                          sum(1 for i in keep if i < batch.num_decodes), batch.num_steps,
+                          drafts if any(drafts) else ())  # fmt: skip
 
 
 def _drop_pending(seq: Sequence) -> None:
@@ -132,9 +152,15 @@ class LLMEngine:
         self.tiers.warmed_up()
         return seconds
 
-    def move_pages(self) -> None:
+    def move_pages(self) -> FailedMoves:
         """Dispatch the page copies (swap, disk tier) queued for the next step (`KVTiers`)."""
-        self.tiers.move_pages(self.scheduler, self.block_manager)
+        return self.tiers.move_pages(self.scheduler, self.block_manager)
+
+    def check_accounting(self) -> None:
+        """Raise AssertionError unless the pages, penalty slots and swap pool are exactly those
+        the live sequences hold (tests call it after every fault)."""
+        self.block_manager.check(self.scheduler.running + self.scheduler.waiting)
+        self.scheduler.check_accounting()
 
     def tier_stats(self) -> dict[str, int]:
         """Where KV lives and moves (`KVTiers.stats`) and the pages compression dropped."""
@@ -164,6 +190,20 @@ class LLMEngine:
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         return None, ids
+
+    def _check_request_compression(self, config: KVCompressionConfig) -> None:
+        """A request's own KV compression policy: only where the engine allows them (their
+        programs compiled at warm-up) and in one process. Raises ValueError naming the field."""
+        try:
+            config.check_page_size(self.config.page_size)
+            config.check_model(self.model_config)
+        except ValueError as e:
+            raise ValueError(f"kv_compression: {e}") from e
+        if not self.config.allow_request_kv_compression:
+            raise ValueError("kv_compression: per-request KV compression is not enabled on this engine "
+                             "(allow_request_kv_compression=True; the server's --allow-request-kv-compression)")
+        if self.runner.channel is not None:
+            raise ValueError("kv_compression: per-request KV compression does not run across several processes")
 
     def add_request(
         self,
@@ -202,8 +242,7 @@ class LLMEngine:
         # The n samples share it; the sampler keys sample i by fold_in(key(seed), i).
         seed = params.seed if params.seed is not None else self._seed_rng.randrange(2**62)
         if params.kv_compression is not None:  # the engine's own was checked by EngineConfig and __init__
-            params.kv_compression.check_page_size(self.config.page_size)
-            params.kv_compression.check_model(self.model_config)
+            self._check_request_compression(params.kv_compression)
         compression = params.kv_compression or self.config.kv_compression
         seqs, detoks = [], []
         for i in range(params.n):
@@ -234,11 +273,7 @@ class LLMEngine:
                     seq.grammar = future.result().new_grammar()
                 self.scheduler.add(request.seqs[0])
                 continue
-            for seq in request.seqs:
-                self.scheduler.finish(seq, "error")
-            request.metrics.finished_time = time.monotonic()
-            del self.requests[request_id]
-            outputs.append(dataclasses.replace(self._output(request), error=str(error)))
+            outputs.append(self._fail_request(request, f"structured_outputs: {error}"))
         return outputs
 
     def abort(self, request_id: str) -> bool:
@@ -287,14 +322,15 @@ class LLMEngine:
                 metrics = self.requests[seq.request_id].metrics
                 metrics.first_scheduled_time = metrics.first_scheduled_time or now
             try:
-                self.move_pages()
-                pending = self.runner.run(batch)
-            except Exception as e:  # a device step failed: fail this batch only and keep serving
+                batch, pending = self._dispatch(batch, outputs)
+            except _DispatchFailed as failure:  # a device step failed: fail this batch only and keep serving
+                e, batch = failure.__cause__, failure.batch
                 logger.exception("step over %d sequences failed; failing their requests", len(batch.seqs))
                 if previous is not None:  # read it first: its placeholders must not outlive it
                     outputs += self._read(previous, only_finished)
                 return outputs + self._fail_batch(batch, f"{type(e).__name__}: {e}")
-            self._in_flight = self._advance(batch, pending, now)
+            if pending is not None:
+                self._in_flight = self._advance(batch, pending, now)
         if previous is not None:
             outputs += self._read(previous, only_finished)
         current = self._in_flight
@@ -302,6 +338,51 @@ class LLMEngine:
             self._in_flight = None  # a speculative step's accepted length decides the next step's input
             outputs += self._read(current, only_finished)
         return outputs
+
+    def _dispatch(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> tuple[ScheduledBatch | None, PendingStep | None]:
+        """Move pages and dispatch the step; returns the batch that ran and its pending results
+        (None, None: nothing was left to run). A sequence whose page copy or host-side row
+        preparation failed costs only itself: it is recomputed, or its request fails (its
+        output, with `error`, goes to `outputs`), and the step runs without it. Raises
+        `_DispatchFailed` (with the batch that failed) if dispatching the step itself fails."""
+        moves = self.move_pages()
+        drop = {seq.seq_id for seq in moves.recompute}
+        for seq in moves.failed:
+            drop |= self._fail_request_of(seq, f"loading its KV pages failed: {moves.error}", outputs)
+        if self.runner.reset_cache_if_lost():  # a failed copy took the cache with it: nothing to run
+            self._recompute_all()
+            return None, None
+        while (batch := _without(batch, drop)) is not None:
+            try:
+                return batch, self.runner.run(batch)
+            except RowsFailed as e:
+                logger.warning("preparing %d of %d rows of a step failed: %s", len(e.errors), len(batch.seqs), e)
+                for i, error in e.errors.items():
+                    drop |= self._fail_request_of(batch.seqs[i], f"{type(error).__name__}: {error}", outputs)
+            except Exception as e:
+                raise _DispatchFailed(batch) from e
+        return None, None
+
+    def _fail_request_of(self, seq: Sequence, error: str, outputs: list[RequestOutput]) -> set[int]:
+        """Fail the sequence's request (all its samples), adding its output to `outputs`;
+        returns the `seq_id`s of its samples (empty if it had already ended)."""
+        request = self.requests.get(seq.request_id)
+        if request is None:
+            return {seq.seq_id}
+        outputs.append(self._fail_request(request, error))
+        return {s.seq_id for s in request.seqs}
+
+    def _fail_request(self, request: _Request, error: str) -> RequestOutput:
+        """End every sample of the request with finish_reason "error" and remove it; its final output."""
+        for seq, detok in zip(request.seqs, request.detokenizers):
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "error")
+                detok.flush()
+        request.error = error
+        request.metrics.finished_time = time.monotonic()
+        self.requests.pop(request.request_id, None)
+        self._compiling.pop(request.request_id, None)
+        return self._output(request)
 
     def _may_speculate(self) -> bool:
         """Some running sequence may propose a draft in the next step."""
@@ -345,17 +426,10 @@ class LLMEngine:
         the step; its decodes did not advance and simply run again next step (should a
         decode-only step fail, all of its requests are the suspects). If the failed step took
         the KV cache with it, everyone left is recomputed."""
-        now = time.monotonic()
         suspects = batch.seqs[batch.num_decodes :] or batch.seqs
-        failed = [self.requests.pop(rid) for rid in dict.fromkeys(seq.request_id for seq in suspects)]
-        outputs = []
-        for request in failed:
-            for seq, detok in zip(request.seqs, request.detokenizers):
-                if not seq.is_finished:
-                    self.scheduler.finish(seq, "error")
-                    detok.flush()
-            request.metrics.finished_time = now
-            outputs.append(dataclasses.replace(self._output(request), error=error))
+        # A request may have ended already (async scheduling runs a finished row once more).
+        failed = [self.requests.get(rid) for rid in dict.fromkeys(seq.request_id for seq in suspects)]
+        outputs = [self._fail_request(request, error) for request in failed if request is not None]
         if self.runner.reset_cache_if_lost():
             self._recompute_all()
         return outputs
@@ -382,6 +456,7 @@ class LLMEngine:
                 self.block_manager.free_pages(seq)
             self.scheduler.forget_swapped(seq)
         self._drop_page_moves()
+        self.block_manager.reset()  # no sequence holds a page now: the accounting starts afresh
 
     def _drop_page_moves(self) -> None:
         """Forget queued page copies and every cached page: a page queued to be filled from
@@ -399,8 +474,12 @@ class LLMEngine:
             self.abort(request_id)
         for seq in self.scheduler.running + self.scheduler.waiting:
             self.scheduler.finish(seq, "abort")
+        self.scheduler.running, self.scheduler.waiting = [], []
         self.runner.reset_cache_if_lost()
-        self._drop_page_moves()
+        # No sequence is left: rebuild the accounting from scratch rather than trust what the
+        # crash left (refcounts, free list, prefix cache, penalty slots, swap pool).
+        self.block_manager.reset()
+        self.scheduler.reset()
 
     def _process(self, step: _InFlight, results: list[StepResult], only_finished: bool = False) -> list[RequestOutput]:
         """`results`: one per decode step the program ran (several for a multi-step batch)."""
@@ -435,15 +514,19 @@ class LLMEngine:
                     _drop_pending(seq)  # tokens past the stop, and a row the next step spent on it
                     break
             if seq.kv_compression is not None and seq.status == SequenceStatus.RUNNING and not request.held:
-                self._compress(seq)
+                try:
+                    self._compress(seq)
+                except Exception as e:  # noqa: BLE001 (its policy failed: only this request ends)
+                    logger.exception("KV compression of %r failed; failing its request", seq)
+                    self._fail_request(request, f"kv_compression: {type(e).__name__}: {e}")
             changed[request.request_id] = request
         outputs = []
         for request in changed.values():
             if request.finished or not only_finished:
                 outputs.append(self._output(request))
             if request.finished:
-                request.metrics.finished_time = now
-                del self.requests[request.request_id]
+                request.metrics.finished_time = request.metrics.finished_time or now
+                self.requests.pop(request.request_id, None)  # a failed one is gone already
         return outputs
 
     def _compress(self, seq: Sequence) -> None:
@@ -553,4 +636,5 @@ class LLMEngine:
             finished=request.finished,
             metrics=request.metrics,
             num_cached_tokens=max(s.num_cached_tokens for s in request.seqs),
+            error=request.error,
         )

@@ -36,10 +36,11 @@ from minivllm_jax.kv_compression import needs_scores
 from minivllm_jax.models.llama import Params, model_dtype, unstack_layers
 from minivllm_jax.program_cache import ProgramCache
 from minivllm_jax.runtime import program_cache_dir
-from minivllm_jax.sampler import SampleResult, SamplingArrays, make_sampling_arrays
+from minivllm_jax.sampler import SampleResult, SamplingArrays, make_sampling_arrays, sampling_arrays
 from minivllm_jax.step import (PenaltyRows, PenaltyState, copy_pages_jit, engine_multi_step_jit, engine_step_jit,
                                engine_verify_step_jit, gather_pages_jit, init_penalty_state, load_penalty_row_jit,
                                page_attention_scores_jit, scatter_pages_jit)
+from minivllm_jax.structured_output import fill_bitmasks
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,15 @@ class PendingStep:
             return [StepResult(tokens[:n], logprobs[:n], top_ids, top_logprobs)]
         return [StepResult(tokens[j, :n], logprobs[j, :n], None if top_ids is None else top_ids[j],
                            None if top_logprobs is None else top_logprobs[j]) for j in range(self.num_steps)]  # fmt: skip
+
+
+class RowsFailed(Exception):
+    """Preparing some rows of a step on the host failed; nothing was dispatched. `errors`: each
+    failing row's index in the batch and what it raised (the other rows are fine)."""
+
+    def __init__(self, errors: dict[int, Exception]) -> None:
+        super().__init__("; ".join(f"row {i}: {type(e).__name__}: {e}" for i, e in errors.items()))
+        self.errors = errors
 
 
 class ModelRunner:
@@ -192,7 +202,7 @@ class ModelRunner:
             self._exercise(*program)
         if cfg.preemption_mode != "recompute" or cfg.kv_disk_dir is not None:  # compiles the page moves too
             self.page_copy_bytes_per_s = self.measure_page_copy()
-        if cfg.kv_compression is not None and needs_scores(cfg.kv_compression):
+        if cfg.allow_request_kv_compression or (cfg.kv_compression is not None and needs_scores(cfg.kv_compression)):
             self._page_scores(Chunk([0], 0, [SCRATCH_PAGE]))
         jax.block_until_ready(self.cache)
         self._warm = True
@@ -232,36 +242,47 @@ class ModelRunner:
         """Dispatch one step (model and sampling in one program) and return without waiting;
         only the sampled tokens come back, when `fetch()`ed. Placeholder tokens in the batch
         (`-(row + 1)`) take the previous dispatched step's sampled token of that row."""
-        step_batch = self.prepare(batch)
         seqs = batch.seqs
-        num_seqs = step_batch.num_seqs
-        self._load_new_penalty_rows(seqs)
         kind = "verify" if batch.drafts else "step" if batch.num_steps == 1 else "multi_step"
-        rows = [(s.params, s.seed, s.index, len(s.output_token_ids)) for s in seqs]
+        num_tokens, num_seqs = self._bucket(batch)
+        chunks, errors = self._row_chunks(batch)
+        rows = [(s.sampling_row, len(s.output_token_ids)) for s in seqs]  # typed when the request was added
+        num_rows = num_seqs
         if kind == "verify":  # rows at each last token and draft token: draft token j is output number n + j
-            rows = [(*row[:3], row[3] + j) for i, row in enumerate(rows) for j in range(1 + len(batch.draft(i)))]
-            num_rows = self.config.verify_rows(step_batch.num_tokens, num_seqs)
-            inputs = (step_batch, self._sampling_arrays(batch, rows, num_rows), self._penalty_rows(seqs, num_seqs),
-                      _verify_logit_rows(batch, step_batch, num_rows))  # fmt: skip
-        else:
-            inputs = (step_batch, self._sampling_arrays(batch, rows, num_seqs), self._penalty_rows(seqs, num_seqs))
+            rows = [(row, step + j) for i, (row, step) in enumerate(rows) for j in range(1 + len(batch.draft(i)))]
+            num_rows = self.config.verify_rows(num_tokens, num_seqs)
+        sampling = self._sampling_arrays(batch, rows, num_rows, errors)
+        if errors:  # before anything is dispatched: the engine fails those rows and runs the rest
+            raise RowsFailed(errors)
+        step_batch = self._step_batch(batch, chunks, num_tokens, num_seqs)
+        self._load_new_penalty_rows(seqs)
+        inputs = (step_batch, sampling, self._penalty_rows(seqs, num_seqs))
+        if kind == "verify":
+            inputs += (_verify_logit_rows(batch, step_batch, num_rows),)
         if self.channel is not None:  # the other processes run this step too
             self.channel.announce(distributed.STEP_OPS[kind], step_batch.num_tokens, num_seqs, inputs)
         result = self._run_step(step_batch.num_tokens, num_seqs, inputs, kind)
         return PendingStep(result, len(rows), any(s.params.logprobs is not None for s in seqs), batch.num_steps)
 
-    def _sampling_arrays(self, batch: ScheduledBatch, rows: list, num_rows: int) -> SamplingArrays:
+    def _sampling_arrays(self, batch: ScheduledBatch, rows: list, num_rows: int,
+                         errors: dict[int, Exception]) -> SamplingArrays:  # fmt: skip
         """The per-row sampling settings, with the allowed-token bitmask of each row that samples
         under a grammar (structured output; such rows are never multi-step or drafted, so a
-        sequence's row is its index plus the draft rows before it)."""
-        arrays = make_sampling_arrays(rows, num_rows, self.model_config.vocab_size)
-        row, constrained = 0, False
+        sequence's row is its index plus the draft rows before it). A row whose grammar fails
+        to give its mask is recorded in `errors`."""
+        arrays = sampling_arrays(rows, num_rows, self.model_config.vocab_size)
+        row, constrained = 0, {}  # batch index -> (grammar, bitmask row)
         for i, seq in enumerate(batch.seqs):
             if seq.grammar is not None and batch.samples_next_token(i):
-                seq.grammar.fill_bitmask(arrays.token_bitmask, row)
-                constrained = True
+                constrained[i] = (seq.grammar, row)
             row += 1 + len(batch.draft(i))
-        return dataclasses.replace(arrays, use_bitmask=np.bool_(True)) if constrained else arrays
+        if not constrained:
+            return arrays
+        # All rows' masks in one call (llguidance's thread pool); a failure is that row's alone.
+        for i, error in zip(constrained, fill_bitmasks(arrays.token_bitmask, list(constrained.values()))):
+            if error is not None:
+                errors[i] = error
+        return dataclasses.replace(arrays, use_bitmask=np.bool_(True))
 
     def _run_step(self, num_tokens: int, num_seqs: int, inputs: tuple, kind: str = "step") -> SampleResult:
         program = self._step_program(num_tokens, num_seqs, kind)
@@ -400,16 +421,33 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch) -> StepBatch:
         """The flat host arrays of the step, in the smallest bucket that holds it."""
-        cfg = self.config
-        num_tokens = bucket_for(batch.num_tokens, cfg.token_buckets)
-        num_seqs = bucket_for(len(batch.seqs), cfg.seq_buckets(num_tokens))
-        chunks = [  # a sequence with dropped pages (KV compression) feeds its tokens at shifted slots
-            Chunk(seq.tokens_between(seq.num_computed_tokens, seq.num_computed_tokens + q - len(batch.draft(i)))
-                  + list(batch.draft(i)), seq.num_computed_tokens - seq.num_dropped_tokens, seq.pages,
-                  seq.num_dropped_tokens)
-            for i, (seq, q) in enumerate(zip(batch.seqs, batch.num_new_tokens))
-        ]  # fmt: skip
+        chunks, errors = self._row_chunks(batch)
+        if errors:
+            raise RowsFailed(errors)
+        return self._step_batch(batch, chunks, *self._bucket(batch))
+
+    def _bucket(self, batch: ScheduledBatch) -> tuple[int, int]:
+        """(tokens, sequences) of the smallest step program that holds the batch."""
+        num_tokens = bucket_for(batch.num_tokens, self.config.token_buckets)
+        return num_tokens, bucket_for(len(batch.seqs), self.config.seq_buckets(num_tokens))
+
+    def _row_chunks(self, batch: ScheduledBatch) -> tuple[list[Chunk], dict[int, Exception]]:
+        """What each sequence feeds, its tokens already int32 (so building the step cannot fail
+        on one row's values); a row that raises is recorded instead (index -> error)."""
+        chunks, errors = [], {}
+        for i, (seq, q) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            try:  # a sequence with dropped pages (KV compression) feeds its tokens at shifted slots
+                start = seq.num_computed_tokens
+                tokens = seq.tokens_between(start, start + q - len(batch.draft(i))) + list(batch.draft(i))
+                chunks.append(Chunk(np.asarray(tokens, np.int32), start - seq.num_dropped_tokens, seq.pages,
+                                    seq.num_dropped_tokens))  # fmt: skip
+            except Exception as e:  # noqa: BLE001 (any failure is that row's alone)
+                errors[i] = e
+        return chunks, errors
+
+    def _step_batch(self, batch: ScheduledBatch, chunks: list[Chunk], num_tokens: int, num_seqs: int) -> StepBatch:
         lookahead = 0 if batch.num_steps == 1 else batch.num_steps  # the pages every inner step writes
+        cfg = self.config
         return build_step_batch(chunks, cfg.page_size, num_tokens, num_seqs, cfg.num_listed_pages(num_seqs), lookahead)
 
     def _penalty_rows(self, seqs: tuple[Sequence, ...], num_seqs: int) -> PenaltyRows:

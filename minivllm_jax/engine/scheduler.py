@@ -103,8 +103,9 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.swap_pool = swap_pool
-        self.swap_outs: list[SwappedKV] = []  # pages to copy out, in order, before the next step
-        self.swap_ins: list[tuple[SwappedKV, list[int]]] = []  # ... and to copy back into these pages
+        # Pages to copy out, in order, before the next step (each with its sequence) ...
+        self.swap_outs: list[tuple[Sequence, SwappedKV]] = []
+        self.swap_ins: list[tuple[Sequence, SwappedKV, list[int]]] = []  # ... and to copy back into these pages
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -141,7 +142,7 @@ class Scheduler:
         per_token = self.costs.seconds_per_prompt_token()
         if allow_swap and pool is not None and pool.should_swap(computed, seq.num_computed_tokens, per_token):
             seq.swapped = pool.take(seq.pages[:computed])
-            self.swap_outs.append(seq.swapped)
+            self.swap_outs.append((seq, seq.swapped))
             bm.free_pages(seq, keep_progress=True)
         else:
             if pool is not None:
@@ -160,6 +161,24 @@ class Scheduler:
             self.swap_pool.release(seq.swapped)
             seq.swapped = None
 
+    def recompute(self, seq: Sequence) -> None:
+        """Give back its pages and requeue it to be computed again from its tokens (its pages
+        hold nothing usable: a failed page copy)."""
+        if seq in self.running:
+            self.preempt(seq, allow_swap=False)
+        else:
+            self.block_manager.free_pages(seq)
+            self.forget_swapped(seq)
+
+    def swap_out_failed(self, seq: Sequence, swapped: SwappedKV) -> None:
+        """Its pages could not be copied out: recompute it from its tokens instead (if it was
+        already re-admitted, its swap-in finds no data and recomputes it then)."""
+        self.swap_pool.release(swapped)
+        if seq.swapped is swapped:
+            seq.swapped = None
+            seq.num_computed_tokens = seq.num_dropped_tokens = 0
+        self.swap_pool.num_recomputes += 1
+
     def forget_swapped(self, seq: Sequence) -> None:
         """Recompute a swapped-out sequence instead (its copy is not trusted: the cache was lost)."""
         if seq.swapped is not None:
@@ -168,9 +187,32 @@ class Scheduler:
 
     def drop_page_moves(self) -> None:
         """Forget the queued swap copies (after a failure; the sequences are recomputed)."""
-        for swapped, _ in self.swap_ins:
+        for _, swapped, _ in self.swap_ins:
             self.swap_pool.release(swapped)
         self.swap_outs, self.swap_ins = [], []
+
+    def reset(self) -> None:
+        """Rebuild the accounting from scratch once no sequence is left (after `recover`): every
+        penalty slot free, no page move queued, the swap pool empty."""
+        if self.running or self.waiting:
+            raise RuntimeError(f"reset() with {len(self.running)} running and {len(self.waiting)} waiting sequences")
+        self.swap_outs, self.swap_ins = [], []
+        self.free_penalty_slots = list(range(self.config.max_num_seqs))
+        if self.swap_pool is not None:
+            self.swap_pool.reset()
+
+    def check_accounting(self) -> None:
+        """Raise AssertionError unless the penalty slots and the swap pool match the sequences
+        that hold them (tests call it after every fault)."""
+        seqs = self.running + self.waiting
+        held = [s.penalty_slot for s in seqs if s.penalty_slot is not None]
+        if sorted(held + self.free_penalty_slots) != list(range(self.config.max_num_seqs)):
+            raise AssertionError(f"penalty slots: held {sorted(held)}, free {sorted(self.free_penalty_slots)}")
+        if self.swap_pool is not None:
+            swapped = [s.swapped for s in seqs if s.swapped is not None] + [kv for _, kv, _ in self.swap_ins]
+            used = sum(kv.num_pages for kv in {id(kv): kv for kv in swapped}.values())
+            if used != self.swap_pool.used_pages:
+                raise AssertionError(f"swap pool: {self.swap_pool.used_pages} pages used, sequences hold {used}")
 
     def _take_penalty_slot(self, seq: Sequence) -> None:
         if seq.params.uses_penalties:
@@ -233,7 +275,7 @@ class Scheduler:
                 swapped = seq.swapped
                 bm.allocate(seq)
                 if swapped is not None:  # resumes where it was: copy its KV back first
-                    self.swap_ins.append((swapped, seq.pages[: swapped.num_pages]))
+                    self.swap_ins.append((seq, swapped, seq.pages[: swapped.num_pages]))
                     self.swap_pool.num_swap_ins += 1
                     seq.swapped = None
                 admitted += 1

@@ -8,6 +8,7 @@ import time
 from typing import TYPE_CHECKING
 
 from minivllm_jax.outputs import TokenLogprobs
+from minivllm_jax.sampler import sampling_row
 from minivllm_jax.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -56,6 +57,9 @@ class Sequence:
         self.params = params
         self.priority = priority
         self.seed = seed  # the request's PRNG seed: tokens depend only on (seed, index, step)
+        # Its row of the step's sampling arrays, typed now: a value that does not fit raises
+        # ValueError here, where the request is added, never inside a step.
+        self.sampling_row = sampling_row(params, seed, index)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.streaming = streaming  # a client reads tokens as they come: its TPOT matters
         self.cache_salt = cache_salt  # prefix-cache pages are shared only with requests of the same salt

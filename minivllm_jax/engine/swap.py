@@ -29,6 +29,7 @@ class SwappedKV:
     num_pages: int
     source_pages: list[int]  # device pages to copy out (freed by the block manager already)
     data: Any = None  # the copied pages (a KVCache-shaped tree, pages on axis 1) once dispatched
+    released: bool = False  # its pages were given back to the pool
 
 
 class SwapPool:
@@ -63,7 +64,13 @@ class SwapPool:
         return SwappedKV(len(source_pages), list(source_pages))
 
     def release(self, swapped: SwappedKV) -> None:
-        """The sequence resumed (its pages were copied back) or ended while swapped out."""
-        self.used_pages -= swapped.num_pages
-        assert self.used_pages >= 0, "swap pool released twice"
+        """The sequence resumed (its pages were copied back) or ended while swapped out.
+        Idempotent: a second release of the same pages (a failure path) does nothing."""
+        if not swapped.released:
+            swapped.released = True
+            self.used_pages -= swapped.num_pages
         swapped.data = None
+
+    def reset(self) -> None:
+        """Nothing is swapped out any more (`Scheduler.reset`, after a recovery)."""
+        self.used_pages = 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import logging
 
 import jax
 import numpy as np
@@ -23,9 +24,27 @@ from minivllm_jax.engine.block_manager import BlockManager, CachedPage
 from minivllm_jax.engine.kv_disk import DiskPageStore
 from minivllm_jax.engine.runner import ModelRunner
 from minivllm_jax.engine.scheduler import Scheduler
+from minivllm_jax.engine.sequence import Sequence
 from minivllm_jax.engine.swap import SwapPool
 from minivllm_jax.kv_cache import KVCache, kv_bytes_per_page
 from minivllm_jax.models.llama import Params
+
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class FailedMoves:
+    """What the page copies that failed cost: sequences to recompute from their tokens (their
+    pages were requeued by `Scheduler.preempt`; drop them from the step) and sequences whose
+    pages hold nothing usable and cannot be refilled the same way (fail their requests)."""
+
+    recompute: list[Sequence] = dataclasses.field(default_factory=list)
+    failed: list[Sequence] = dataclasses.field(default_factory=list)
+    error: str = ""
+
+    def __bool__(self) -> bool:
+        return bool(self.recompute or self.failed)
 
 
 def kv_layout_fingerprint(model_config: ModelConfig, config: EngineConfig, params: Params, cache: KVCache) -> str:
@@ -69,21 +88,56 @@ class KVTiers:
         if self.swap_pool is not None and self.runner.page_copy_bytes_per_s is not None:
             self.swap_pool.bytes_per_second = self.runner.page_copy_bytes_per_s
 
-    def move_pages(self, sched: Scheduler, bm: BlockManager) -> None:
-        """Dispatch the copies `sched` and `bm` queued, in the order of the module docstring."""
-        for swapped in sched.swap_outs:
-            swapped.data = self.runner.gather_pages(swapped.source_pages)
-        sched.swap_outs = []
-        if bm.evicted:
-            self.write_to_disk(bm.evicted)
-            bm.evicted = []
-        for swapped, pages in sched.swap_ins:
-            self.runner.scatter_pages(swapped.data, pages)
-            sched.swap_pool.release(swapped)
-        sched.swap_ins = []
-        if bm.loaded:
-            self.runner.scatter_pages(self.runner.host_pieces([a for _, a in bm.loaded]), [p for p, _ in bm.loaded])
-            bm.loaded = []
+    def move_pages(self, sched: Scheduler, bm: BlockManager) -> FailedMoves:
+        """Dispatch the copies `sched` and `bm` queued, in the order of the module docstring.
+
+        Each move is a transaction of its own sequence: every queue is emptied before its
+        copies run (a failed copy is never retried by a later step), and a copy that raises
+        costs only its sequence. A failed swap-out or swap-in recomputes the sequence from its
+        tokens; a failed disk write only leaves those pages out of the disk tier; a failed disk
+        load uncaches the pages and fails the sequences holding them (recomputing would load
+        the same pages again)."""
+        out = FailedMoves()
+        swap_outs, sched.swap_outs = sched.swap_outs, []
+        for seq, swapped in swap_outs:
+            try:
+                swapped.data = self.runner.gather_pages(swapped.source_pages)
+            except Exception as e:  # noqa: BLE001 (only this sequence's copy is lost)
+                logger.exception("swapping out %r failed; it is recomputed instead", seq)
+                out.error = f"{type(e).__name__}: {e}"
+                sched.swap_out_failed(seq, swapped)
+        evicted, bm.evicted = bm.evicted, []
+        if evicted:
+            try:
+                self.write_to_disk(evicted)
+            except Exception:  # noqa: BLE001 (a cache: the pages are simply not on disk)
+                logger.exception("writing %d evicted pages to the disk tier failed; they are dropped", len(evicted))
+        swap_ins, sched.swap_ins = sched.swap_ins, []
+        for seq, swapped, pages in swap_ins:
+            try:
+                if swapped.data is None:
+                    raise RuntimeError("its pages were never copied out")
+                self.runner.scatter_pages(swapped.data, pages)
+            except Exception as e:  # noqa: BLE001
+                logger.exception("swapping in %r failed; it is recomputed instead", seq)
+                out.error = f"{type(e).__name__}: {e}"
+                if not seq.is_finished:
+                    sched.recompute(seq)
+                    out.recompute.append(seq)
+            finally:
+                sched.swap_pool.release(swapped)
+        loaded, bm.loaded = bm.loaded, []
+        if loaded:
+            try:
+                self.runner.scatter_pages(self.runner.host_pieces([a for _, a in loaded]), [p for p, _ in loaded])
+            except Exception as e:  # noqa: BLE001
+                logger.exception("loading %d pages from the disk tier failed; failing the sequences that hold them",
+                                 len(loaded))  # fmt: skip
+                out.error = f"{type(e).__name__}: {e}"
+                pages = {p for p, _ in loaded}
+                bm.drop_cached(pages)
+                out.failed += [s for s in sched.running + sched.waiting if pages.intersection(s.pages)]
+        return out
 
     def write_to_disk(self, pages: list[tuple[int, CachedPage]]) -> None:
         """Queue cached pages for the disk tier: copied now (in step order), written by its thread."""
