@@ -19,7 +19,7 @@ from minivllm_jax.config import EngineConfig, ModelConfig, check_kv_cache_dtype
 from minivllm_jax.engine.engine import LLMEngine
 from minivllm_jax.engine.router import PrefixRouter
 from minivllm_jax.kv_cache import kv_bytes_per_page
-from minivllm_jax.kv_compression import KVCompressionConfig  # noqa: TC001 (the parameter's type)
+from minivllm_jax.kv_compression import KVCompressionConfig, needs_scores  # noqa: TC001 (a parameter's type)
 from minivllm_jax.models.llama import Params, unstack_layers
 from minivllm_jax.outputs import RequestOutput
 from minivllm_jax.parallel import check_tensor_parallel, make_mesh
@@ -110,6 +110,7 @@ class LLM:
         kv_disk_dir: str | None = None,
         kv_disk_gb: float = 10.0,
         kv_compression: dict | KVCompressionConfig | None = None,
+        allow_request_kv_compression: bool = False,
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
         seed: int = 0,
@@ -166,9 +167,13 @@ class LLM:
             kv_disk_dir=kv_disk_dir,
             kv_disk_gb=kv_disk_gb,
             kv_compression=kv_compression,
+            allow_request_kv_compression=allow_request_kv_compression,
         )
         if (preemption_mode != "recompute" or kv_disk_dir is not None) and distributed.is_multiprocess():
             raise ValueError("preemption_mode swap/auto and kv_disk_dir run in one process, not across several")
+        if distributed.is_multiprocess() and (allow_request_kv_compression or (
+                config.kv_compression is not None and needs_scores(config.kv_compression))):  # fmt: skip
+            raise ValueError("KV compression by page scores and per-request policies run in one process, not several")
         eos = _eos_ids(cfg, model_dir, self.tokenizer)
         # Data parallelism: one engine per replica, each on its own slice of the devices; the
         # replicas' seeds differ so that unseeded sampling does not repeat across them.
