@@ -21,21 +21,66 @@ How it runs:
 - A constrained row's next mask depends on the token just sampled, so the engine reads a step
   with constrained rows before scheduling the next (no async overlap for those steps), and
   never puts constrained rows in a multi-step or speculative batch.
+
+What one grammar may cost (so a costly grammar slows or fails only its own request):
+- llguidance's parser limits (`GRAMMAR_LIMITS`) turn lexer and Earley-parser blow-ups into a
+  grammar error instead of unbounded work.
+- A compile (and the grammar's first mask, computed on the compile thread so it also warms the
+  lexer the engine then shares) must finish within `GRAMMAR_COMPILE_TIMEOUT_S`, and the first
+  mask within `GRAMMAR_MASK_BUDGET_S`, or the constraint is refused with a ValueError (a 400 on
+  the server) naming its field. llguidance cannot be interrupted: a caller stops waiting at the
+  deadline while the compile thread finishes (its work is bounded only by what llguidance does
+  with the grammar text, itself bounded by the request body limit).
+- The masks of all constrained rows of a step are computed in one call on llguidance's own
+  thread pool (`fill_bitmasks`), outside the GIL. When that call is slower than the budget, each
+  row is timed alone and a grammar whose mask costs more than `GRAMMAR_MASK_BUDGET_S` is
+  stopped; it, and a grammar that reaches a limit while generating, fails its own request (the
+  engine runs the step without it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+# llguidance's parser limits (llguidance.LLParserLimits), spelled out so they are documented.
+# Reaching one is a grammar error: at compile (a 400 naming the field) or while generating
+# (that request alone ends with finish_reason "error").
+GRAMMAR_LIMITS = {
+    "max_items_in_row": 2000,  # Earley items in one parser row (ambiguity / alternatives)
+    "initial_lexer_fuel": 1_000_000,  # work to build the lexer's regex expressions
+    "step_lexer_fuel": 200_000,  # lexer work in one token mask
+    "step_max_items": 50_000,  # Earley items in one token mask
+    "max_lexer_states": 50_000,  # lexer DFA states (about 1-2 kB each: ~100 MB a grammar at most)
+    "max_grammar_size": 500_000,  # symbols in the grammar's productions
+}
+# How long a request waits for its constraint to compile (and its first mask to be computed).
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0
+# The most one grammar's token mask may take (its first at compile, any later one in a step);
+# typical JSON schemas take well under 1 ms on a 49k vocabulary.
+GRAMMAR_MASK_BUDGET_S = 0.05
+# Threads compiling constraints: one costly compile does not hold up the others.
+GRAMMAR_COMPILE_THREADS = 2
+# Threads computing a step's masks (llguidance's executor).
+MASK_FILL_THREADS = max(1, min(8, os.cpu_count() or 1))
+
+
+def _parser_limits() -> Any:
+    import llguidance
+
+    # verbose_errors off: an error names the limit, without dumping the parser state and grammar
+    return llguidance.LLParserLimits(**GRAMMAR_LIMITS, verbose_errors=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,27 +175,103 @@ def as_structured_outputs(value: StructuredOutputsParams | dict | None) -> Struc
     raise ValueError(f"structured_outputs must be a StructuredOutputsParams, a dict or None, got {type(value).__name__}")
 
 
+def _error_of(matcher: Any) -> str:
+    """llguidance's error text, without the marker it appends when errors are not verbose."""
+    return matcher.get_error().replace("<non-verbose/>", "").strip()
+
+
 class Grammar:
     """One sequence's matcher: which tokens may come next, advanced by each token it samples."""
 
     def __init__(self, matcher: Any) -> None:
         self._matcher = matcher
+        self.failure: str | None = None  # why it can go no further (too costly, or it broke on a token)
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
-        """Write the allowed next tokens into `bitmask[row]` (bit `t % 32` of word `t // 32`)."""
+        """Write the allowed next tokens into `bitmask[row]` (bit `t % 32` of word `t // 32`).
+        Raises RuntimeError if the grammar was stopped or reached one of llguidance's limits."""
         import llguidance.numpy
 
+        self._check()
         llguidance.numpy.fill_next_token_bitmask(self._matcher, bitmask, row)
+        self._check()
+
+    def _check(self) -> None:
+        if self.failure is not None:
+            raise RuntimeError(self.failure)
+        if self._matcher.is_error():  # a limit reached while computing a mask
+            raise RuntimeError(f"the output grammar failed: {_error_of(self._matcher)}")
 
     def accept(self, token: int) -> None:
-        """Advance by a sampled token. Raises RuntimeError if the grammar did not allow it."""
-        if not self._matcher.consume_token(token) or self._matcher.is_error():
-            raise RuntimeError(f"token {token} broke the output grammar: {self._matcher.get_error()}")
+        """Advance by a sampled token. The mask allowed it, so a grammar that breaks on it
+        reached one of llguidance's limits: the next mask raises, failing this sequence's
+        request with the reason (the step runs without it)."""
+        if self.failure is None and (not self._matcher.consume_token(token) or self._matcher.is_error()):
+            self.failure = f"the output grammar failed at token {token}: {_error_of(self._matcher)}"
 
     @property
     def finished(self) -> bool:
         """The grammar is complete: nothing but the end of the sequence may follow."""
-        return self._matcher.is_stopped()
+        return self.failure is None and self._matcher.is_stopped() and not self._matcher.is_error()
+
+
+_executor_lock = threading.Lock()
+_executor: Any = None
+
+
+def _mask_executor() -> Any:
+    """llguidance's thread pool for masks, made once a process."""
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            import llguidance
+
+            _executor = llguidance.LLExecutor(num_threads=MASK_FILL_THREADS)
+        return _executor
+
+
+def fill_bitmasks(bitmask: np.ndarray, rows: Sequence[tuple[Grammar, int]]) -> list[Exception | None]:
+    """Write each grammar's allowed next tokens into its row of `bitmask` (`int32[B, V/32]`),
+    all rows in one call on llguidance's thread pool (outside the GIL); the same rows as
+    `Grammar.fill_bitmask` on each. Returns, for each of `rows`, None or the error that fails
+    that row alone: its grammar reached a limit, or it is too costly. A call slower than the
+    mask budget (per row a thread computed) is rare: then each row is timed alone, and a
+    grammar over `GRAMMAR_MASK_BUDGET_S` is stopped, so it ends its own request, not
+    everyone's steps."""
+    import llguidance.numpy
+
+    live = [i for i, (grammar, _) in enumerate(rows) if grammar.failure is None and not grammar._matcher.is_error()]
+    start = time.perf_counter()
+    try:
+        if live:
+            matchers = [(rows[i][0]._matcher, rows[i][1]) for i in live]
+            llguidance.numpy.fill_next_token_bitmask_par(_mask_executor(), matchers, bitmask)
+        slow = time.perf_counter() - start > GRAMMAR_MASK_BUDGET_S * -(-len(live) // MASK_FILL_THREADS)
+    except Exception:  # noqa: BLE001 (which row? each is computed alone below)
+        slow = True
+    errors: list[Exception | None] = []
+    for grammar, row in rows:
+        try:
+            if slow:
+                _fill_within_budget(grammar, bitmask, row)
+            else:
+                grammar._check()
+            errors.append(None)
+        except Exception as e:  # noqa: BLE001 (that row's alone)
+            errors.append(e)
+    return errors
+
+
+def _fill_within_budget(grammar: Grammar, bitmask: np.ndarray, row: int) -> None:
+    """Fill one row alone, timed (a mask can be computed again); a grammar whose mask took
+    longer than `GRAMMAR_MASK_BUDGET_S` is stopped: raises RuntimeError, now and on every fill."""
+    start = time.perf_counter()
+    grammar.fill_bitmask(bitmask, row)
+    took = time.perf_counter() - start
+    if took > GRAMMAR_MASK_BUDGET_S:
+        grammar.failure = (f"the output grammar is too costly to follow: one token mask took {took * 1e3:.0f} ms "
+                           f"(limit {GRAMMAR_MASK_BUDGET_S * 1e3:.0f} ms)")  # fmt: skip
+        grammar._check()
 
 
 class CompiledGrammar:
@@ -164,7 +285,7 @@ class CompiledGrammar:
 
 
 class GrammarCompiler:
-    """Compiles constraints for one tokenizer and vocabulary, on its own worker thread, with an
+    """Compiles constraints for one tokenizer and vocabulary, on its own worker threads, with an
     LRU cache of compiled grammars (the same schema from many requests compiles once).
 
     `vocab_size` is the model's (the logits' width; tokens the tokenizer lacks are never
@@ -196,30 +317,50 @@ class GrammarCompiler:
 
     def _compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         import llguidance
+        import llguidance.numpy
 
-        grammar = spec.llguidance_grammar()
-        matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
+        tokenizer = self._tokenizer()  # built once, not counted against the grammar
+        field = f"structured_outputs.{spec.kind}"
+        start = time.perf_counter()
+        matcher = llguidance.LLMatcher(tokenizer, spec.llguidance_grammar(), log_level=0, limits=_parser_limits())
         if matcher.is_error():
-            raise ValueError(f"invalid structured_outputs.{spec.kind}: {matcher.get_error()}")
-        self.num_compiled += 1
+            raise ValueError(f"invalid {field}: {_error_of(matcher)}")
+        # The first mask here, not on the engine thread: it builds the lexer states that every
+        # sequence's copy then shares, and shows a grammar too costly to serve before it is.
+        probe, mask = matcher.deep_copy(), np.zeros((1, -(-self.vocab_size // 32)), np.int32)
+        mask_start = time.perf_counter()
+        llguidance.numpy.fill_next_token_bitmask(probe, mask, 0)
+        now = time.perf_counter()
+        if probe.is_error():
+            raise ValueError(f"invalid {field}: {_error_of(probe)}")
+        if now - mask_start > GRAMMAR_MASK_BUDGET_S:
+            took, limit = (now - mask_start) * 1e3, GRAMMAR_MASK_BUDGET_S * 1e3
+            raise ValueError(f"{field} is too costly to follow: its first token mask took {took:.0f} ms "
+                             f"(limit {limit:.0f} ms)")  # fmt: skip
+        if now - start > GRAMMAR_COMPILE_TIMEOUT_S:  # its waiters gave up: not cached either
+            raise ValueError(_timeout_message(field))
+        with self._lock:
+            self.num_compiled += 1
         return CompiledGrammar(matcher)
 
     def submit(self, spec: StructuredOutputsParams) -> Future:
-        """A future of the compiled grammar (done at once on a cache hit); a bad constraint
-        fails the future with a ValueError."""
+        """A future of the compiled grammar (done at once on a cache hit); a bad constraint, or
+        one not compiled within `GRAMMAR_COMPILE_TIMEOUT_S`, fails the future with a ValueError."""
         with self._lock:
             future = self._cache.get(spec.key)
-            if future is not None:
+            if future is None:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(max_workers=GRAMMAR_COMPILE_THREADS, thread_name_prefix="grammar")
+                future = self._pool.submit(self._compile, spec)
+                self._cache[spec.key] = future
+                while len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+                future.add_done_callback(self._forget_failure(spec.key))
+            else:
                 self._cache.move_to_end(spec.key)
-                return future
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
-            future = self._pool.submit(self._compile, spec)
-            self._cache[spec.key] = future
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
-        future.add_done_callback(self._forget_failure(spec.key))
-        return future
+        if future.done():
+            return future
+        return _with_deadline(future, GRAMMAR_COMPILE_TIMEOUT_S, _timeout_message(f"structured_outputs.{spec.kind}"))
 
     def _forget_failure(self, key: str):
         def forget(future: Future) -> None:  # a failed compile is not kept: the next try says why again
@@ -238,3 +379,38 @@ class GrammarCompiler:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _timeout_message(field: str) -> str:
+    return f"{field} did not compile within {GRAMMAR_COMPILE_TIMEOUT_S:g} s; use a smaller or simpler constraint"
+
+
+def _with_deadline(inner: Future, timeout_s: float, message: str) -> Future:
+    """A future with `inner`'s outcome, or a ValueError(message) once `timeout_s` has passed.
+    llguidance cannot be interrupted: the compile behind `inner` runs on; the caller stops waiting."""
+    outer: Future = Future()
+    outer.set_running_or_notify_cancel()
+
+    def settle(error: BaseException | None, result: Any = None) -> None:
+        try:
+            if error is None:
+                outer.set_result(result)
+            else:
+                outer.set_exception(error)
+        except InvalidStateError:  # the other of deadline and compile came first
+            pass
+
+    def copy(done: Future) -> None:
+        timer.cancel()
+        if done.cancelled():
+            settle(RuntimeError("the grammar compiler was closed"))
+        elif done.exception() is not None:
+            settle(done.exception())
+        else:
+            settle(None, done.result())
+
+    timer = threading.Timer(timeout_s, lambda: settle(ValueError(message)))
+    timer.daemon = True
+    timer.start()
+    inner.add_done_callback(copy)
+    return outer
