@@ -55,7 +55,7 @@ GOOD_PROMPT, GOOD_TOKENS = "ab", 40
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 # The example budget per fuzz test: enough to hit every strategy branch many times, small
 # enough that the module runs in well under a minute.
-FUZZ_EXAMPLES = 200
+FUZZ_EXAMPLES = 150
 FUZZ_SETTINGS = settings(
     max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
     phases=(Phase.explicit, Phase.generate), print_blob=False,
@@ -503,6 +503,7 @@ stream_base = st.one_of(
 
 
 def fuzz_http(live: LiveServer, tally: Tally, path: str, case: tuple[dict[str, str], bytes], problems: list[str]) -> None:
+    """Send one fuzz case; a wrong answer (or none) is added to `problems`."""
     headers, body = case
     key = f"http {path} {sorted(headers.items())}"
     try:
@@ -617,7 +618,10 @@ def assert_400_naming(r: httpx.Response, *params: str) -> None:
     assert error_shape_problem(err) is None and (err["param"] or "").split(".")[0] in params, err
 
 
-@pytest.mark.parametrize("path, field, value", OUT_OF_RANGE, ids=[f"{'chat' if p == CHAT else 'completions'}-{f}={v}" for p, f, v in OUT_OF_RANGE])
+OUT_OF_RANGE_IDS = [f"{'chat' if p == CHAT else 'completions'}-{f}={v}" for p, f, v in OUT_OF_RANGE]
+
+
+@pytest.mark.parametrize("path, field, value", OUT_OF_RANGE, ids=OUT_OF_RANGE_IDS)
 def test_out_of_range_numbers_are_400_naming_the_field(live, good, tally, path, field, value):
     before = good.snapshot()
     body = to_json_bytes(body_for(path, **{field: value}))
