@@ -217,3 +217,28 @@ def test_a_costly_grammar_is_refused_within_the_deadline_beside_a_request(llm):
     assert bad.outputs[0].finish_reason == "error"
     assert "structured_outputs.grammar is too costly" in bad.error or "did not compile" in bad.error
     assert good.error is None and good.outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+def test_the_server_refuses_a_costly_grammar_with_a_400_naming_the_field(llm, monkeypatch):
+    """Over HTTP: a grammar too costly to follow, and one past the compile deadline, are 400s
+    naming the request's field; a plain request right after is served."""
+    from tests.test_server_structured import LiveServer, wait_idle
+
+    server = LiveServer(llm)
+    try:
+        r = server.post("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                                 "guided_grammar": ambiguous_grammar(600)})  # fmt: skip
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "guided_grammar", r.text
+        assert "too costly to follow" in err["message"] or "did not compile within" in err["message"]
+        monkeypatch.setattr(so, "GRAMMAR_COMPILE_TIMEOUT_S", 0.05)
+        r = server.post("/v1/completions", {"model": "tiny", "prompt": "x", "guided_grammar": ambiguous_grammar(401)})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "guided_grammar", r.text
+        assert "did not compile within 0.05 s" in err["message"]
+        monkeypatch.setattr(so, "GRAMMAR_COMPILE_TIMEOUT_S", 60.0)
+        r = server.post("/v1/completions", {"model": "tiny", "prompt": "The sea is", "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+        wait_idle(server)
+    finally:
+        server.stop()
