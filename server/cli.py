@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from server.connections import (
     CONNECTION_HEADROOM, HUNG_STEP_TIMEOUT_S, SEND_TIMEOUT_S, WS_IDLE_TIMEOUT_S, ConnectionLimits, DrainingServer,
-    default_limit_concurrency,
+    HeaderDeadlineProtocol, default_limit_concurrency,
 )  # fmt: skip
 from server.security import origin_key
 
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
         timeout_graceful_shutdown=args.shutdown_timeout, ws_max_size=args.max_body_bytes,
         limit_concurrency=args.limit_concurrency or default_limit_concurrency(args.max_queue, limits.max_websockets),
-        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES, http=HeaderDeadlineProtocol,
     )  # fmt: skip
     state = app.state.minivllm
     server = DrainingServer(config, drain=app.state.sockets.drain, engine_error=lambda: engine_failure(state))

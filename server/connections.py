@@ -9,6 +9,9 @@
 - A graceful shutdown drains WebSockets as uvicorn drains HTTP: the request a socket is running
   finishes, later ones get an error, then the socket is closed with 1001 ("going away").
 - `/health` answers 503 while an engine iteration has run for `hung_step_timeout_s`.
+- A request's headers must arrive within `HEADER_READ_TIMEOUT_S` of the connection opening (or
+  of the previous response), its body within `BODY_READ_TIMEOUT_S` (app.py): a client trickling
+  bytes (slowloris) cannot hold a connection, and with it a share of `--limit-concurrency`.
 
 `DrainingServer` is the uvicorn server the CLI runs: it drains WebSockets before uvicorn closes
 them, and exits when the engine loop is down for good so a supervisor restarts the process.
@@ -24,6 +27,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +35,7 @@ SEND_TIMEOUT_S = 30.0  # a send blocked this long (client not reading) aborts th
 WS_IDLE_TIMEOUT_S = 300.0  # a WebSocket with no request for this long is closed (1000)
 HUNG_STEP_TIMEOUT_S = 120.0  # /health is 503 once one engine iteration runs this long (first compiles can be slow)
 BODY_READ_TIMEOUT_S = 30.0  # a request body not fully received by then is a 408
+HEADER_READ_TIMEOUT_S = 20.0  # a connection whose request headers are not complete by then is closed
 CONNECTION_HEADROOM = 64  # --limit-concurrency: requests + WebSockets + this (probes, idle keep-alives)
 # WebSocket close codes (RFC 6455 7.4.1).
 WS_NORMAL, WS_GOING_AWAY, WS_TRY_AGAIN_LATER = 1000, 1001, 1013
@@ -158,3 +163,44 @@ class DrainingServer(uvicorn.Server):
 def _is_websocket(connection: Any) -> bool:
     """uvicorn's WebSocket protocols live in uvicorn.protocols.websockets (HTTP ones elsewhere)."""
     return type(connection).__module__.startswith("uvicorn.protocols.websockets")
+
+
+class HeaderDeadlineProtocol(H11Protocol):
+    """uvicorn's h11 protocol, closing a connection whose request headers are not complete
+    `header_timeout_s` after it opened or after its previous response (uvicorn times out only
+    idle keep-alives: any byte cancels that, so a client trickling headers holds a connection)."""
+
+    header_timeout_s = HEADER_READ_TIMEOUT_S
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._arm_header_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_header_deadline()  # the next request's headers get the same time
+
+    def handle_websocket_upgrade(self, event: Any) -> None:
+        self._disarm_header_deadline()  # the transport now belongs to the WebSocket protocol
+        super().handle_websocket_upgrade(event)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_deadline()
+        super().connection_lost(exc)
+
+    def _arm_header_deadline(self) -> None:
+        self._disarm_header_deadline()
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_deadline_passed)
+
+    def _disarm_header_deadline(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _header_deadline_passed(self) -> None:
+        self._header_timer = None
+        waiting_for_headers = self.cycle is None or self.cycle.response_complete  # no request being served
+        if waiting_for_headers and not self.transport.is_closing():
+            logger.info("closing a connection whose request headers took over %.0f s", self.header_timeout_s)
+            self.transport.close()

@@ -23,7 +23,7 @@ import uvicorn
 import server.app
 from server.app import create_app
 from server.cli import engine_failure
-from server.connections import ConnectionLimits, DrainingServer, default_limit_concurrency
+from server.connections import ConnectionLimits, DrainingServer, HeaderDeadlineProtocol, default_limit_concurrency
 from tests.test_server_units import FakeEngine, FakeTokenizer
 
 DEADLINE_S = 10.0  # generous bound for things that happen within a fraction of a second
@@ -250,6 +250,23 @@ def test_a_body_that_does_not_arrive_in_time_is_a_408(monkeypatch):
             sock.close()
         assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
         assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+
+
+def test_a_connection_trickling_its_headers_is_closed(monkeypatch):
+    monkeypatch.setattr(HeaderDeadlineProtocol, "header_timeout_s", 0.3)
+    with serving(FakeEngine(step_seconds=0.001), http=HeaderDeadlineProtocol) as (srv, url):
+        first = httpx.Client()  # a keep-alive connection: its next request's headers get the same deadline
+        assert first.get(f"{url}/health").status_code == 200
+        slow = [socket.create_connection(("127.0.0.1", srv.config.port)) for _ in range(2)]
+        try:
+            slow[0].sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never finished
+            assert _read_to_end(slow[0]) == b""  # closed without an answer
+            assert _read_to_end(slow[1]) == b""  # nothing sent at all: closed too
+        finally:
+            for sock in slow:
+                sock.close()
+        assert first.get(f"{url}/health").status_code == 200  # a request that is not slow is served
+        first.close()
 
 
 def test_health_is_503_while_a_step_hangs_and_200_again_after():
