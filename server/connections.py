@@ -11,7 +11,8 @@
 - `/health` answers 503 while an engine iteration has run for `hung_step_timeout_s`.
 - A request's headers must arrive within `HEADER_READ_TIMEOUT_S` of the connection opening (or
   of the previous response), its body within `BODY_READ_TIMEOUT_S` (app.py): a client trickling
-  bytes (slowloris) cannot hold a connection, and with it a share of `--limit-concurrency`.
+  bytes (slowloris) cannot hold a connection, and with it a share of `--limit-concurrency`; nor
+  can one that never reads a finished (non-streaming) response.
 
 `DrainingServer` is the uvicorn server the CLI runs: it drains WebSockets before uvicorn closes
 them, and exits when the engine loop is down for good so a supervisor restarts the process.
@@ -35,7 +36,7 @@ SEND_TIMEOUT_S = 30.0  # a send blocked this long (client not reading) aborts th
 WS_IDLE_TIMEOUT_S = 300.0  # a WebSocket with no request for this long is closed (1000)
 HUNG_STEP_TIMEOUT_S = 120.0  # /health is 503 once one engine iteration runs this long (first compiles can be slow)
 BODY_READ_TIMEOUT_S = 30.0  # a request body not fully received by then is a 408
-HEADER_READ_TIMEOUT_S = 20.0  # a connection whose request headers are not complete by then is closed
+HEADER_READ_TIMEOUT_S = 20.0  # a connection with no complete request by then (or no reader for its response) is dropped
 CONNECTION_HEADROOM = 64  # --limit-concurrency: requests + WebSockets + this (probes, idle keep-alives)
 # WebSocket close codes (RFC 6455 7.4.1).
 WS_NORMAL, WS_GOING_AWAY, WS_TRY_AGAIN_LATER = 1000, 1001, 1013
@@ -166,9 +167,11 @@ def _is_websocket(connection: Any) -> bool:
 
 
 class HeaderDeadlineProtocol(H11Protocol):
-    """uvicorn's h11 protocol, closing a connection whose request headers are not complete
+    """uvicorn's h11 protocol, dropping a connection whose request headers are not complete
     `header_timeout_s` after it opened or after its previous response (uvicorn times out only
-    idle keep-alives: any byte cancels that, so a client trickling headers holds a connection)."""
+    idle keep-alives: any byte cancels that, so a client trickling headers holds a connection).
+    The same deadline drops a finished response the client has not taken: uvicorn's close
+    waits for the client to read it, which one that never reads does not."""
 
     header_timeout_s = HEADER_READ_TIMEOUT_S
 
@@ -200,7 +203,7 @@ class HeaderDeadlineProtocol(H11Protocol):
 
     def _header_deadline_passed(self) -> None:
         self._header_timer = None
-        waiting_for_headers = self.cycle is None or self.cycle.response_complete  # no request being served
-        if waiting_for_headers and not self.transport.is_closing():
-            logger.info("closing a connection whose request headers took over %.0f s", self.header_timeout_s)
-            self.transport.close()
+        # No request being served: stalled in its headers, or closing with a response nobody reads.
+        if self.cycle is None or self.cycle.response_complete:
+            logger.info("dropping a connection with no request for %.0f s", self.header_timeout_s)
+            self.transport.abort()

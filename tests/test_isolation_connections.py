@@ -269,6 +269,24 @@ def test_a_connection_trickling_its_headers_is_closed(monkeypatch):
         first.close()
 
 
+def test_a_finished_response_nobody_reads_does_not_hold_its_connection(monkeypatch):
+    """A non-streaming answer larger than the socket buffers, never read: once the response is
+    complete, the connection lasts at most the header deadline (uvicorn's own close would wait
+    for the client to read it, for ever)."""
+    monkeypatch.setattr(HeaderDeadlineProtocol, "header_timeout_s", 0.3)
+    engine = WideEngine(max_model_len=64, step_seconds=0.001)
+    with serving(engine, http=HeaderDeadlineProtocol) as (srv, url):
+        body = json.dumps({"prompt": "x", "max_tokens": WIDE_TOKENS}).encode()
+        reader = _raw_request(srv.config.port, "POST", "/v1/completions", body, rcvbuf=4096)
+        try:
+            state = srv.config.app.state.minivllm
+            _until(lambda: state.metrics.finished["length"] == 1, "the request to finish")
+            _until(lambda: len(srv.server_state.connections) == 0, "the server to drop the connection")
+        finally:
+            reader.close()
+        assert _post(url).status_code == 200
+
+
 def test_health_is_503_while_a_step_hangs_and_200_again_after():
     engine = GatedEngine(step_seconds=0.001)
     limits = ConnectionLimits(hung_step_timeout_s=0.3, max_websockets=2)
