@@ -183,18 +183,21 @@ async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
-    chunks, size = [], 0
+
+    async def read() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     try:
-        async with asyncio.timeout(BODY_READ_TIMEOUT_S):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise _too_large(limit)
-                chunks.append(chunk)
-    except TimeoutError:
+        return await asyncio.wait_for(read(), BODY_READ_TIMEOUT_S)
+    except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
         raise APIError(408, f"the request body did not arrive within {BODY_READ_TIMEOUT_S:g} s",
                        code="request_timeout", headers={"Connection": "close"}) from None  # fmt: skip
-    return b"".join(chunks)
 
 
 def _too_large(limit: int) -> APIError:

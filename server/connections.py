@@ -74,7 +74,7 @@ async def send_within(send: Awaitable[None], timeout_s: float) -> None:
     """Await one send; `SlowReader` if the client's buffers stay full for `timeout_s`."""
     try:
         await asyncio.wait_for(send, timeout_s)
-    except TimeoutError:
+    except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
         raise SlowReader(f"the client read nothing for {timeout_s:g} s") from None
 
 
@@ -120,7 +120,7 @@ class OpenSockets:
         self.draining.set()
         try:
             await asyncio.wait_for(self._empty.wait(), timeout_s)
-        except TimeoutError:
+        except asyncio.TimeoutError:
             logger.warning("%d WebSocket(s) still busy after %.0f s; closing them", self.count, timeout_s)
 
 
