@@ -9,11 +9,16 @@
 // int8 pages (one float scale per token and kv head) are dequantized one (page, head) block at a
 // time into a small buffer that stays in L1, so the scoring code is the same and memory traffic
 // is the int8 bytes.
+//
+// The kernel checks its own inputs before it follows any index (`CheckBatch`): every extent
+// against the others, in int64 (a sum of two int32 fields may overflow int32). A batch that
+// does not fit is an ffi error the caller sees, never a read or write out of bounds.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -293,6 +298,41 @@ struct Int8Pages {
   }
 };
 
+ffi::Error Invalid(const std::string& what) {
+  return ffi::Error::InvalidArgument("ragged_paged_attention: " + what);
+}
+
+// Every sequence that feeds tokens (query_len > 0; padding sequences feed none and are never
+// read) must keep its queries within the T new tokens, and list ceil(context_len / page_size)
+// pages within page_ids, each within the cache's P pages. All sums in int64.
+ffi::Error CheckBatch(int64_t T, int64_t P, int64_t N, int64_t ps, int64_t S, const int32_t* qs, const int32_t* ql,
+                      const int32_t* cl, const int32_t* pst, const int32_t* pid) {
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t q0 = qs[s], n = ql[s], ctx = cl[s], p0 = pst[s];
+    const std::string seq = "sequence " + std::to_string(s) + ": ";
+    if (n < 0) return Invalid(seq + "query_len " + std::to_string(n) + " is negative");
+    if (n == 0) continue;
+    if (q0 < 0 || q0 + n > T) {
+      return Invalid(seq + "query_start " + std::to_string(q0) + " + query_len " + std::to_string(n) +
+                     " is outside the " + std::to_string(T) + " tokens");
+    }
+    if (ctx < 0) return Invalid(seq + "context_len " + std::to_string(ctx) + " is negative");
+    const int64_t n_pages = (ctx + ps - 1) / ps;
+    if (p0 < 0 || p0 + n_pages > N) {
+      return Invalid(seq + "page_start " + std::to_string(p0) + " + " + std::to_string(n_pages) +
+                     " pages of context is outside the " + std::to_string(N) + " listed page ids");
+    }
+    for (int64_t c = 0; c < n_pages; ++c) {
+      const int64_t page = pid[p0 + c];
+      if (page < 0 || page >= P) {
+        return Invalid(seq + "page id " + std::to_string(page) + " is outside the cache's " + std::to_string(P) +
+                       " pages");
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
 template <typename Pages>
 ffi::Error RaggedPagedAttention(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
                                 ffi::Span<const int64_t> cd, Pages pages,
@@ -308,13 +348,22 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, 
   const int64_t T = qd[0], H = qd[1], hd = qd[2], KVH = kd[1];
   const int64_t L = cd[0], P = cd[1], ps = cd[4];
   const int64_t S = query_len.element_count(), N = page_ids.element_count();
-  if (H % KVH != 0 || cd[2] != KVH || cd[3] != hd) {
-    return ffi::Error::InvalidArgument("ragged_paged_attention: head counts or head_dim disagree");
+  if (KVH <= 0 || H % KVH != 0 || cd[2] != KVH || cd[3] != hd || kd[2] != hd) {
+    return Invalid("head counts or head_dim disagree");
   }
-  if (ps > kMaxBlock) return ffi::Error::InvalidArgument("ragged_paged_attention: page_size above 64");
+  if (kd[0] != T || v_new.dimensions().size() != 3 || v_new.element_count() != k_new.element_count()) {
+    return Invalid("k_new and v_new must be [T, KVH, hd] with q's T");
+  }
+  if (static_cast<int64_t>(out->element_count()) != T * H * hd) return Invalid("the output must be q's shape");
+  if (ps < 1 || ps > kMaxBlock) return Invalid("page_size must be 1 to 64");
+  if (static_cast<int64_t>(query_start.element_count()) != S || static_cast<int64_t>(context_len.element_count()) != S ||
+      static_cast<int64_t>(page_start.element_count()) != S) {
+    return Invalid("query_start, query_len, context_len and page_start must have one entry per sequence");
+  }
+  if (layer_buf.element_count() < 1) return Invalid("layer must hold one index");
   const int64_t G = H / KVH;
-  const int32_t layer = layer_buf.typed_data()[0];
-  if (layer < 0 || layer >= L) return ffi::Error::InvalidArgument("ragged_paged_attention: layer out of range");
+  const int64_t layer = layer_buf.typed_data()[0];
+  if (layer < 0 || layer >= L) return Invalid("layer out of range");
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
 
   const float* qp = q.typed_data();
@@ -326,6 +375,7 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, 
   const int32_t* cl = context_len.typed_data();
   const int32_t* pst = page_start.typed_data();
   const int32_t* pid = page_ids.typed_data();
+  if (ffi::Error bad = CheckBatch(T, P, N, ps, S, qs, ql, cl, pst, pid); bad.failure()) return bad;
   float* op = out->typed_data();
   std::memset(op, 0, sizeof(float) * T * H * hd);  // padding tokens give zeros
 
@@ -341,7 +391,7 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, 
   const bool group_heads = n_decodes >= 8;
   std::vector<Item> items;
   for (int64_t s = 0; s < S; ++s) {
-    if (ql[s] <= 0 || qs[s] < 0 || qs[s] + ql[s] > T) continue;
+    if (ql[s] <= 0) continue;  // padding (CheckBatch has checked the others)
     for (int64_t i = 0; i < ql[s]; i += kQueryTile) {
       const int64_t i_hi = std::min<int64_t>(ql[s], i + kQueryTile);
       if (group_heads && ql[s] == 1) {
@@ -375,7 +425,7 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32> q, 
           }
       // Cached context, read in place: every cached token precedes every new one. While a
       // page is scored, the same head's block of the next page is prefetched.
-      const int64_t n_pages = std::min<int64_t>((ctx + ps - 1) / ps, N - pst[s]);
+      const int64_t n_pages = (ctx + ps - 1) / ps;  // all listed and in range (CheckBatch)
       auto page_at = [&](int64_t c) -> int64_t {
         if (c >= n_pages || pst[s] + c < 0) return -1;
         const int64_t page = pid[pst[s] + c];
@@ -437,6 +487,7 @@ ffi::Error RaggedPagedAttentionF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q
                                    ffi::ResultBuffer<ffi::F32> out) {
   const auto cd = cache_k.dimensions();
   if (cd.size() != 5) return ffi::Error::InvalidArgument("ragged_paged_attention: the cache must be rank 5");
+  if (cache_v.element_count() != cache_k.element_count()) return Invalid("the V cache must match the K cache");
   const FloatPages pages{cache_k.typed_data(), cache_v.typed_data(), cd[2], cd[3], cd[4]};
   return RaggedPagedAttention(pool, q, k_new, v_new, cd, pages, layer, query_start, query_len, context_len, page_start,
                               page_ids, out);
@@ -449,6 +500,7 @@ ffi::Error RaggedPagedAttentionInt8KV(ffi::ThreadPool pool, ffi::Buffer<ffi::F32
                                       S32 context_len, S32 page_start, S32 page_ids, ffi::ResultBuffer<ffi::F32> out) {
   const auto cd = cache_k.dimensions();
   if (cd.size() != 5) return ffi::Error::InvalidArgument("ragged_paged_attention: the cache must be rank 5");
+  if (cache_v.element_count() != cache_k.element_count()) return Invalid("the V cache must match the K cache");
   const int64_t n_scales = cd[0] * cd[1] * cd[2] * cd[4];
   if (static_cast<int64_t>(k_scale.element_count()) != n_scales ||
       static_cast<int64_t>(v_scale.element_count()) != n_scales) {
