@@ -30,7 +30,7 @@ from server.middleware import GateMiddleware
 from server.page import chat_page
 from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_json, parse_request
 from server.responses import ChatFormatter, CompletionFormatter, _Formatter, beam_search_output, sse
-from server.security import OriginPolicy, normalize_hosts
+from server.security import OriginPolicy, api_key_list, normalize_hosts
 from server.state import LLMLike, ServerState, stream_error
 from server.ws import serve_socket
 
@@ -44,7 +44,8 @@ def create_app(
     llm_or_factory: LLMLike | Callable[[], LLMLike],
     *,
     model_name: str,
-    api_key: str | None = None,
+    api_key: str | Collection[str] | None = None,
+    metrics_api_key: str | None = None,
     max_queue: int = 256,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     on_load_error: Callable[[BaseException], None] | None = None,
@@ -58,6 +59,8 @@ def create_app(
     `allowed_hosts`: Host names (port ignored) the server answers to, others get 421; None
     turns the check off (the CLI passes the loopback names when bound to loopback).
     `allowed_origins`: origins besides the server's own whose pages may open the WebSocket.
+    `api_key`: one key, or several (a list or 'a,b'): each then gets its own prefix-cache salt.
+    `metrics_api_key`: the key `/metrics` needs (default: any `api_key`; open when there is none).
     `limits`: send timeout, WebSocket cap and idle timeout, hung-step timeout (default: the
     `server.connections` constants, at most `max_queue` WebSockets)."""
     limits = limits or ConnectionLimits(max_websockets=max_queue)
@@ -81,7 +84,8 @@ def create_app(
     app.state.minivllm = state
     app.state.limits, app.state.sockets = limits, sockets
     origins = OriginPolicy(allowed_origins)  # here, not lazily in the middleware stack: bad ones fail now
-    app.add_middleware(GateMiddleware, state=state, allowed_hosts=normalize_hosts(allowed_hosts), origins=origins)
+    app.add_middleware(GateMiddleware, state=state, allowed_hosts=normalize_hosts(allowed_hosts), origins=origins,
+                       api_keys=api_key_list(api_key), metrics_api_key=metrics_api_key)  # fmt: skip
     _add_error_handlers(app)
 
     @app.get("/")

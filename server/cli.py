@@ -86,8 +86,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="alias, converted dir, HF folder or .gguf; also the served model name")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV})")  # fmt: skip
+    p.add_argument("--api-key", action="extend", type=comma_list, default=None, metavar="KEY[,KEY...]",
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* and /metrics; repeat it or separate keys "
+                        f"with commas for several (each key then gets its own prefix-cache salt) "
+                        f"(default: ${API_KEY_ENV}, same form)")  # fmt: skip
+    p.add_argument("--metrics-api-key", default=None, metavar="KEY",
+                   help="the key /metrics requires instead of an --api-key (default: any --api-key; /metrics is "
+                        "open only when no key is set)")  # fmt: skip
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help="serve a non-loopback --host without --api-key or --allowed-hosts (refused otherwise: "
+                        "anyone who can reach the port, or a web page by DNS rebinding, could use the model)")  # fmt: skip
     p.add_argument("--allowed-hosts", type=comma_list, default=None, metavar="HOST,...",
                    help="Host header names to answer, others get 421; '*' for any (default: the loopback "
                         "names when bound to loopback, else no check)")  # fmt: skip
@@ -190,8 +198,33 @@ def load_llm(args: argparse.Namespace):
     )  # fmt: skip
 
 
+def resolve_api_keys(args: argparse.Namespace, environ: dict[str, str] | None = None) -> None:
+    """`args.api_key`: the keys from --api-key, else from $MINIVLLM_API_KEY ('a,b' for several),
+    as a list (empty: no key)."""
+    environ = os.environ if environ is None else environ
+    if args.api_key is None:
+        args.api_key = [k.strip() for k in environ.get(API_KEY_ENV, "").split(",") if k.strip()]
+
+
+def exposure_error(args: argparse.Namespace) -> str | None:
+    """Why these arguments must not start a server, or None. A non-loopback bind with no API key
+    and no Host check is open to anyone who can reach the port and, by DNS rebinding, to any web
+    page its users open; it takes --allow-unauthenticated (as Jupyter asks for) to run one."""
+    if _is_loopback(args.host) or args.api_key or args.allow_unauthenticated:
+        return None
+    if args.allowed_hosts is not None and "*" not in args.allowed_hosts:
+        return None
+    return (f"refusing to serve --host {args.host} without --api-key or --allowed-hosts: anyone who can reach "
+            "the port (or a web page, by DNS rebinding) could use the model; set a key (--api-key or "
+            f"${API_KEY_ENV}), name the Host names to answer (--allowed-hosts), or pass --allow-unauthenticated")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    resolve_api_keys(args)
+    if (error := exposure_error(args)) is not None:
+        parser.error(error)  # exit status 2, as for any bad argument
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("server")
     if not _is_loopback(args.host) and not args.api_key:
@@ -220,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         hung_step_timeout_s=args.hung_step_timeout, max_websockets=args.max_queue if args.max_websockets is None else args.max_websockets,
     )  # fmt: skip
     app = create_app(
-        lambda: load_llm(args), model_name=args.model, api_key=args.api_key, max_queue=args.max_queue,
+        lambda: load_llm(args), model_name=args.model, api_key=args.api_key, metrics_api_key=args.metrics_api_key,
+        max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes, on_load_error=on_load_error,
         allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts), allowed_origins=args.allowed_origins,
         limits=limits,

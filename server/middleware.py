@@ -2,18 +2,30 @@
 before it reaches a handler, and a request counter by route and status for /metrics.
 
 In order: the Host header (421), a WebSocket's Origin (403), the API key on every `/v1/*`
-path (401; a browser's WebSocket may offer it as a subprotocol instead), and a JSON
-Content-Type on every POST (415). See `server/security.py` for why.
+path and on `/metrics` (401; a browser's WebSocket may offer it as a subprotocol instead;
+`/metrics` takes the metrics key instead when one is set), and a JSON Content-Type on every
+POST (415). With several API keys, a request's key also picks its prefix-cache salt (put in
+the scope as `SCOPE_KEY_SALT`). See `server/security.py` for why.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
+from collections.abc import Collection
 from typing import Any
 
 from server.protocol import APIError
-from server.security import OriginPolicy, header, host_allowed, is_json, websocket_key
+from server.security import (
+    SCOPE_KEY_SALT,
+    OriginPolicy,
+    api_key_list,
+    header,
+    host_allowed,
+    is_json,
+    key_cache_salt,
+    matching_key,
+    websocket_key,
+)
 from server.state import ServerState
 
 ROUTES = ("/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/stream")
@@ -28,7 +40,9 @@ def route_label(path: str) -> str:
 
 class GateMiddleware:
     """`allowed_hosts`: Host names accepted, from `normalize_hosts` (None: any). `origins`: who
-    may open a WebSocket (default: clients without an Origin and the server's own pages)."""
+    may open a WebSocket (default: clients without an Origin and the server's own pages).
+    `api_keys`: the keys `/v1/*` accepts (default: `state.api_key`, one key or a comma-separated
+    list; none: open). `metrics_api_key`: the one key `/metrics` accepts (default: any API key)."""
 
     def __init__(
         self,
@@ -36,21 +50,42 @@ class GateMiddleware:
         state: ServerState,
         allowed_hosts: frozenset[str] | None = None,
         origins: OriginPolicy | None = None,
+        api_keys: Collection[str] | None = None,
+        metrics_api_key: str | None = None,
     ) -> None:
         self.app = app
         self.state = state
         self.allowed_hosts = allowed_hosts
         self.origins = origins or OriginPolicy()
+        self.api_keys = api_key_list(state.api_key if api_keys is None else api_keys)
+        self.metrics_keys = (metrics_api_key,) if metrics_api_key else self.api_keys
+        # One key is one tenant: its clients share the cache. Several keys: a salt per key.
+        self.key_salts = {k: key_cache_salt(k) for k in self.api_keys} if len(self.api_keys) > 1 else {}
+
+    def _required_keys(self, path: str) -> tuple[str, ...]:
+        if path.startswith("/v1"):
+            return self.api_keys
+        if path == "/metrics" or path.startswith("/metrics/"):
+            return self.metrics_keys
+        return ()
 
     def _authorized(self, scope: dict[str, Any]) -> bool:
-        key = self.state.api_key
-        if key is None or not scope["path"].startswith("/v1"):
+        """Whether the request carries a key its path accepts (or needs none); records the key's
+        cache salt in the scope."""
+        keys = self._required_keys(scope["path"])
+        if not keys:
             return True
         scheme, _, token = (header(scope, b"authorization") or "").partition(" ")
         if scheme.lower() == "bearer":
-            return hmac.compare_digest(token.strip().encode(), key.encode())
-        offered = websocket_key(scope) if scope["type"] == "websocket" else None  # a browser page's socket
-        return offered is not None and hmac.compare_digest(offered.encode(), key.encode())
+            offered: str | None = token.strip()
+        else:
+            offered = websocket_key(scope) if scope["type"] == "websocket" else None  # a browser page's socket
+        key = None if offered is None else matching_key(offered, keys)
+        if key is None:
+            return False
+        if key in self.key_salts:
+            scope[SCOPE_KEY_SALT] = self.key_salts[key]
+        return True
 
     def _refusal(self, scope: dict[str, Any]) -> APIError | None:
         """The error that stops this request, or None to let it through."""

@@ -11,6 +11,10 @@ browser. The gate (`server/middleware.py`) applies these:
 - API key on a WebSocket: a browser cannot set `Authorization` on one, so a page offers the
   key as a subprotocol (`websocket_key`); the server accepts the plain `minivllm` one.
 
+And against other clients, once several API keys are configured (one per tenant): each key's
+requests get their own prefix-cache salt (`request_cache_salt`), so no tenant can tell by timing
+whether another sent a prompt (vLLM's `cache_salt`); `/metrics` needs a key too.
+
 No response carries CORS headers, so other origins can never read an HTTP response.
 """
 
@@ -18,11 +22,14 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
+import hmac
 from collections.abc import Collection
 from typing import Any
 from urllib.parse import urlsplit
 
 DEFAULT_PORTS = {"http": 80, "https": 443}
+SCOPE_KEY_SALT = "minivllm.key_cache_salt"  # set in the ASGI scope by the gate for a request's API key
 WS_SUBPROTOCOL = "minivllm"  # the subprotocol the server accepts; a client offering a key offers it too
 WS_KEY_PREFIX = "minivllm.bearer."  # + the API key, base64url without padding (subprotocols are tokens)
 
@@ -132,3 +139,38 @@ def websocket_key(scope: dict[str, Any]) -> str | None:
 def is_json(content_type: str | None) -> bool:
     """`application/json`, parameters such as `; charset=utf-8` allowed, any case."""
     return content_type is not None and content_type.split(";", 1)[0].strip().lower() == "application/json"
+
+
+def api_key_list(keys: str | Collection[str] | None) -> tuple[str, ...]:
+    """The accepted API keys: None or '' -> none (no key required); 'a,b' or ['a', 'b'] -> both."""
+    if keys is None:
+        return ()
+    items = keys.split(",") if isinstance(keys, str) else list(keys)
+    return tuple(dict.fromkeys(k.strip() for k in items if k.strip()))
+
+
+def matching_key(offered: str, keys: Collection[str]) -> str | None:
+    """The key among `keys` equal to `offered`, or None. Every key is compared, in constant time,
+    so the time taken does not tell which key (or how much of one) was matched."""
+    found = None
+    for key in keys:
+        if hmac.compare_digest(offered.encode(), key.encode()):
+            found = key
+    return found
+
+
+def key_cache_salt(key: str) -> str:
+    """The prefix-cache salt of requests made with `key`: a digest, so the key itself is never
+    kept beside the cache."""
+    return "api-key:" + hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def request_cache_salt(scope: dict[str, Any], requested: str | None) -> str | None:
+    """The salt a request runs under: its own `cache_salt`, within its API key's salt when the
+    gate set one (several keys configured), so two keys never share pages even with equal salts."""
+    key_salt = scope.get(SCOPE_KEY_SALT)
+    if key_salt is None:
+        return requested
+    if requested is None:
+        return key_salt
+    return key_salt + ":" + hashlib.sha256(requested.encode("utf-8", "surrogatepass")).hexdigest()[:32]

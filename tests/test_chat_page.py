@@ -101,7 +101,8 @@ def test_page_is_served_without_a_key_with_a_strict_csp():
         # Nothing loaded from elsewhere, and model text is never parsed as HTML.
         assert not re.search(r"(src|href)\s*=", html) and "innerHTML" not in html and "http://" not in html
         assert client.get("/v1/models").status_code == 401  # the page is public, the API is not
-        assert 'minivllm_http_requests_total{method="GET",route="/",status="200"} 1' in client.get("/metrics").text
+        metrics = client.get("/metrics", headers={"Authorization": f"Bearer {API_KEY}"})  # behind the key too
+        assert 'minivllm_http_requests_total{method="GET",route="/",status="200"} 1' in metrics.text
 
 
 def test_page_is_served_while_the_model_loads():
