@@ -245,16 +245,19 @@ class ModelRunner:
         seqs = batch.seqs
         kind = "verify" if batch.drafts else "step" if batch.num_steps == 1 else "multi_step"
         num_tokens, num_seqs = self._bucket(batch)
-        chunks, errors = self._row_chunks(batch)
         rows = [(s.sampling_row, len(s.output_token_ids)) for s in seqs]  # typed when the request was added
         num_rows = num_seqs
         if kind == "verify":  # rows at each last token and draft token: draft token j is output number n + j
             rows = [(row, step + j) for i, (row, step) in enumerate(rows) for j in range(1 + len(batch.draft(i)))]
             num_rows = self.config.verify_rows(num_tokens, num_seqs)
+        errors: dict[int, Exception] = {}
         sampling = self._sampling_arrays(batch, rows, num_rows, errors)
+        try:
+            step_batch = self.prepare(batch)
+        except RowsFailed as e:
+            errors.update(e.errors)
         if errors:  # before anything is dispatched: the engine fails those rows and runs the rest
             raise RowsFailed(errors)
-        step_batch = self._step_batch(batch, chunks, num_tokens, num_seqs)
         self._load_new_penalty_rows(seqs)
         inputs = (step_batch, sampling, self._penalty_rows(seqs, num_seqs))
         if kind == "verify":
