@@ -26,6 +26,7 @@ from server.connections import (
     BODY_READ_TIMEOUT_S, ConnectionLimits, OpenSockets, SlowReader, drop_connection, record_transport, send_within,
 )  # fmt: skip
 from server.engine_loop import EngineStopped, RequestFailed, RequestStream
+from server.metrics import ServerMetrics
 from server.middleware import GateMiddleware
 from server.page import chat_page
 from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_json, parse_request
@@ -223,10 +224,12 @@ class _EngineStreamResponse(StreamingResponse):
     cancelled at shutdown, or never started). A chunk the client does not take within
     `send_timeout_s` (it stopped reading) aborts the request and drops the connection."""
 
-    def __init__(self, stream: RequestStream, content: AsyncIterator[str], send_timeout_s: float) -> None:
+    def __init__(self, stream: RequestStream, content: AsyncIterator[str], send_timeout_s: float,
+                 metrics: ServerMetrics) -> None:  # fmt: skip
         super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
         self._stream = stream
         self._send_timeout_s = send_timeout_s
+        self._metrics = metrics
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         async def send_or_give_up(message: Any) -> None:
@@ -236,6 +239,7 @@ class _EngineStreamResponse(StreamingResponse):
             await super().__call__(scope, receive, send_or_give_up)
         except SlowReader as e:
             logger.info("dropping an SSE client of %s: %s", self._stream.request_id, e)
+            self._metrics.observe_slow_reader("sse")
             self._stream.abort()  # before the drop: its pages are free whatever the server does next
             await drop_connection(scope)
         finally:
@@ -254,7 +258,9 @@ async def _respond(
 ) -> Response:
     stream = await state.start(ids, params, fmt.id, arrival, renames)
     if streaming:
-        return _EngineStreamResponse(stream, _sse_events(stream, fmt), request.app.state.limits.send_timeout_s)
+        app_state = request.app.state
+        return _EngineStreamResponse(stream, _sse_events(stream, fmt), app_state.limits.send_timeout_s,
+                                     app_state.minivllm.metrics)  # fmt: skip
     try:
         final = await _unless_disconnected(request, _last_output(stream))
     except (EngineStopped, RequestFailed) as e:

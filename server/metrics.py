@@ -128,10 +128,15 @@ class ServerMetrics:
         self.e2e = Histogram("e2e_request_latency_seconds", "Request arrival to its last token.", E2E_BUCKETS)
         self.http_requests: Counter[tuple[str, str, int]] = Counter()
         self.finished: Counter[str] = Counter()
+        self.slow_readers_dropped: Counter[str] = Counter()  # by transport: "sse" or "websocket"
 
     def observe_http(self, method: str, route: str, status: int) -> None:
         """`route` must already be bounded (`middleware.route_label`); `method` is bounded here."""
         self.http_requests[(method if method in METHODS else "other", route, status)] += 1
+
+    def observe_slow_reader(self, transport: str) -> None:
+        """A client that read nothing for the send timeout lost its request and connection."""
+        self.slow_readers_dropped[transport] += 1
 
     def observe_finished(self, reason: str, e2e_seconds: float) -> None:
         self.finished[reason] += 1
@@ -171,6 +176,9 @@ class ServerMetrics:
             out += _tier_metrics(stats)
         out += _metric("requests_finished_total", "counter", "Requests finished, by finish reason.",
                        [(_labels(finish_reason=r), n) for r, n in sorted(self.finished.items())])  # fmt: skip
+        out += _metric("slow_readers_dropped_total", "counter",
+                       "Streams aborted, connections dropped: the client read nothing for the send timeout.",
+                       [(_labels(transport=t), self.slow_readers_dropped[t]) for t in ("sse", "websocket")])  # fmt: skip
         out += _metric("http_requests_total", "counter", "HTTP and WebSocket requests by route and status.",
                        [(_labels(method=m, route=r, status=str(s)), n)
                         for (m, r, s), n in sorted(self.http_requests.items())])  # fmt: skip

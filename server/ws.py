@@ -111,6 +111,7 @@ async def _serve_requests(websocket: WebSocket, state: ServerState, sockets: Ope
                 pump.cancel()
     except SlowReader as e:  # its request is aborted (above); drop what is queued for it, and the socket
         logger.info("dropping a WebSocket client: %s", e)
+        state.metrics.observe_slow_reader("websocket")
         await drop_connection(websocket.scope)
     except Exception as e:  # the socket broke mid-send; nothing left to tell the client
         logger.debug("websocket closed: %r", e)

@@ -167,6 +167,7 @@ def test_sse_client_that_stops_reading_is_aborted_and_dropped_after_the_send_tim
             _until(lambda: len(srv.server_state.connections) == 0, "the server to drop the connection")
             received = _read_to_end(reader)  # what the kernel had buffered, then EOF or reset
             assert received.startswith(b"HTTP/1.1 200") and b"[DONE]" not in received
+            assert 'minivllm_slow_readers_dropped_total{transport="sse"} 1' in state.render_metrics()
         finally:
             reader.close()
         assert _post(url).status_code == 200  # the server serves on
@@ -206,6 +207,7 @@ def test_websocket_client_that_stops_reading_is_aborted_and_dropped_after_the_se
             _until(lambda: not engine.requests and engine.block_manager.num_free_pages == 8, "the pages to be freed")
             assert engine.steps < 4000
             _until(lambda: len(srv.server_state.connections) == 0, "the server to drop the connection")
+            assert 'minivllm_slow_readers_dropped_total{transport="websocket"} 1' in state.render_metrics()
         finally:
             sock.close()
         assert _post(url).status_code == 200
