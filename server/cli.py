@@ -33,6 +33,21 @@ MAX_HEADER_BYTES = 16 * 1024  # request line + headers (h11's own default, set e
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
+def positive_float(text: str) -> float:
+    """A timeout flag: seconds, > 0 (and finite)."""
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
+    return value
+
+
 def comma_list(text: str) -> list[str]:
     """'a, b,,c' -> ['a', 'b', 'c'] (the form of --allowed-hosts and --allowed-origins). An
     empty list is refused: as --allowed-hosts it would lock every client out."""
@@ -165,17 +180,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=256, help="requests in flight before new ones get 429")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body / WebSocket message")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to drain requests on SIGTERM")
-    p.add_argument("--send-timeout", type=float, default=SEND_TIMEOUT_S,
+    p.add_argument("--send-timeout", type=positive_float, default=SEND_TIMEOUT_S,
                    help="seconds a stream may wait for a client that reads nothing before its request is aborted "
                         "and its connection dropped (SSE and WebSocket)")  # fmt: skip
-    p.add_argument("--max-websockets", type=int, default=None,
+    p.add_argument("--max-websockets", type=positive_int, default=None,
                    help="open WebSockets; past it a new one is closed with 1013 (default: --max-queue)")
-    p.add_argument("--ws-idle-timeout", type=float, default=WS_IDLE_TIMEOUT_S,
+    p.add_argument("--ws-idle-timeout", type=positive_float, default=WS_IDLE_TIMEOUT_S,
                    help="seconds a WebSocket may stay open with no request before it is closed with 1000")
-    p.add_argument("--limit-concurrency", type=int, default=None,
+    p.add_argument("--limit-concurrency", type=positive_int, default=None,
                    help="open connections (and tasks) before uvicorn answers 503 to everything, /health included "
                         f"(default: --max-queue + --max-websockets + {CONNECTION_HEADROOM})")  # fmt: skip
-    p.add_argument("--hung-step-timeout", type=float, default=HUNG_STEP_TIMEOUT_S,
+    p.add_argument("--hung-step-timeout", type=positive_float, default=HUNG_STEP_TIMEOUT_S,
                    help="/health answers 503 once one engine step has run this many seconds (a hung device)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p

@@ -45,11 +45,11 @@ TRANSPORT_KEY = "minivllm.transport"  # the scope key `record_transport` fills
 
 @dataclasses.dataclass(frozen=True)
 class ConnectionLimits:
-    """The per-connection limits of one app (create_app's kwargs, the CLI's flags)."""
+    """The per-connection limits of one app (create_app's `limits`, the CLI's flags)."""
 
     send_timeout_s: float = SEND_TIMEOUT_S
     ws_idle_timeout_s: float = WS_IDLE_TIMEOUT_S
-    max_websockets: int = 256
+    max_websockets: int = 256  # create_app's default is its max_queue: one running request per socket
     hung_step_timeout_s: float = HUNG_STEP_TIMEOUT_S
 
     def __post_init__(self) -> None:

@@ -331,8 +331,16 @@ def test_the_server_exits_once_the_engine_loop_is_down_for_good():
     assert srv.engine_failure is not None and "device on fire" in srv.engine_failure  # the CLI exits 1 on it
 
 
-def test_default_connection_limit_leaves_room_for_requests_sockets_and_probes():
+def test_connection_flags_and_their_defaults():
+    from server.cli import build_parser
+
+    args = build_parser().parse_args([])
+    assert (args.send_timeout, args.ws_idle_timeout, args.hung_step_timeout) == (30.0, 300.0, 120.0)
+    assert args.max_websockets is None and args.limit_concurrency is None  # sized from --max-queue
     assert default_limit_concurrency(256, 256) == 256 + 256 + 64
+    for flag, value in [("--send-timeout", "0"), ("--hung-step-timeout", "nan"), ("--max-websockets", "0")]:
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([flag, value])
     with pytest.raises(ValueError, match="send_timeout_s"):
         ConnectionLimits(send_timeout_s=0)
 
