@@ -321,8 +321,8 @@ class LLM:
     ) -> list[BeamSearchOutput]:
         """Beam search with HF transformers' rules (`minivllm_jax.beam_search`): prompts as text,
         token ids or `{"prompt": ...}` / `{"prompt_token_ids": ...}`; one `BeamSearchOutput` per
-        prompt, its `sequences` best first. Runs on the first replica, with no other request
-        unfinished (it drives the model directly); raises RuntimeError otherwise."""
+        prompt, its `sequences` best first. Runs on the first replica, as ordinary requests it
+        steps itself, so no other request may be unfinished; raises RuntimeError otherwise."""
         prompts = [prompts] if isinstance(prompts, dict) else _as_prompt_list(prompts)
         return beam_search(self.engine, prompts, params)
 

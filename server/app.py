@@ -280,13 +280,14 @@ async def _respond_beam_search(
     fmt: _Formatter,
     arrival: float,
 ) -> Response:
-    """`use_beam_search`: one search, run alone on the engine (`ServerState.beam_search`), answered
-    as one JSON body whose n choices are the hypotheses, best first."""
+    """`use_beam_search`: one search, its beams in the shared batch (`ServerState.beam_search`),
+    answered as one JSON body whose n choices are the hypotheses, best first. A client that
+    disconnects cancels it: the round in flight is aborted and no other starts."""
     assert state.engine is not None and state.llm is not None
     rest = state.llm.engine.config.max_model_len - len(ids)  # no max_tokens: the rest, as the engine resolves it
     params = req.beam_search_params(max(rest, 1))
     out = await _unless_disconnected(request, state.beam_search(ids, params, arrival))
-    if out is None:  # the client is gone (a search not yet started was dropped)
+    if out is None:  # the client is gone (the search was cancelled)
         return Response(status_code=499)
     return JSONResponse(fmt.response(beam_search_output(fmt.id, ids, out), len(ids)))
 

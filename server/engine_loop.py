@@ -13,9 +13,10 @@ host-side bug) fails every request in flight with `EngineStopped`, recovers the 
 serves again on the same thread, at most `max_restarts` times in `restart_window_s`; past that
 the loop stays down and `alive` is False.
 
-Beam search (`beam_search()`) drives the model directly and needs an idle engine: the thread
-lets running requests finish, runs the search between steps, and holds adds that arrive
-meanwhile until it is done (else a busy server might never go idle and starve it).
+Beam search (`beam_search()`) is a coroutine over ordinary requests: each round adds every
+live beam as a one-token request and awaits them, so beams share every step with the other
+requests (nothing waits for an idle engine); a cancelled caller aborts the round in flight and
+starts no other.
 
 `DataParallelEngine`: several replicas (`LLM(data_parallel_size=M)`), one `AsyncEngine` each.
 """
@@ -25,13 +26,17 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import itertools
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from minivllm_jax.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from minivllm_jax.beam_search import (
+    BeamSearchOutput, BeamSearchParams, BeamSearchState, MAX_BEAM_WIDTH, check_prompt, round_sampling_params,
+)  # fmt: skip
 from minivllm_jax.engine.router import PrefixRouter
 from minivllm_jax.outputs import RequestOutput
 from minivllm_jax.sampling_params import SamplingParams
@@ -52,13 +57,9 @@ class QueueFull(RuntimeError):
     """`max_queue` requests are already in flight; the client should retry later."""
 
 
-@dataclasses.dataclass
-class _BeamJob:
-    prompt_ids: list[int]
-    params: BeamSearchParams
-    loop: asyncio.AbstractEventLoop
-    done: asyncio.Future[BeamSearchOutput]
-    cancelled: bool = False  # set by the event loop when nobody waits any more: not started, dropped
+# Beams of all the searches running on one engine together (each search counts its width):
+# rows a search adds every round, so this bounds beam width x concurrent searches.
+MAX_CONCURRENT_BEAM_ROWS = 4 * MAX_BEAM_WIDTH
 
 
 class RequestStream:
@@ -166,9 +167,12 @@ class AsyncEngine:
         metrics: ServerMetrics | None = None,
         max_restarts: int = 5,
         restart_window_s: float = 60.0,
+        max_beam_rows: int = MAX_CONCURRENT_BEAM_ROWS,
     ) -> None:
         self.engine = engine
         self.max_queue = max_queue
+        self.max_beam_rows = max_beam_rows
+        self.beam_rows = 0  # event-loop side: the widths of the beam searches running
         self.max_restarts = max_restarts
         self.restart_window_s = restart_window_s
         self.restarts: collections.deque[float] = collections.deque()  # engine thread: recent restart times
@@ -181,8 +185,6 @@ class AsyncEngine:
         self._closing = False  # engine thread: no more adds (set when failing everything)
         self._finished = False  # the thread is gone: commands run inline
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, RequestStream]] = {}  # engine thread only
-        self._beam_jobs: collections.deque[_BeamJob] = collections.deque()  # engine thread only
-        self._held: list[tuple[str, Callable[[], None]]] = []  # engine thread: adds waiting for the beam jobs
         self._steps = 0
         self._busy_since: float | None = None  # engine thread: when its current iteration began; None while idle
         self.stats = self._snapshot()
@@ -202,12 +204,20 @@ class AsyncEngine:
         return 0.0 if since is None else time.monotonic() - since
 
     async def add(
-        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str, arrival: float | None = None
+        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str, arrival: float | None = None,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Queue a tokenized request. Raises QueueFull, EngineStopped, or the engine's
         ValueError for a bad request (checked on the engine thread, between steps).
-        `arrival` (time.monotonic) is when the server received it; latencies count from there."""
+        `arrival` (time.monotonic) is when the server received it; latencies count from there.
+        `cache_salt`: prefix-cache pages are shared only with requests of the same salt."""
         loop, arrival = self._admit(arrival)
+        return await self._add_admitted(loop, prompt_ids, params, request_id, arrival, cache_salt)
+
+    async def _add_admitted(self, loop: asyncio.AbstractEventLoop, prompt_ids: Sequence[int], params: SamplingParams,
+                            request_id: str, arrival: float, cache_salt: str | None = None) -> RequestStream:  # fmt: skip
+        """`add` past the admission checks (a beam search's rows: the search was admitted once,
+        so a full queue cannot fail it halfway)."""
         stream = RequestStream(self, request_id, len(prompt_ids), params.n, arrival)
         self.num_in_flight += 1
         added: asyncio.Future[None] = loop.create_future()
@@ -216,11 +226,9 @@ class AsyncEngine:
             if self._closing:
                 _resolve(loop, added, EngineStopped("the engine is shutting down"))
                 return
-            if self._beam_jobs:  # held until they are done: else a busy engine might never go idle and starve them
-                self._held.append((request_id, add_now))
-                return
             try:
-                self.engine.add_request(list(prompt_ids), params, request_id=request_id)
+                salted = {} if cache_salt is None else {"cache_salt": cache_salt}  # stand-in engines take none
+                self.engine.add_request(list(prompt_ids), params, request_id=request_id, **salted)
             except Exception as e:
                 _resolve(loop, added, e)
                 return
@@ -237,30 +245,65 @@ class AsyncEngine:
         return stream
 
     async def beam_search(
-        self, prompt_ids: Sequence[int], params: BeamSearchParams, arrival: float | None = None
+        self, prompt_ids: Sequence[int], params: BeamSearchParams, arrival: float | None = None,
+        cache_salt: str | None = None,
     ) -> BeamSearchOutput:
-        """Run `minivllm_jax.beam_search` for one prompt on the engine thread, once the running
-        requests have finished; adds that arrive meanwhile wait until it is done. Counts in
-        `max_queue` like a request. Raises QueueFull, EngineStopped, the search's ValueError (a
-        bad request) or RequestFailed (any other error in it; the loop serves on)."""
+        """Beam search for one prompt as ordinary requests in the shared batch: each round adds
+        every live beam (prompt + beam, one token, its top log-probs; the prefix cache holds the
+        earlier rounds' pages) and awaits them, then `BeamSearchState` picks the next beams.
+        Cancelling the caller (a client that left) aborts the round in flight and starts no
+        other. Counts once in `max_queue` (its rows are added past it, so a full queue cannot
+        fail it halfway) and its width in `max_beam_rows`. Raises QueueFull past either,
+        EngineStopped, ValueError (a bad request) or RequestFailed (a step serving it failed).
+        `cache_salt`: its rows' prefix-cache salt, as `add`'s."""
         loop, arrival = self._admit(arrival)
-        job = _BeamJob(list(prompt_ids), params, loop, loop.create_future())
-
-        def queue_job() -> None:
-            if self._closing:
-                _resolve(loop, job.done, EngineStopped("the engine is shutting down"))
-            else:
-                self._beam_jobs.append(job)
-
+        if self.beam_rows + params.beam_width > self.max_beam_rows:
+            raise QueueFull(f"{self.beam_rows} beams of running beam searches (max_beam_rows={self.max_beam_rows}); "
+                            f"this one needs {params.beam_width} more")  # fmt: skip
+        check_prompt(len(prompt_ids), params, self.engine.config.max_model_len)
+        eos = self.engine.eos_token_ids
+        search = BeamSearchState(prompt_ids, params, eos)
+        sampling = round_sampling_params(search.num_candidates)
+        search_id = f"beam-{uuid.uuid4().hex}"
         self.num_in_flight += 1
-        self._submit(queue_job)
+        self.beam_rows += params.beam_width
         try:
-            out = await job.done
+            for round_ in itertools.count():
+                if search.done:
+                    break
+                rows = [f"{search_id}.{round_}.{j}" for j in range(len(search.running))]
+                # Each row is a request of its own (as vLLM's rows): its latencies count from the round's start.
+                beams = search.beams()
+                search.advance(await self._beam_round(loop, rows, beams, sampling, time.monotonic(), cache_salt))
         finally:
-            job.cancelled = True
             self.num_in_flight -= 1
+            self.beam_rows -= params.beam_width
+        decode = lambda tokens: self.engine.tokenizer.decode(tokens, skip_special_tokens=True)  # noqa: E731
+        out = search.hypotheses(decode, eos)
         self.metrics.observe_finished(out.sequences[0].finish_reason, time.monotonic() - arrival)
         return out
+
+    async def _beam_round(self, loop: asyncio.AbstractEventLoop, request_ids: list[str], beams: list[list[int]],
+                          sampling: SamplingParams, arrival: float,
+                          cache_salt: str | None) -> list[dict[int, float]]:  # fmt: skip
+        """Add one request a beam, all at once, and await them; each one's next-token log-probs.
+        Whatever ends it early (an error, the caller cancelled) aborts every request of the round."""
+        adds = [asyncio.ensure_future(self._add_admitted(loop, ids, sampling, rid, arrival, cache_salt))
+                for rid, ids in zip(request_ids, beams)]  # fmt: skip
+        try:
+            await asyncio.wait(adds)  # all of them, even when one fails: each added one is aborted below
+            streams = [a.result() for a in adds]  # raises the first failure, if any
+            finals = await asyncio.gather(*(_final_output(s) for s in streams), return_exceptions=True)
+            for out in finals:
+                if isinstance(out, BaseException):
+                    raise out  # a step serving a row failed: the search fails with it
+            return [out.outputs[0].logprobs[0] for out in finals]
+        finally:
+            for a in adds:
+                if not a.done():
+                    a.cancel()  # `add` aborts its request itself
+                elif not a.cancelled() and a.exception() is None:
+                    a.result().abort()  # idempotent: a no-op for a finished stream
 
     def _admit(self, arrival: float | None) -> tuple[asyncio.AbstractEventLoop, float]:
         """Refuse work when stopped or full; else the caller's event loop and arrival time."""
@@ -290,7 +333,6 @@ class AsyncEngine:
 
     def _abort_now(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
-        self._held = [(rid, add) for rid, add in self._held if rid != request_id]
         self.engine.abort(request_id)
 
     def _run(self) -> None:
@@ -322,16 +364,14 @@ class AsyncEngine:
         """Run commands and steps until `stop()`; whatever the engine raises propagates."""
         while True:
             with self._cond:
-                while not (self._commands or self._stopping or self._beam_jobs or self.engine.has_unfinished()):
+                while not (self._commands or self._stopping or self.engine.has_unfinished()):
                     self._busy_since = None
                     self._cond.wait()
             self._busy_since = time.monotonic()
             self._run_commands()
             if self._stopping:
                 return
-            if self._beam_jobs and not self.engine.has_unfinished():
-                self._run_beam_job(self._beam_jobs.popleft())
-            elif self.engine.has_unfinished():
+            if self.engine.has_unfinished():
                 outputs = self.engine.step()
                 self._steps += 1
                 for out in outputs:
@@ -346,22 +386,6 @@ class AsyncEngine:
                     return
                 command = self._commands.pop(0)
             command()
-
-    def _run_beam_job(self, job: _BeamJob) -> None:
-        """Run one search on the idle engine; its result or error goes to its caller only."""
-        if not job.cancelled:
-            try:
-                _resolve(job.loop, job.done, None, beam_search(self.engine, [job.prompt_ids], job.params)[0])
-            except ValueError as e:  # the request's fault: a 400
-                _resolve(job.loop, job.done, e)
-            except Exception as e:
-                logger.exception("beam search failed")
-                _resolve(job.loop, job.done, RequestFailed(f"beam search failed: {e}"))
-                self._recover()  # the engine was idle: this only rebuilds a lost KV cache
-        if not self._beam_jobs:  # the adds held back meanwhile, in order
-            held, self._held = self._held, []
-            for _, add in held:
-                add()
 
     def _take_restart(self) -> bool:
         """Count a restart, unless `max_restarts` already happened within `restart_window_s`."""
@@ -405,15 +429,11 @@ class AsyncEngine:
         with self._cond:
             pending, self._commands = self._commands, []
             self._finished = True
-        for command in pending + [add for _, add in self._held]:  # queued adds are answered with EngineStopped
+        for command in pending:  # queued adds are answered with EngineStopped
             try:
                 command()
             except Exception:
                 logger.exception("command failed during shutdown")
-        self._held = []
-        while self._beam_jobs:
-            job = self._beam_jobs.popleft()
-            _resolve(job.loop, job.done, error)
         self.stats = self._snapshot()
 
     def _snapshot(self) -> EngineStats:
@@ -476,22 +496,33 @@ class DataParallelEngine:
         return EngineStats(**{f.name: sum(getattr(s, f.name) for s in snapshots) for f in dataclasses.fields(EngineStats)})
 
     async def add(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str,
-                  arrival: float | None = None) -> RequestStream:  # fmt: skip
+                  arrival: float | None = None, cache_salt: str | None = None) -> RequestStream:  # fmt: skip
         if self.num_in_flight >= self.max_queue:
             raise QueueFull(f"{self.num_in_flight} requests in flight (max_queue={self.max_queue})")
         replica = self.replicas[self.router.pick(prompt_ids, [r.num_in_flight for r in self.replicas])]
-        return await replica.add(prompt_ids, params, request_id, arrival)
+        return await replica.add(prompt_ids, params, request_id, arrival, cache_salt)
 
-    async def beam_search(self, prompt_ids: Sequence[int], params: BeamSearchParams,
-                          arrival: float | None = None) -> BeamSearchOutput:  # fmt: skip
-        """On the first replica, as `LLM.beam_search`."""
+    async def beam_search(self, prompt_ids: Sequence[int], params: BeamSearchParams, arrival: float | None = None,
+                          cache_salt: str | None = None) -> BeamSearchOutput:  # fmt: skip
+        """On one replica (all its rounds there, so its prefix cache serves them), picked as `add` picks."""
         if self.num_in_flight >= self.max_queue:
             raise QueueFull(f"{self.num_in_flight} requests in flight (max_queue={self.max_queue})")
-        return await self.replicas[0].beam_search(prompt_ids, params, arrival)
+        replica = self.replicas[self.router.pick(prompt_ids, [r.num_in_flight for r in self.replicas])]
+        return await replica.beam_search(prompt_ids, params, arrival, cache_salt)
 
     def stop(self, timeout: float | None = 10.0) -> None:
         for replica in self.replicas:
             replica.stop(timeout)
+
+
+async def _final_output(stream: RequestStream) -> RequestOutput:
+    """Read a stream to its end; its final output (its error, if it failed)."""
+    last = None
+    async for out in stream:
+        last = out
+    if last is None or not last.finished:
+        raise EngineStopped(f"request {stream.request_id} ended without an output")
+    return last
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:

@@ -158,12 +158,14 @@ class ServerState:
             code = "context_length_exceeded" if "max_model_len" in str(e) else None
             raise invalid(str(e), param_from_message(str(e), renames) or "prompt", code) from None
 
-    async def beam_search(self, prompt_ids: list[int], params: BeamSearchParams, arrival: float) -> BeamSearchOutput:
+    async def beam_search(self, prompt_ids: list[int], params: BeamSearchParams, arrival: float,
+                          cache_salt: str | None = None) -> BeamSearchOutput:  # fmt: skip
         """Run one beam search on the engine (`AsyncEngine.beam_search`), or raise the matching
-        APIError: 429/503 as `start`, 400 for a search that refuses the request, 500 if it failed."""
+        APIError: 429/503 as `start` (429 also past the concurrent beam rows), 400 for a search
+        that refuses the request, 500 if it failed. `cache_salt` as `start`'s."""
         assert self.engine is not None
         try:
-            return await self.engine.beam_search(prompt_ids, params, arrival)
+            return await self.engine.beam_search(prompt_ids, params, arrival, cache_salt)
         except (QueueFull, EngineStopped) as e:
             raise admission_error(e) from None
         except RequestFailed as e:

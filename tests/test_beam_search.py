@@ -1,5 +1,6 @@
 """Beam search (`LLM.beam_search`): the same hypotheses as HF `generate(num_beams=k)` (SmolLM2 and
-a tiny random model), pages shared and copied on write and all given back, bad input refused."""
+a tiny random model), its beams ordinary engine requests whose rounds the prefix cache keeps to
+about a page of prefill a beam, every page given back, bad input refused."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from minivllm_jax import LLM, BeamSearchParams, SamplingParams
+from minivllm_jax.beam_search import MAX_BEAM_WIDTH, BeamSearchState
 from minivllm_jax.config import ModelConfig
 from minivllm_jax.engine.block_manager import BlockManager
 from minivllm_jax.engine.sequence import Sequence
@@ -141,12 +143,57 @@ def test_refuses_busy_engine_and_bad_prompts(tiny):
         llm.beam_search({"text": "w5 w6"}, BeamSearchParams(2, 4))
     with pytest.raises(ValueError):
         llm.beam_search([[5, 999]], BeamSearchParams(2, 4))  # token id out of the vocab
-    with pytest.raises(ValueError, match="KV pages"):
-        llm.beam_search([[5, 6, 7]], BeamSearchParams(10, 40))
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3), use_tqdm=False)  # may leave a wasted step in flight
     out = llm.beam_search("w5 w6 w7", BeamSearchParams(2, 4, ignore_eos=True))  # a text prompt, after a generate
     assert len(out) == 1 and len(out[0].sequences) == 2 and all(len(s.tokens) == 3 + 4 for s in out[0].sequences)
     assert_all_pages_free(llm)
+
+
+def test_widest_beam_matches_hf_though_its_beams_do_not_fit_the_cache_at_once(tiny):
+    """k = MAX_BEAM_WIDTH: 20 candidates a beam (all MAX_LOGPROBS), 10 beams of up to 2 pages each
+    against 18 usable pages: the scheduler runs a round's requests as their pages allow."""
+    llm, hf = tiny
+    prompt = [5, 6, 7]
+    out = llm.beam_search([prompt], BeamSearchParams(MAX_BEAM_WIDTH, 12))[0]
+    assert_same_as_hf(out, hf_beams(hf, prompt, MAX_BEAM_WIDTH, 12, 1.0, False))
+    assert_all_pages_free(llm)
+
+
+def test_prefix_cache_keeps_a_round_to_about_a_page_of_prefill_a_beam(tiny, monkeypatch):
+    """Each round's request (prompt + beam) finds every full page but its last in the prefix
+    cache, so it prefills at most page_size tokens, not its whole length."""
+    llm, _ = tiny
+    engine = llm.engine
+    lengths = []
+    add_request = engine.add_request
+    monkeypatch.setattr(engine, "add_request", lambda ids, *a, **kw: lengths.append(len(ids)) or add_request(ids, *a, **kw))
+    before = engine.num_prompt_tokens
+    prompt = [40, 41, 3, 77, 8, 9, 100, 4, 5, 6, 7, 50, 51, 52, 53, 54, 55, 56, 57, 58]  # 2.5 pages of 8
+    llm.beam_search([prompt], BeamSearchParams(2, 12, ignore_eos=True))
+    prefilled = engine.num_prompt_tokens - before
+    page = engine.config.page_size
+    assert len(lengths) > 12  # 12 rounds, two beams after the first
+    assert prefilled <= sum(min(n, page) for n in lengths[1:]) + lengths[0]  # the first round computes the prompt
+    assert prefilled < sum(lengths) / 2
+    assert_all_pages_free(llm)
+
+
+def test_state_is_engine_free_and_ranks_as_hf():
+    """`BeamSearchState` on hand-made log-probs (k=2, EOS=2): an EOS candidate in the top k ends a
+    hypothesis scored by its length; the search stops once no running beam can beat the worst
+    finished one."""
+    state = BeamSearchState([9], BeamSearchParams(2, 8), frozenset({2}))
+    lp = np.log
+    assert state.num_candidates == 4 and state.beams() == [[9]]
+    state.advance([{2: lp(0.5), 5: lp(0.3), 6: lp(0.1), 7: lp(0.05), 8: lp(0.05)}])
+    assert [h[1] for h in state.finished] == [[9, 2]] and state.beams() == [[9, 5], [9, 6]]
+    state.advance([{2: lp(0.9), 5: lp(0.1)}, {2: lp(0.9), 6: lp(0.1)}])
+    assert state.done and [h[1] for h in state.finished] == [[9, 5, 2], [9, 2]]  # log(.27) / 2 > log(.5) / 1
+    out = state.hypotheses(lambda ids: " ".join(map(str, ids)), frozenset({2}))
+    assert [(s.text, s.finish_reason) for s in out.sequences] == [("5", "stop"), ("", "stop")]
+    np.testing.assert_allclose(out.sequences[0].score, (lp(0.3) + lp(0.9)) / 2, rtol=1e-5)
+    with pytest.raises(RuntimeError):
+        state.advance([{}])
 
 
 # ---------------------------------------------------------------- SmolLM2 against HF
@@ -154,10 +201,8 @@ def test_refuses_busy_engine_and_bad_prompts(tiny):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    """4 rows a step, no prefix cache: every call's rounds run in the same few step shapes (each
-    is a compile of seconds; the tiny model's test covers prefix-cache hits)."""
-    return LLM("smollm2-135m", max_num_seqs=4, max_model_len=256, enable_prefix_caching=False, warmup=False,
-               use_tqdm=False)  # fmt: skip
+    """4 rows a step, the prefix cache on (as served): each round prefills a page or less a beam."""
+    return LLM("smollm2-135m", max_num_seqs=4, max_model_len=256, warmup=False, use_tqdm=False)
 
 
 def smollm2_prompts(llm: LLM) -> list[list[int]]:

@@ -1,21 +1,23 @@
 """Beam search over HTTP (`use_beam_search`, vLLM's fields): the same hypotheses as `LLM.beam_search`
-on both endpoints, requests arriving meanwhile held until it is done and then served as alone,
-and every combination it would silently ignore refused with a 400 naming the field."""
+on both endpoints; its beams share the batch with other requests (a stream started beside it
+makes progress, nothing waits for it); a cancelled search aborts its round and starts no other;
+width and concurrent beams are capped; every combination it would silently ignore is a 400."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import httpx
 import pytest
 
 from minivllm_jax import LLM, BeamSearchParams, SamplingParams
-from minivllm_jax.beam_search import BeamSearchOutput, BeamSearchSequence
+from minivllm_jax.beam_search import BeamSearchOutput
 from server.app import create_app
-from server.engine_loop import AsyncEngine, QueueFull, RequestFailed
+from server.engine_loop import AsyncEngine, QueueFull
 from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, StreamRequest, parse_request
 from tests.conftest import make_tiny_llama, save_tiny_tokenizer
-from tests.test_server_units import FakeEngine, collect, params
+from tests.test_server_units import collect, params
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 PROMPT = [5, 17, 33, 9, 12]
@@ -94,81 +96,121 @@ def test_both_endpoints_match_llm_beam_search(llm):
     assert bm.num_free_pages == bm.num_usable_pages
 
 
-def test_requests_sent_during_a_beam_search_are_served_as_alone(llm):
-    """A long request runs when the search arrives (the search waits for it); two more arrive while
-    the search waits or runs (they wait for it). All four answer as if each had run alone."""
-    prompts = [[40, 41, 3, 77, 8], [90, 12, 6], [64, 3, 3, 9]]
-    lengths = [40, 12, 12]
-    alone = [llm.generate([p], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))[0].outputs[0].text
-             for p, n in zip(prompts, lengths)]  # fmt: skip
+def test_a_stream_started_beside_a_beam_search_progresses_and_both_answer_as_alone(llm):
+    """The search is admitted first; a stream started then gets its first token before the search
+    ends (16 rounds, each at least a step, against a stream the scheduler admits within a step or
+    two), and each answers as if it had run alone."""
+    prompt, length = [40, 41, 3, 77, 8], 24
+    greedy_params = SamplingParams(temperature=0.0, max_tokens=length, ignore_eos=True)
+    alone = llm.generate([prompt], greedy_params)[0].outputs[0].token_ids
     ref = llm.beam_search({"prompt_token_ids": PROMPT}, BeamSearchParams(3, 16, ignore_eos=True))[0]
 
     async def requests(client, state):
-        first = asyncio.ensure_future(client.post(C, json=greedy(prompts[0], lengths[0])))
-        while state.engine.stats.running < 1 and not first.done():
-            await asyncio.sleep(0.002)
         search = asyncio.ensure_future(client.post(C, json=beam(PROMPT, n=3, max_tokens=16, ignore_eos=True)))
-        while state.engine.num_in_flight < 2:
+        while state.engine.beam_rows == 0:  # admitted: its rounds are under way
             await asyncio.sleep(0.002)
-        later = [asyncio.ensure_future(client.post(C, json=greedy(p, n))) for p, n in zip(prompts[1:], lengths[1:])]
-        return await asyncio.gather(first, search, *later)
+        stream = await state.engine.add(prompt, greedy_params, "beside")
+        search_done_at_first_token, last = None, None
+        async for out in stream:
+            if search_done_at_first_token is None and out.outputs[0].token_ids:
+                search_done_at_first_token = search.done()
+            last = out
+        return search_done_at_first_token, last, await search, state.engine
 
-    first, search, *later = run(serve(llm, requests))
-    assert [r.status_code for r in (first, search, *later)] == [200] * 4
-    assert [r.json()["choices"][0]["text"] for r in (first, *later)] == alone
+    search_done_at_first_token, last, search, engine = run(serve(llm, requests))
+    assert search_done_at_first_token is False
+    assert last.outputs[0].token_ids == alone
+    assert search.status_code == 200
     assert_same_as_llm(search.json(), ref, len(PROMPT))
+    assert engine.num_in_flight == 0 and engine.beam_rows == 0
 
 
-# ---------------------------------------------------------------------- the engine loop, on a fake engine
+@pytest.fixture
+def gated_engine(llm, monkeypatch):
+    """An `AsyncEngine` on the tiny engine whose first step holding a beam row waits for `release`
+    (so a round is surely in flight); records every request id added. Yields (engine, in_round,
+    release, added)."""
+    in_round, release, added = threading.Event(), threading.Event(), []
+    step, add_request = llm.engine.step, llm.engine.add_request
+
+    def gated_step(*a, **kw):
+        if not release.is_set() and any(rid.startswith("beam-") for rid in llm.engine.requests):
+            in_round.set()
+            release.wait(30)
+        return step(*a, **kw)
+
+    def logged_add(ids, p, **kw):
+        added.append(kw["request_id"])
+        return add_request(ids, p, **kw)
+
+    monkeypatch.setattr(llm.engine, "step", gated_step)
+    monkeypatch.setattr(llm.engine, "add_request", logged_add)
+    engine = AsyncEngine(llm.engine, max_beam_rows=4)
+    engine.start()
+    yield engine, in_round, release, added
+    release.set()
+    engine.stop()
 
 
-def test_adds_wait_for_the_search_which_waits_for_running_requests(monkeypatch):
-    """Order on the engine thread: the running request finishes, then the search runs alone, then
-    the add that arrived meanwhile; errors go to the search's caller only and the loop serves on."""
-    engine = FakeEngine()
-    events = []
-    add_request = engine.add_request
-
-    def logged_add(ids, p, *, request_id):
-        events.append(request_id)
-        return add_request(ids, p, request_id=request_id)
-
-    monkeypatch.setattr(engine, "add_request", logged_add)
-    results = iter([ValueError("max_tokens too long"), KeyError("host bug"), None])
-
-    def fake_search(eng, prompts, p):
-        events.append(("search", eng.has_unfinished()))
-        error = next(results)
-        if error is not None:
-            raise error
-        return [BeamSearchOutput([BeamSearchSequence(prompts[0] + [7], -1.0, -1.0, "x", "length")])]
-
-    monkeypatch.setattr("server.engine_loop.beam_search", fake_search)
-    loop_engine = AsyncEngine(engine, max_queue=3)
-    loop_engine.start()
-    search = BeamSearchParams(1, 1)
+def test_a_cancelled_search_aborts_its_round_and_starts_no_other(llm, gated_engine):
+    """Cancelled (as the app cancels it when the client disconnects) while its first round is in
+    the engine: that round's requests are aborted, no second round is added, its beam rows and
+    queue slot are given back, and the engine serves on with every page free. Meanwhile a second
+    search past `max_beam_rows` was a QueueFull (429)."""
+    engine, in_round, release, added = gated_engine
 
     async def main():
-        running = await loop_engine.add([1, 2], params(5), "running")
-        bad = asyncio.ensure_future(loop_engine.beam_search([3], search))
-        later = asyncio.ensure_future(loop_engine.add([1, 3], params(2), "later"))
-        await asyncio.sleep(0)  # both are submitted, in this order
-        with pytest.raises(QueueFull):
-            await loop_engine.beam_search([5], search)
-        with pytest.raises(ValueError, match="max_tokens"):
-            await bad
-        later = await later
-        with pytest.raises(RequestFailed, match="host bug"):
-            await loop_engine.beam_search([4], search)
-        good = await loop_engine.beam_search([6], search)
-        await asyncio.gather(collect(running), collect(later))
-        return good
+        search = asyncio.ensure_future(engine.beam_search(PROMPT, BeamSearchParams(3, 16, ignore_eos=True)))
+        assert await asyncio.to_thread(in_round.wait, 30)
+        with pytest.raises(QueueFull, match="max_beam_rows"):
+            await engine.beam_search(PROMPT, BeamSearchParams(2, 4))
+        search.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await search
+        rows_at_cancel = list(added)
+        release.set()
+        after = await engine.add([5, 6, 7], params(4), "after")  # its add runs after the round's aborts
+        await collect(after)
+        return rows_at_cancel
 
-    good = run(main())
-    assert good.sequences[0].tokens == [6, 7]
-    assert events == ["running", ("search", False), "later", ("search", False), ("search", False)]
-    assert loop_engine.alive and loop_engine.num_in_flight == 0
-    loop_engine.stop()
+    rows_at_cancel = run(main())
+    beam_rows = [rid for rid in added if rid.startswith("beam-")]
+    assert beam_rows == rows_at_cancel and len(beam_rows) == 1  # round 0: the one beam of the prompt
+    assert not llm.engine.requests and not llm.engine.has_unfinished()
+    assert engine.num_in_flight == 0 and engine.beam_rows == 0 and engine.alive
+    bm = llm.engine.block_manager
+    assert bm.num_free_pages == bm.num_usable_pages
+
+
+def test_a_search_whose_client_left_never_holds_other_requests(llm):
+    """A long request runs; a search arrives and its client leaves at once; a short request sent
+    next finishes while the long one still runs (nothing waits for the engine to drain)."""
+
+    async def main():
+        engine = AsyncEngine(llm.engine)
+        engine.start()
+        try:
+            long = await engine.add([40, 41, 3], params(40), "long")
+            search = asyncio.ensure_future(engine.beam_search(PROMPT, BeamSearchParams(2, 8)))
+            await asyncio.sleep(0)  # submitted
+            search.cancel()
+            short = await engine.add([90, 12], params(3), "short")
+            order = []
+
+            async def finish(name, stream):
+                await collect(stream)
+                order.append(name)
+
+            await asyncio.gather(finish("long", long), finish("short", short))
+            with pytest.raises(asyncio.CancelledError):
+                await search
+            return order, engine.num_in_flight, engine.beam_rows
+        finally:
+            engine.stop()
+
+    order, in_flight, rows = run(main())
+    assert order == ["short", "long"] and in_flight == 0 and rows == 0
+    assert not llm.engine.requests
 
 
 # ---------------------------------------------------------------------- request validation
@@ -209,3 +251,62 @@ def test_beam_search_params_follow_the_request():
     with pytest.raises(APIError) as e:
         parse_request(CompletionRequest, {"prompt": "w5", "use_beam_search": True, "n": 11}).beam_search_params(50)
     assert e.value.param == "n" and "beam width" in e.value.message
+
+
+def test_a_client_that_disconnects_cancels_its_search_over_http(llm, monkeypatch):
+    """A real uvicorn on a loopback port: the client sends a beam search and closes its socket
+    while the first round is in the engine; the app cancels the search (its beam rows are given
+    back before the round may finish), the round's requests are aborted and no other round is
+    added."""
+    import socket
+    import time
+
+    import uvicorn
+
+    in_round, release, added = threading.Event(), threading.Event(), []
+    step, add_request = llm.engine.step, llm.engine.add_request
+
+    def gated_step(*a, **kw):
+        if not release.is_set() and any(rid.startswith("beam-") for rid in llm.engine.requests):
+            in_round.set()
+            release.wait(30)
+        return step(*a, **kw)
+
+    monkeypatch.setattr(llm.engine, "step", gated_step)
+    monkeypatch.setattr(llm.engine, "add_request", lambda ids, p, **kw: added.append(kw["request_id"]) or
+                        add_request(ids, p, **kw))  # fmt: skip
+
+    def until(predicate, what: str) -> None:
+        deadline = time.monotonic() + 30
+        while not predicate():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.01)
+
+    app = create_app(llm, model_name="tiny")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        until(lambda: server.started and app.state.minivllm.engine is not None, "the server to start")
+        engine = app.state.minivllm.engine
+        body = httpx.Request("POST", "/", json=beam(PROMPT, n=3, max_tokens=16, ignore_eos=True)).content
+        client = socket.create_connection(("127.0.0.1", port))
+        client.sendall(f"POST {C} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                       f"Content-Length: {len(body)}\r\n\r\n".encode() + body)  # fmt: skip
+        assert in_round.wait(30)
+        client.close()
+        until(lambda: engine.beam_rows == 0, "the search to be cancelled")  # while its round is still held
+        release.set()
+        until(lambda: not llm.engine.has_unfinished() and not llm.engine.requests, "the engine to go idle")
+        assert engine.num_in_flight == 0
+    finally:
+        release.set()
+        server.should_exit = True
+        thread.join(30)
+    beam_rows = [rid for rid in added if rid.startswith("beam-")]
+    assert len(beam_rows) == 1 and beam_rows[0].endswith(".0.0")  # round 0's one beam, and nothing after it
+    bm = llm.engine.block_manager
+    assert bm.num_free_pages == bm.num_usable_pages
