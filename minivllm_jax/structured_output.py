@@ -67,9 +67,9 @@ GRAMMAR_LIMITS = {
 }
 # How long a request waits for its constraint to compile (and its first mask to be computed).
 GRAMMAR_COMPILE_TIMEOUT_S = 10.0
-# The most one grammar's token mask may take (its first at compile, any later one in a step);
-# typical JSON schemas take well under 1 ms on a 49k vocabulary.
-GRAMMAR_MASK_BUDGET_S = 0.05
+# The most one grammar's token mask may take (its first at compile, any later one in a step).
+# Typical JSON schemas take well under 1 ms on a 49k vocabulary; the margin is for a busy CPU.
+GRAMMAR_MASK_BUDGET_S = 0.1
 # Threads compiling constraints: one costly compile does not hold up the others.
 GRAMMAR_COMPILE_THREADS = 2
 # Threads computing a step's masks (llguidance's executor).
