@@ -21,7 +21,6 @@ from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from minivllm_jax.sampling_params import SamplingParams
 from server.connections import (
     BODY_READ_TIMEOUT_S, ConnectionLimits, OpenSockets, SlowReader, drop_connection, record_transport, send_within,
 )  # fmt: skip
@@ -29,7 +28,7 @@ from server.engine_loop import EngineStopped, RequestFailed, RequestStream
 from server.metrics import ServerMetrics
 from server.middleware import GateMiddleware
 from server.page import chat_page
-from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_json, parse_request
+from server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from server.responses import ChatFormatter, CompletionFormatter, _Formatter, beam_search_output, sse
 from server.security import OriginPolicy, api_key_list, normalize_hosts
 from server.state import LLMLike, ServerState, stream_error
@@ -121,35 +120,43 @@ def create_app(
         arrival = time.monotonic()
         state.require_ready()
         state.check_capacity()
-        req = parse_request(CompletionRequest, parse_json(await _read_body(request, state.max_body_bytes)))
-        state.check_model(req.model)
-        params = None if req.use_beam_search else req.sampling_params()
-        await state.check_constraints(req.constraints_to_check())
-        ids = await state.prompt_ids(req.single_prompt(), None)
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        fmt = CompletionFormatter(rid, state.model_name, int(time.time()), state.table, req.logprobs, req.n,
-                                  req.include_usage)  # fmt: skip
-        if params is None:
+        raw = await _read_body(request, state.max_body_bytes)  # outside: a slow sender would hold a place
+        with state.preprocessing() as slot:  # until the engine admits it
+            req = await state.parse(slot, CompletionRequest, raw)
+            state.check_model(req.model)
+            params = None if req.use_beam_search else req.sampling_params()
+            await state.check_constraints(slot, req.constraints_to_check())
+            ids = await state.prompt_ids(slot, req.single_prompt(), None)
+            rid = f"cmpl-{uuid.uuid4().hex}"
+            fmt = CompletionFormatter(rid, state.model_name, int(time.time()), state.table, req.logprobs, req.n,
+                                      req.include_usage)  # fmt: skip
+            stream = None if params is None else await state.start(ids, params, rid, arrival)
+        if stream is None:
             return await _respond_beam_search(request, state, ids, req, fmt, arrival)
-        return await _respond(request, state, ids, params, fmt, req.stream, arrival)
+        return await _respond(request, stream, fmt, req.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         arrival = time.monotonic()
         state.require_ready()
         state.check_capacity()
-        req = parse_request(ChatCompletionRequest, parse_json(await _read_body(request, state.max_body_bytes)))
-        state.check_model(req.model)
-        params = None if req.use_beam_search else req.sampling_params()
-        await state.check_constraints(req.constraints_to_check())
-        ids = await state.prompt_ids(None, req.messages, req.offered_tools(), req.parallel_tool_calls is not False)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        top_k = (req.top_logprobs or 0) if req.logprobs else None
-        fmt = ChatFormatter(rid, state.model_name, int(time.time()), state.table, top_k, req.n, req.include_usage,
-                            tool_plan=req.parsed_tool_plan())  # fmt: skip
-        if params is None:
+        raw = await _read_body(request, state.max_body_bytes)  # outside: a slow sender would hold a place
+        with state.preprocessing() as slot:  # until the engine admits it
+            req = await state.parse(slot, ChatCompletionRequest, raw)
+            state.check_model(req.model)
+            params = None if req.use_beam_search else req.sampling_params()
+            await state.check_constraints(slot, req.constraints_to_check())
+            ids = await state.prompt_ids(slot, None, req.messages, req.offered_tools(),
+                                         req.parallel_tool_calls is not False)  # fmt: skip
+            rid = f"chatcmpl-{uuid.uuid4().hex}"
+            top_k = (req.top_logprobs or 0) if req.logprobs else None
+            fmt = ChatFormatter(rid, state.model_name, int(time.time()), state.table, top_k, req.n, req.include_usage,
+                                tool_plan=req.parsed_tool_plan())  # fmt: skip
+            renames = {"logprobs": "top_logprobs"}
+            stream = None if params is None else await state.start(ids, params, rid, arrival, renames)
+        if stream is None:
             return await _respond_beam_search(request, state, ids, req, fmt, arrival)
-        return await _respond(request, state, ids, params, fmt, req.stream, arrival, {"logprobs": "top_logprobs"})
+        return await _respond(request, stream, fmt, req.stream)
 
     @app.websocket("/v1/stream")
     async def stream(websocket: WebSocket) -> None:
@@ -246,17 +253,8 @@ class _EngineStreamResponse(StreamingResponse):
             self._stream.abort()
 
 
-async def _respond(
-    request: Request,
-    state: ServerState,
-    ids: list[int],
-    params: SamplingParams,
-    fmt: _Formatter,
-    streaming: bool,
-    arrival: float,
-    renames: dict[str, str] | None = None,
-) -> Response:
-    stream = await state.start(ids, params, fmt.id, arrival, renames)
+async def _respond(request: Request, stream: RequestStream, fmt: _Formatter, streaming: bool) -> Response:
+    """Answer an admitted request: SSE, or one JSON body once it is done."""
     if streaming:
         app_state = request.app.state
         return _EngineStreamResponse(stream, _sse_events(stream, fmt), app_state.limits.send_timeout_s,
@@ -269,7 +267,7 @@ async def _respond(
         stream.abort()
     if final is None:  # the client is gone; nobody will read this
         return Response(status_code=499)
-    return JSONResponse(fmt.response(final, stream.prompt_tokens))
+    return await _json_response(lambda: fmt.response(final, stream.prompt_tokens), _token_entries(final, fmt))
 
 
 async def _respond_beam_search(
@@ -289,7 +287,25 @@ async def _respond_beam_search(
     out = await _unless_disconnected(request, state.beam_search(ids, params, arrival))
     if out is None:  # the client is gone (the search was cancelled)
         return Response(status_code=499)
-    return JSONResponse(fmt.response(beam_search_output(fmt.id, ids, out), len(ids)))
+    final = beam_search_output(fmt.id, ids, out)
+    return await _json_response(lambda: fmt.response(final, len(ids)), _token_entries(final, fmt))
+
+
+# A non-streaming body of more token entries (tokens x (top logprobs + 1)) than this is built and
+# serialized on a thread: that is ~1 ms of Python per 100 entries, which on the event loop would
+# stall every stream and /health meanwhile.
+JSON_ON_LOOP_MAX_TOKEN_ENTRIES = 2048
+
+
+def _token_entries(out: Any, fmt: _Formatter) -> int:
+    return sum(len(c.token_ids) for c in out.outputs) * ((fmt.top_k or 0) + 1)
+
+
+async def _json_response(build: Callable[[], dict[str, Any]], token_entries: int) -> Response:
+    """`JSONResponse(build())`, built off the event loop when the body is large."""
+    if token_entries <= JSON_ON_LOOP_MAX_TOKEN_ENTRIES:
+        return JSONResponse(build())
+    return await asyncio.to_thread(lambda: JSONResponse(build()))
 
 
 async def _sse_events(stream: RequestStream, fmt: _Formatter) -> AsyncIterator[str]:

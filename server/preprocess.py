@@ -3,7 +3,10 @@
 Tokenizing a long prompt takes about 1 s per MB of text here; done on the engine thread it
 would stall every stream. So prompts are tokenized on one worker thread with its own copy of
 the tokenizer (HF tokenizers are not safe to share across threads), and the engine receives
-token ids. Prompts far too long to fit are rejected from their length alone, before any work.
+token ids. Prompts far too long to fit are rejected from their length alone, before any work,
+and the rest are tokenized in growing prefixes, so a prompt too long to fit is refused after
+O(max_model_len) tokenizer work, not after tokenizing all of it. Token-id prompts are checked
+(length, then range) before they are copied.
 Output constraints are compiled here too (on the engine's grammar compiler, which caches them),
 so a bad schema is a 400 and the engine finds the request's grammar already compiled.
 """
@@ -18,12 +21,19 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from minivllm_jax.structured_output import StructuredOutputsParams
-from server.protocol import constraint_error, invalid
+from server.protocol import APIError, constraint_error, invalid
 from server.tool_calls import messages_without_tool_support
 
 # A normalizer could shrink text before tokenizing (NFC, ...); this margin keeps the
 # characters-only length check conservative.
 _NORMALIZE_MARGIN = 4
+# Long text is tokenized in prefixes: the first one this many characters per max_model_len
+# token (about what English takes), each next one this many times longer.
+PROBE_CHARS_PER_TOKEN = 4
+PROBE_GROWTH = 4
+# A prefix cut at whitespace tokenizes as the full text does up to the cut (pre-tokenizers split
+# there); this margin covers a cut inside a word, whose last piece may split into a few more.
+PROBE_MARGIN_TOKENS = 16
 
 
 class TokenTable:
@@ -65,6 +75,7 @@ class Preprocessor:
         self._template_takes_tools: bool | None = None  # probed on first use
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
         self.max_model_len = max_model_len
+        self.vocab_size = len(tokenizer)
         # A token covers at most max_token_bytes bytes, so more characters than this can
         # never fit in max_model_len tokens.
         self.max_prompt_chars = _NORMALIZE_MARGIN * max_token_bytes * max_model_len
@@ -80,15 +91,40 @@ class Preprocessor:
                 "context_length_exceeded",
             )
 
+    def check_ids(self, ids: list[int], param: str = "prompt") -> None:
+        """A token-id prompt: at most max_model_len ids (checked first, in O(1)), each in the
+        tokenizer's vocabulary."""
+        if len(ids) > self.max_model_len:
+            raise invalid(f"{param} has {len(ids)} tokens, more than max_model_len ({self.max_model_len})", param,
+                          "context_length_exceeded")  # fmt: skip
+        if ids and not (0 <= min(ids) and max(ids) < self.vocab_size):
+            bad = next(t for t in ids if not 0 <= t < self.vocab_size)
+            raise invalid(f"{param} holds the token id {bad}, outside the vocabulary [0, {self.vocab_size})", param)
+
     async def encode(self, prompt: str | list[int]) -> list[int]:
         """Text -> ids with the tokenizer's special-token rule (BOS where it adds one, like
-        `LLMEngine.tokenize`); ids pass through (the engine checks their range)."""
+        `LLMEngine.tokenize`); ids are checked (`check_ids`), then copied."""
         if not isinstance(prompt, str):
+            self.check_ids(prompt)
             return list(prompt)
         if not prompt:
             raise invalid("prompt must not be empty", "prompt")
         self._check_length(len(prompt), "prompt")
-        return await self._run(lambda: self._tokenizer.encode(prompt, add_special_tokens=True))
+        return await self._run(lambda: self._encode_bounded(prompt, True, "prompt"))
+
+    def _encode_bounded(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        """Tokenize `text`, first in growing prefixes while it is long: once a prefix has more than
+        max_model_len tokens the text is refused, after work in proportion to max_model_len."""
+        probe = PROBE_CHARS_PER_TOKEN * self.max_model_len
+        while probe < len(text):
+            space = text.rfind(" ", probe // 2, probe)
+            cut = space if space > 0 else probe
+            count = len(self._tokenizer.encode(text[:cut], add_special_tokens=add_special_tokens))
+            if count > self.max_model_len + PROBE_MARGIN_TOKENS:
+                raise invalid(f"{param} is too long: its first {cut} characters are already {count} tokens, more than "
+                              f"max_model_len ({self.max_model_len})", param, "context_length_exceeded")  # fmt: skip
+            probe *= PROBE_GROWTH
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     async def chat(
         self,
@@ -111,11 +147,18 @@ class Preprocessor:
                 kwargs = {"tools": tools} if tools else {}
             elif uses_tools:
                 conversation = messages_without_tool_support(messages, tools, parallel_tool_calls)
-            ids = self._tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, **kwargs)
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            # Rendered as text, then tokenized as apply_chat_template(tokenize=True) does (no
+            # special tokens added: the template writes them), but bounded (`_encode_bounded`).
+            text = self._tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False, **kwargs)
+            if not isinstance(text, str):  # a stand-in tokenizer (tests) that answers ids directly
+                return list(text["input_ids"] if hasattr(text, "keys") else text)
+            self._check_length(len(text), "messages")
+            return self._encode_bounded(text, False, "messages")
 
         try:
             return await self._run(apply)
+        except APIError:
+            raise
         except Exception as e:  # template errors (e.g. jinja raise_exception on role order)
             raise invalid(f"messages could not be formatted with the chat template: {e}", "messages") from None
 

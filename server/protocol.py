@@ -1,7 +1,9 @@
 """OpenAI request schemas (pydantic, strict) and the mapping to `SamplingParams`.
 
-Types are checked here (strict: no "10" for 10, no NaN); value ranges are checked once, by
-`SamplingParams`, whose messages name the field, so every error says which `param` was wrong.
+Types and ranges are checked here (strict: no "10" for 10, no NaN or infinity anywhere in a
+body, every number inside the range `SamplingParams` declares), and so are the sizes of lists
+(tools, messages, choices, schemas) before their items are validated, so a body of any shape
+costs work in proportion to what the server accepts; every error names its `param`.
 Fields OpenAI clients send that do not change the output (`user`, `metadata`, ...) are accepted
 and ignored; fields that would change it but are unsupported must keep their neutral value.
 Output constraints (`response_format`, vLLM's `structured_outputs` and older `guided_*` fields)
@@ -13,13 +15,17 @@ the request reaches the engine; chat `tools` / `tool_choice` become a `ToolPlan`
 from __future__ import annotations
 
 import json
+import math
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from minivllm_jax.beam_search import BeamSearchParams
-from minivllm_jax.sampling_params import SamplingParams
+from minivllm_jax.sampling_params import (
+    MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_SEED, MAX_TEMPERATURE, MAX_TOKEN_ID, MAX_TOKENS_LIMIT,
+    MAX_TOP_K, SamplingParams,
+)  # fmt: skip
 from minivllm_jax.structured_output import StructuredOutputsParams
 from server.tool_calls import ToolPlan
 
@@ -28,6 +34,23 @@ MAX_N = 16  # choices per request: each one is a sequence in the engine
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+# Lists whose items each cost validation, template and compile work. Their lengths are checked
+# on the raw JSON before any item is validated.
+MAX_TOOLS = 128  # OpenAI's limit
+# Every message adds at least its role's template tokens (a few), so a conversation of more
+# messages than this cannot fit any context this server runs; a bound on the template's work.
+MAX_MESSAGES = 2048
+MAX_TOOL_CALLS_PER_MESSAGE = 128  # as many as there can be tools to call
+MAX_CHOICES = 256  # guided_choice / structured_outputs.choice entries: one grammar alternative each
+MAX_CHOICE_CHARS = 1024
+# JSON schemas (response_format, guided_json, structured_outputs.json and every tool's
+# parameters) are compiled to grammars before admission; their size bounds that work.
+MAX_SCHEMA_DEPTH = 64  # nested objects/arrays in one schema
+MAX_SCHEMA_NODES = 16384  # JSON values in one field's schemas together (all of `tools` together)
+MAX_ABS_LENGTH_PENALTY = 10.0  # beam scores divide by length ** length_penalty (a float overflow past it)
+# A response holds n x (top logprobs + 1) x max_tokens token entries at most (each one a JSON
+# object of ~50-100 bytes with logprobs): about 25-50 MB of JSON at this bound.
+MAX_RESPONSE_TOKEN_ENTRIES = 1 << 19
 # With use_beam_search these would be silently ignored (the search ranks by the model's own
 # log-probs and answers one JSON body), so only their neutral value is accepted.
 _BEAM_SEARCH_NEUTRAL = ("top_p", "top_k", "min_p", "stop", "seed", "presence_penalty", "frequency_penalty",
@@ -77,6 +100,11 @@ class JSONSchemaFormat(_Strict):
     schema_: dict[str, Any] = Field(alias="schema")
     strict: bool | None = None
 
+    @model_validator(mode="after")
+    def _bounded_schema(self) -> "JSONSchemaFormat":
+        check_schema_size("schema", [self.schema_])
+        return self
+
 
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
@@ -99,6 +127,16 @@ class StructuredOutputs(_Strict):
     json_object: bool | None = None
     disable_any_whitespace: bool | None = None  # JSON without free whitespace (default true here)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded_lists(cls, data: Any) -> Any:
+        return _check_raw_lengths(data, {"choice": MAX_CHOICES})
+
+    @model_validator(mode="after")
+    def _bounded_choice(self) -> "StructuredOutputs":
+        _check_choice("choice", self.choice)
+        return self
+
     def params(self) -> dict[str, Any]:
         kw = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
               "json_object": bool(self.json_object)}  # fmt: skip
@@ -111,18 +149,19 @@ class _Sampling(_Strict):
     """Fields shared by every generation request (OpenAI names, vLLM extensions)."""
 
     model: str | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # vLLM extension
-    min_p: float = 0.0  # vLLM extension
+    # Ranges: `SamplingParams`' (each value fits the engine's int32/float32 per-row arrays).
+    temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, le=MAX_TOP_K)  # vLLM extension; 0 is refused by SamplingParams
+    min_p: float = Field(0.0, ge=0.0, le=1.0)  # vLLM extension
     n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0  # vLLM extension
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=MAX_REPETITION_PENALTY)  # vLLM extension
     ignore_eos: bool = False  # vLLM extension
-    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     # Extension: this request's KV compression policy (`minivllm_jax.kv_compression`), e.g.
     # {"policy": "sink_window", "window_tokens": 512}.
@@ -138,7 +177,7 @@ class _Sampling(_Strict):
     logit_bias: dict[str, float] | None = None
     # vLLM extension: beam search, `n` being the beam width (HTTP only, non-streaming).
     use_beam_search: bool = False
-    length_penalty: float = 1.0
+    length_penalty: float = Field(1.0, ge=-MAX_ABS_LENGTH_PENALTY, le=MAX_ABS_LENGTH_PENALTY)
     early_stopping: bool | Literal["never"] = False
     # Output constraints: at most one of these per request.
     _constraint: tuple[str, StructuredOutputsParams] | None = PrivateAttr(None)
@@ -149,12 +188,36 @@ class _Sampling(_Strict):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded_lists(cls, data: Any) -> Any:
+        """List lengths on the raw JSON, before their items are validated (the work a body can
+        cost is then bounded by what is accepted, not by what was sent)."""
+        return _check_raw_lengths(data, {"stop": MAX_STOPS, "stop_token_ids": MAX_STOP_TOKEN_IDS,
+                                         "guided_choice": MAX_CHOICES, "messages": MAX_MESSAGES,
+                                         "tools": MAX_TOOLS})  # fmt: skip
+
     @model_validator(mode="after")
     def _neutral(self) -> "_Sampling":
         if self.logit_bias:
             raise _unsupported("logit_bias")
         if self.stream_options is not None and not self.stream:
             raise _FieldError("stream_options", "stream_options is only allowed when stream is true")
+        _check_choice("guided_choice", self.guided_choice)
+        schemas = [("guided_json", self.guided_json)]
+        if self.structured_outputs is not None:
+            schemas.append(("structured_outputs.json", self.structured_outputs.json_))
+        for param, schema in schemas:
+            if isinstance(schema, str):  # schema text: StructuredOutputsParams parses it (and says if it can't)
+                try:
+                    schema = _loads_finite(schema)
+                except _NonFinite:
+                    raise _FieldError(param, f"{param}: NaN and infinities are not allowed in a schema") from None
+                except ValueError:
+                    continue
+                except RecursionError:
+                    raise _FieldError(param, f"{param}: the JSON schema is nested too deeply") from None
+            check_schema_size(param, [schema])
         return self
 
     @model_validator(mode="after")
@@ -247,8 +310,8 @@ class CompletionRequest(_Sampling):
     """`POST /v1/completions`: one prompt (text or token ids) per request."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS_LIMIT)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -304,6 +367,11 @@ class ChatMessage(_Strict):
     name: str | None = None  # accepted, ignored (the chat template has no slot for it)
     tool_calls: list[ToolCall] | None = None  # assistant only
     tool_call_id: str | None = None  # tool only: the call this message answers
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded_lists(cls, data: Any) -> Any:
+        return _check_raw_lengths(data, {"tool_calls": MAX_TOOL_CALLS_PER_MESSAGE})
 
     @model_validator(mode="after")
     def _tool_fields(self) -> "ChatMessage":
@@ -361,10 +429,10 @@ class ChatCompletionRequest(_Sampling):
     """`POST /v1/chat/completions`: the tokenizer's chat template turns messages into a prompt."""
 
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
     parallel_tool_calls: bool | None = None  # false: at most one call
@@ -379,16 +447,19 @@ class ChatCompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _tools(self) -> "ChatCompletionRequest":
-        names = [t.function.name for t in self.tools or []]
-        duplicate = next((n for n in names if names.count(n) > 1), None)
-        if duplicate is not None:
-            raise _FieldError("tools", f"tools: the function name {duplicate!r} is used more than once")
+        names: set[str] = set()
+        for tool in self.tools or []:
+            if tool.function.name in names:
+                raise _FieldError("tools", f"tools: the function name {tool.function.name!r} is used more than once")
+            names.add(tool.function.name)
+        check_schema_size("tools", [t.function.parameters for t in self.tools or [] if t.function.parameters])
         choice = self.tool_choice
         if choice not in (None, "none") and not names:
             raise _FieldError("tool_choice", "tool_choice needs tools")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            listed = ", ".join(t.function.name for t in self.tools or [])
             raise _FieldError("tool_choice", f"tool_choice names the function {choice.function.name!r}, which is "
-                              f"not in tools ({', '.join(names)})")  # fmt: skip
+                              f"not in tools ({listed})")  # fmt: skip
         plan = self.tool_plan()
         if plan is not None and self.use_beam_search:
             raise _unsupported("tools", "tools are not supported with use_beam_search")
@@ -459,8 +530,8 @@ class StreamRequest(_Sampling):
     type: Literal["request"] = "request"
     prompt: str | list[int] | None = None
     messages: list[ChatMessage] | None = None
-    max_tokens: int | None = None
-    logprobs: int | None = None
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="after")
     def _one_input(self) -> "StreamRequest":
@@ -496,8 +567,185 @@ def _unsupported(param: str, message: str | None = None) -> _FieldError:
     return _FieldError(param, message or f"{param} is not supported by this server")
 
 
+def _check_raw_lengths(data: Any, limits: dict[str, int]) -> Any:
+    """Refuse a raw (not yet validated) list field longer than its limit, naming it."""
+    if isinstance(data, dict):
+        for name, limit in limits.items():
+            value = data.get(name)
+            if isinstance(value, list) and len(value) > limit:
+                raise _FieldError(name, f"{name}: at most {limit} items, got {len(value)}")
+    return data
+
+
+def _check_choice(param: str, choice: list[str] | None) -> None:
+    if choice is not None and any(len(c) > MAX_CHOICE_CHARS for c in choice):
+        raise _FieldError(param, f"{param}: each choice must be at most {MAX_CHOICE_CHARS} characters")
+
+
+def check_schema_size(param: str, schemas: list[Any]) -> None:
+    """Refuse schemas nested deeper than MAX_SCHEMA_DEPTH or holding more than MAX_SCHEMA_NODES
+    JSON values together; one pass that stops at the first limit crossed."""
+    nodes, stack = 0, [(schema, 1) for schema in schemas]
+    while stack:
+        value, depth = stack.pop()
+        nodes += 1
+        if nodes > MAX_SCHEMA_NODES:
+            raise _FieldError(param, f"{param}: the JSON schemas hold more than {MAX_SCHEMA_NODES} values together")
+        if isinstance(value, (dict, list)):
+            if depth > MAX_SCHEMA_DEPTH:
+                raise _FieldError(param, f"{param}: a JSON schema is nested more than {MAX_SCHEMA_DEPTH} levels deep")
+            children = value.values() if isinstance(value, dict) else value
+            stack.extend((child, depth + 1) for child in children)
+
+
+def check_response_size(n: int, logprobs: int | None, max_tokens: int, max_tokens_set: bool,
+                        renames: dict[str, str] | None = None) -> None:  # fmt: skip
+    """Refuse a request whose response could hold more than MAX_RESPONSE_TOKEN_ENTRIES token
+    entries (n x (top logprobs + 1) x max_tokens); `max_tokens` is the effective one (the rest
+    of the context when the request left it unset)."""
+    entries = n * ((logprobs or 0) + 1) * max_tokens
+    if entries <= MAX_RESPONSE_TOKEN_ENTRIES:
+        return
+    name = (renames or {}).get("logprobs", "logprobs")
+    limit = f"max_tokens ({max_tokens})" if max_tokens_set else f"max_tokens (unset: the rest of the context, {max_tokens})"
+    raise invalid(
+        f"the response could hold n ({n}) x ({name} ({logprobs or 0}) + 1) x {limit} = {entries} tokens, over the "
+        f"limit of {MAX_RESPONSE_TOKEN_ENTRIES}; lower max_tokens, n or {name}",
+        "max_tokens", "response_too_large",
+    )  # fmt: skip
+
+
+class _NumberCheck:
+    """`json.loads` hooks that keep NaN, Infinity and overflowing numbers (1e999) as the float
+    they read as, noting that one was seen; only then is the body walked to name where."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def constant(self, name: str) -> float:
+        self.seen = True
+        return float(name)
+
+    def number(self, text: str) -> float:
+        value = float(text)
+        self.seen = self.seen or not math.isfinite(value)
+        return value
+
+
+def _non_finite_path(value: Any, path: tuple[str, ...] = ()) -> str | None:
+    """The dotted path of the first NaN or infinity in decoded JSON (iterative: any depth)."""
+    stack = [(value, path)]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return ".".join(path)
+        if isinstance(value, dict):
+            stack.extend((v, (*path, str(k))) for k, v in reversed(value.items()))
+        elif isinstance(value, list):
+            stack.extend((v, (*path, str(i))) for i, v in reversed(list(enumerate(value))))
+    return None
+
+
+# Arrays of a body's top level that are decoded item by item and refused past their cap, before
+# the rest of the array is even parsed (`_loads_capped`).
+_CAPPED_ARRAYS = {"tools": MAX_TOOLS, "messages": MAX_MESSAGES, "guided_choice": MAX_CHOICES, "stop": MAX_STOPS,
+                  "stop_token_ids": MAX_STOP_TOKEN_IDS}  # fmt: skip
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+
+
+class _TooMany(ValueError):
+    def __init__(self, key: str, limit: int) -> None:
+        super().__init__(f"{key}: at most {limit} items, got more")
+        self.key = key
+
+
+def _loads_capped(text: str, decoder: json.JSONDecoder, caps: dict[str, int]) -> Any:
+    """`decoder.decode(text)`, except that the arrays of a top-level object named in `caps` are
+    decoded one item at a time and refused (`_TooMany`) at the first item past their cap. So a
+    body holding a huge list costs O(cap) items of work, and other threads (the event loop) get
+    the GIL between items: one `json.loads` of a whole body holds it throughout (~25 ms per
+    800 KB of small objects, 10x that on a loaded machine)."""
+
+    def skip(i: int) -> int:
+        return _WHITESPACE.match(text, i).end()  # type: ignore[union-attr]
+
+    def expect(i: int, what: str) -> None:
+        raise json.JSONDecodeError(f"Expecting {what}", text, i)
+
+    i = skip(0)
+    if not text.startswith("{", i):
+        return decoder.decode(text)
+    out: dict[str, Any] = {}
+    i = skip(i + 1)
+    empty = text.startswith("}", i)
+    while not empty:
+        if not text.startswith('"', i):
+            expect(i, "property name enclosed in double quotes")
+        key, i = json.decoder.scanstring(text, i + 1)  # type: ignore[attr-defined]
+        i = skip(i)
+        if not text.startswith(":", i):
+            expect(i, "':' delimiter")
+        i = skip(i + 1)
+        if key in caps and text.startswith("[", i):
+            out[key], i = _capped_array(text, i, decoder, key, caps[key], skip, expect)
+        else:
+            out[key], i = decoder.raw_decode(text, i)
+        i = skip(i)
+        if text.startswith(",", i):
+            i = skip(i + 1)
+        elif text.startswith("}", i):
+            break
+        else:
+            expect(i, "',' delimiter")
+    end = skip(i + 1)
+    if end != len(text):
+        raise json.JSONDecodeError("Extra data", text, end)
+    return out
+
+
+def _capped_array(text: str, i: int, decoder: json.JSONDecoder, key: str, limit: int, skip: Any,
+                  expect: Any) -> tuple[list[Any], int]:  # fmt: skip
+    items: list[Any] = []
+    i = skip(i + 1)
+    if text.startswith("]", i):
+        return items, i + 1
+    while True:
+        if len(items) == limit:
+            raise _TooMany(key, limit)
+        item, i = decoder.raw_decode(text, i)
+        items.append(item)
+        i = skip(i)
+        if text.startswith("]", i):
+            return items, i + 1
+        if not text.startswith(",", i):
+            expect(i, "',' delimiter")
+        i = skip(i + 1)
+
+
+def _loads_finite(text: str, caps: dict[str, int] | None = None) -> Any:
+    """`json.loads`, refusing NaN and infinities (a ValueError naming where one is), with the
+    top-level arrays in `caps` capped (`_loads_capped`)."""
+    check = _NumberCheck()
+    decoder = json.JSONDecoder(parse_constant=check.constant, parse_float=check.number)
+    data = _loads_capped(text, decoder, caps) if caps else decoder.decode(text)
+    if check.seen:
+        path = _non_finite_path(data)
+        if path is not None:
+            raise _NonFinite(path)
+    return data
+
+
+class _NonFinite(ValueError):
+    def __init__(self, path: str) -> None:
+        super().__init__(f"{path or 'the body'}: NaN and infinities (and numbers too large for a float) are not "
+                         "allowed")  # fmt: skip
+        self.path = path
+
+
 def parse_json(raw: bytes) -> Any:
-    """Strict UTF-8 JSON, with a message for each way a body can be broken."""
+    """Strict UTF-8 JSON, with a message for each way a body can be broken. NaN, Infinity and
+    numbers too large for a float (1e999) are refused anywhere in the body, nested ones too,
+    naming the field where they are."""
     if not raw.strip():
         raise invalid("request body is empty; send a JSON object")
     try:
@@ -505,7 +753,11 @@ def parse_json(raw: bytes) -> Any:
     except UnicodeDecodeError as e:
         raise invalid(f"request body is not valid UTF-8 (byte {e.start})") from None
     try:
-        return json.loads(text)
+        return _loads_finite(text, _CAPPED_ARRAYS)
+    except _TooMany as e:
+        raise invalid(str(e), e.key) from None
+    except _NonFinite as e:
+        raise invalid(str(e), e.path or None) from None
     except RecursionError:
         raise invalid("request body JSON is nested too deeply") from None
     except ValueError as e:
@@ -532,7 +784,8 @@ def _from_validation_error(e: ValidationError) -> APIError:
     loc = [str(x) for x in err["loc"] if isinstance(x, int) or not _is_type_name(x)]
     if isinstance(cause, _FieldError):  # raised by a validator of the model at `loc`
         param = ".".join([*loc, cause.param])
-        return invalid(f"{param}: {cause}" if loc else str(cause), param)
+        text = str(cause)
+        return invalid(f"{param}: {text.removeprefix(cause.param + ': ')}" if loc else text, param)
     param = ".".join(loc) or None
     if err["type"] == "extra_forbidden":
         return invalid(f"unknown field {param!r}", param, "unknown_field")

@@ -10,6 +10,7 @@ Modes (`ToolPlan.mode`), from `tool_choice`:
 - "auto": the model may answer in text or call tools in Hermes form
   (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, as Hermes/Qwen templates teach);
   an output that is only a JSON object or list of calls ("bare JSON") is read as calls too.
+  With `parallel_tool_calls: false` only the first call is returned (the rest are dropped).
 - "named": structured output forces the function's `parameters` schema, so the whole output is
   the arguments of that one call.
 - "required": structured output forces vLLM's schema, a JSON array (at least one item) of
@@ -21,8 +22,10 @@ Modes (`ToolPlan.mode`), from `tool_choice`:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import uuid
+from collections.abc import Collection
 from typing import Any, Literal
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -41,15 +44,17 @@ class ToolPlan:
     name: str | None = None
     parallel: bool = True
 
+    @functools.cached_property
+    def functions(self) -> dict[str, dict[str, Any]]:
+        """Each tool's function by name (built once: lookups by name are O(1))."""
+        return {t["function"]["name"]: t["function"] for t in self.tools}
+
     @property
     def names(self) -> list[str]:
-        return [t["function"]["name"] for t in self.tools]
+        return list(self.functions)
 
     def parameters(self, name: str) -> dict[str, Any]:
-        for t in self.tools:
-            if t["function"]["name"] == name:
-                return t["function"].get("parameters") or EMPTY_PARAMETERS
-        raise KeyError(name)
+        return self.functions[name].get("parameters") or EMPTY_PARAMETERS
 
     def forced_parameters(self, name: str) -> dict[str, Any]:
         """The arguments schema a forced call follows: the tool's, with OpenAI strict mode's rule
@@ -185,14 +190,14 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def parse_call(body: str, names: list[str]) -> tuple[str, str] | None:
+def parse_call(body: str, names: Collection[str]) -> tuple[str, str] | None:
     """One Hermes call body -> (name, arguments as a JSON string), or None when it is not a call
     to a known tool. `arguments` may be an object or a JSON string; `parameters` is accepted too."""
     try:
         obj = json.loads(body)
     except ValueError:
         return None
-    if not isinstance(obj, dict) or obj.get("name") not in names:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in names:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
@@ -205,7 +210,7 @@ def parse_call(body: str, names: list[str]) -> tuple[str, str] | None:
     return obj["name"], json.dumps(args, ensure_ascii=False)
 
 
-def parse_bare_calls(text: str, names: list[str]) -> list[tuple[str, str]] | None:
+def parse_bare_calls(text: str, names: Collection[str]) -> list[tuple[str, str]] | None:
     """An output that is nothing but a call object or a list of them (what small models often
     write instead of tags), or None."""
     try:
@@ -259,11 +264,11 @@ class ToolCallParser:
             return self._scanner.finish()
         held, self._held = self._held, ""
         if self._state == "bare":
-            calls = parse_bare_calls(held, self.plan.names)
+            calls = parse_bare_calls(held, self.plan.functions)
             if calls is not None:
                 return [e for name, args in calls for e in self._call(name, args)]
         if self._state == "call":  # unclosed: the model stopped right after the call
-            call = parse_call(held, self.plan.names)
+            call = parse_call(held, self.plan.functions)
             return self._call(*call) if call else [Content(self._space + CALL_OPEN + held)]
         return [Content(held)] if held and self._state != "after" else []
 
@@ -278,6 +283,8 @@ class ToolCallParser:
         return CallStart(self.num_calls - 1, new_call_id(), name)
 
     def _call(self, name: str, arguments: str) -> list[Event]:
+        if not self.plan.parallel and self.num_calls:  # parallel_tool_calls: false: the first call only
+            return []
         start = self._start(name)
         return [start, CallArguments(start.index, arguments)]
 
@@ -307,7 +314,7 @@ class ToolCallParser:
                 if end < 0:
                     break
                 body, self._held = self._held[:end], self._held[end + len(CALL_CLOSE) :]
-                call = parse_call(body, self.plan.names)
+                call = parse_call(body, self.plan.functions)
                 if call:
                     events += self._call(*call)
                     self._state = "after"

@@ -35,6 +35,7 @@ from server.state import ServerState, stream_error
 logger = logging.getLogger(__name__)
 
 MAX_PENDING = 8  # requests queued on one socket behind the one streaming
+MAX_CANCEL_BYTES = 256  # a cancel message is '{"type": "cancel"}' and some whitespace at most
 
 
 async def serve_socket(websocket: WebSocket, state: ServerState, sockets: OpenSockets) -> None:
@@ -141,6 +142,8 @@ def error_message(e: APIError) -> dict[str, Any]:
 
 
 def _is_cancel(message: dict[str, Any]) -> bool:
+    if _size(message) > MAX_CANCEL_BYTES:  # not parsed here, on the event loop: its turn comes
+        return False
     try:
         return _decode(message) == {"type": "cancel"}
     except APIError:
@@ -158,19 +161,28 @@ async def _start(state: ServerState, message: dict[str, Any]) -> tuple[RequestSt
     arrival = time.monotonic()
     state.require_ready()
     state.check_capacity()
-    size = len(message.get("bytes") or b"") + len(message.get("text") or "")
+    size = _size(message)
     if size > state.max_body_bytes:
         raise APIError(413, f"message is larger than the {state.max_body_bytes}-byte limit", code="request_too_large")
-    data = _decode(message)
-    if data == {"type": "cancel"}:
-        return None
-    req = parse_request(StreamRequest, data)
-    state.check_model(req.model)
-    params = req.sampling_params()
-    await state.check_constraints(req.constraints_to_check())
-    ids = await state.prompt_ids(req.prompt, req.messages)
-    stream = await state.start(ids, params, f"ws-{uuid.uuid4().hex}", arrival)
+
+    def parse() -> StreamRequest | None:
+        data = _decode(message)
+        return None if data == {"type": "cancel"} else parse_request(StreamRequest, data)
+
+    with state.preprocessing() as slot:  # until the engine admits it
+        req = await state.run_parse(slot, size, parse)
+        if req is None:
+            return None
+        state.check_model(req.model)
+        params = req.sampling_params()
+        await state.check_constraints(slot, req.constraints_to_check())
+        ids = await state.prompt_ids(slot, req.prompt, req.messages)
+        stream = await state.start(ids, params, f"ws-{uuid.uuid4().hex}", arrival)
     return stream, req.logprobs
+
+
+def _size(message: dict[str, Any]) -> int:
+    return len(message.get("bytes") or b"") + len(message.get("text") or "")
 
 
 async def _pump(send: Callable[[dict[str, Any]], Awaitable[None]], state: ServerState, stream: RequestStream,
