@@ -30,7 +30,7 @@ from server.middleware import GateMiddleware
 from server.page import chat_page
 from server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from server.responses import ChatFormatter, CompletionFormatter, _Formatter, beam_search_output, sse
-from server.security import OriginPolicy, api_key_list, normalize_hosts
+from server.security import OriginPolicy, api_key_list, normalize_hosts, request_cache_salt
 from server.state import LLMLike, ServerState, stream_error
 from server.ws import serve_socket
 
@@ -130,7 +130,8 @@ def create_app(
             rid = f"cmpl-{uuid.uuid4().hex}"
             fmt = CompletionFormatter(rid, state.model_name, int(time.time()), state.table, req.logprobs, req.n,
                                       req.include_usage)  # fmt: skip
-            stream = None if params is None else await state.start(ids, params, rid, arrival)
+            salt = request_cache_salt(request.scope, req.cache_salt)
+            stream = None if params is None else await state.start(ids, params, rid, arrival, cache_salt=salt)
         if stream is None:
             return await _respond_beam_search(request, state, ids, req, fmt, arrival)
         return await _respond(request, stream, fmt, req.stream)
@@ -153,7 +154,8 @@ def create_app(
             fmt = ChatFormatter(rid, state.model_name, int(time.time()), state.table, top_k, req.n, req.include_usage,
                                 tool_plan=req.parsed_tool_plan())  # fmt: skip
             renames = {"logprobs": "top_logprobs"}
-            stream = None if params is None else await state.start(ids, params, rid, arrival, renames)
+            salt = request_cache_salt(request.scope, req.cache_salt)
+            stream = None if params is None else await state.start(ids, params, rid, arrival, renames, salt)
         if stream is None:
             return await _respond_beam_search(request, state, ids, req, fmt, arrival)
         return await _respond(request, stream, fmt, req.stream)
@@ -284,7 +286,8 @@ async def _respond_beam_search(
     assert state.engine is not None and state.llm is not None
     rest = state.llm.engine.config.max_model_len - len(ids)  # no max_tokens: the rest, as the engine resolves it
     params = req.beam_search_params(max(rest, 1))
-    out = await _unless_disconnected(request, state.beam_search(ids, params, arrival))
+    salt = request_cache_salt(request.scope, req.cache_salt)  # its rows share pages as the request's own would
+    out = await _unless_disconnected(request, state.beam_search(ids, params, arrival, salt))
     if out is None:  # the client is gone (the search was cancelled)
         return Response(status_code=499)
     final = beam_search_output(fmt.id, ids, out)

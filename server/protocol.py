@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from minivllm_jax.beam_search import BeamSearchParams
+from minivllm_jax.engine.block_manager import MAX_CACHE_SALT_CHARS
 from minivllm_jax.sampling_params import (
     MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_SEED, MAX_TEMPERATURE, MAX_TOKEN_ID, MAX_TOKENS_LIMIT,
     MAX_TOP_K, SamplingParams,
@@ -166,6 +167,9 @@ class _Sampling(_Strict):
     # Extension: this request's KV compression policy (`minivllm_jax.kv_compression`), e.g.
     # {"policy": "sink_window", "window_tokens": 512}.
     kv_compression: dict[str, Any] | None = None
+    # vLLM extension: prefix-cache pages are shared only between requests of the same salt (and,
+    # with several --api-key values, of the same key).
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Accepted and ignored: they never change the output.

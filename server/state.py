@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Collection, Iterator
 from typing import Any, Protocol, TypeVar
 
 from minivllm_jax.beam_search import BeamSearchOutput, BeamSearchParams
@@ -145,7 +145,7 @@ class ServerState:
         self,
         model_name: str,
         *,
-        api_key: str | None,
+        api_key: str | Collection[str] | None,
         max_queue: int,
         max_body_bytes: int,
         max_preprocessing: int = DEFAULT_MAX_PREPROCESSING,
@@ -280,12 +280,14 @@ class ServerState:
         request_id: str,
         arrival: float,
         renames: dict[str, str] | None = None,
+        cache_salt: str | None = None,
     ) -> RequestStream:
-        """Admit a request into the engine, or raise the matching APIError (400/429/503)."""
+        """Admit a request into the engine, or raise the matching APIError (400/429/503).
+        `cache_salt`: from `security.request_cache_salt` (the request's field and its API key)."""
         assert self.engine is not None
         self.check_response_size(prompt_ids, params.n, params.logprobs, params.max_tokens, renames)
         try:
-            return await self.engine.add(prompt_ids, params, request_id, arrival)
+            return await self.engine.add(prompt_ids, params, request_id, arrival, cache_salt)
         except (QueueFull, EngineStopped) as e:
             raise admission_error(e) from None
         except (ValueError, TypeError) as e:

@@ -29,7 +29,7 @@ from server.connections import (
 from server.engine_loop import EngineStopped, RequestFailed, RequestStream
 from server.protocol import APIError, StreamRequest, parse_json, parse_request
 from server.responses import ChoiceTracker, chat_logprobs, usage
-from server.security import WS_SUBPROTOCOL
+from server.security import WS_SUBPROTOCOL, request_cache_salt
 from server.state import ServerState, stream_error
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ async def _serve_requests(websocket: WebSocket, state: ServerState, sockets: Ope
                 await send(error_message(_SHUTTING_DOWN))
                 continue
             try:
-                started = await _start(state, message)
+                started = await _start(state, message, websocket.scope)
             except APIError as e:
                 await send(error_message(e))
                 continue
@@ -157,7 +157,8 @@ def _decode(message: dict[str, Any]) -> Any:
     return parse_json(raw)
 
 
-async def _start(state: ServerState, message: dict[str, Any]) -> tuple[RequestStream, int | None] | None:
+async def _start(state: ServerState, message: dict[str, Any],
+                 scope: dict[str, Any]) -> tuple[RequestStream, int | None] | None:  # fmt: skip
     arrival = time.monotonic()
     state.require_ready()
     state.check_capacity()
@@ -177,7 +178,8 @@ async def _start(state: ServerState, message: dict[str, Any]) -> tuple[RequestSt
         params = req.sampling_params()
         await state.check_constraints(slot, req.constraints_to_check())
         ids = await state.prompt_ids(slot, req.prompt, req.messages)
-        stream = await state.start(ids, params, f"ws-{uuid.uuid4().hex}", arrival)
+        salt = request_cache_salt(scope, req.cache_salt)  # the socket's API key and the request's field
+        stream = await state.start(ids, params, f"ws-{uuid.uuid4().hex}", arrival, cache_salt=salt)
     return stream, req.logprobs
 
 
