@@ -351,12 +351,15 @@ def test_compression_failure_fails_only_its_request(llm, monkeypatch):
 
 def test_recover_rebuilds_the_accounting_from_scratch(llm, monkeypatch):
     """A host-side crash in the middle of a step leaves the accounting unknown (here: a page
-    reference and a penalty slot leaked, and the cache lost); recover() rebuilds it all."""
+    reference leaked and one lost, a penalty slot and swap pages leaked, the cache lost);
+    recover() does not trust it (freeing into it would raise) but rebuilds it all."""
     engine = side_engine(llm, preemption_mode="swap")
     rids = [engine.add_request(p, greedy(20, presence_penalty=0.5)) for p in PRESSURE[:3]]
     for _ in range(3):
         engine.step()
-    engine.block_manager.refcount[engine.scheduler.running[0].pages[0]] += 1  # what a crash may leave
+    running = engine.scheduler.running
+    engine.block_manager.refcount[running[0].pages[0]] += 1  # what a crash may leave: a leaked reference ...
+    engine.block_manager.refcount[running[1].pages[-1]] = 0  # ... a page freeing it again would take below 0
     engine.scheduler.free_penalty_slots.pop()
     engine.scheduler.swap_pool.used_pages += 3
     for leaf in jax.tree.leaves(engine.runner.cache):

@@ -470,16 +470,21 @@ class LLMEngine:
         request, including sequences the crash left without one, and rebuild the KV cache if
         it was lost, so that new requests can be served."""
         self._in_flight = None
-        for request_id in list(self.requests):
-            self.abort(request_id)
-        for seq in self.scheduler.running + self.scheduler.waiting:
-            self.scheduler.finish(seq, "abort")
-        self.scheduler.running, self.scheduler.waiting = [], []
+        sched = self.scheduler
+        seqs = sched.running + sched.waiting + [seq for request in self.requests.values() for seq in request.seqs]
+        for seq in seqs:  # dropped, not freed: the accounting they would be freed into is not trusted
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = seq.finish_reason or "abort"
+            seq.pages, seq.page_hashes, seq.swapped, seq.penalty_slot = [], [], None, None
+        self.requests.clear()
+        self._compiling.clear()
+        sched.running, sched.waiting = [], []
         self.runner.reset_cache_if_lost()
         # No sequence is left: rebuild the accounting from scratch rather than trust what the
-        # crash left (refcounts, free list, prefix cache, penalty slots, swap pool).
+        # crash left (refcounts, free list, prefix cache, penalty slots, swap pool), so that
+        # recovering can never fail on it.
         self.block_manager.reset()
-        self.scheduler.reset()
+        sched.reset()
 
     def _process(self, step: _InFlight, results: list[StepResult], only_finished: bool = False) -> list[RequestOutput]:
         """`results`: one per decode step the program ran (several for a multi-step batch)."""
