@@ -135,8 +135,8 @@ def test_bad_row_fails_alone_and_the_rest_of_its_step_runs(llm):
     engine = llm.engine
     prompts = [ids(10, 9), ids(11, 14), ids(12, 6)]
     want = run_all(engine, prompts, [greedy(10)] * 3)
+    bad = engine.add_request(ids(13, 7), greedy(10), request_id="bad")  # first: it shares a step with prompt work
     rids = [engine.add_request(p, greedy(10)) for p in prompts]
-    bad = engine.add_request(ids(13, 7), greedy(10), request_id="bad")
 
     def broken(start, end):
         raise OverflowError("a token id out of int32")
