@@ -1,6 +1,6 @@
 """Run every benchmark with the settings the README quotes, then rebuild the results table.
 
-    python benchmarks/run_all.py            # the full suite (about 70 minutes on 2 cores, 20-25 of them bench_quant)
+    python benchmarks/run_all.py            # the full suite (about 80 minutes on 2 cores, 20-25 of them bench_quant)
     python benchmarks/run_all.py --only throughput decode
     python benchmarks/run_all.py --report   # only rebuild the tables from the JSON results
 
@@ -46,6 +46,7 @@ SUITE: dict[str, list[str]] = {
     "scaling": ["bench_scaling.py"],
     "decoding": ["bench_decoding.py"],
     "kv_tiers": ["bench_kv_tiers.py"],
+    "resilience": ["bench_resilience.py"],
     "family_parity": ["family_parity.py"],
 }
 
@@ -135,6 +136,8 @@ def summary() -> str:
     rows.append(("TTFT p50 of the first requests after a server restart, ms: disk tier / none",
                  f"{_fmt(ms(tiers, 'disk'), 0)} / {_fmt(ms(tiers, 'none'), 0)}", "",
                  _fmt(tiers["none"] / tiers["disk"], 2) + "x" if len(tiers) == 2 else "n/a"))  # fmt: skip
+    res = _load("resilience") or {}
+    rows += _resilience_rows(res)
     header = ["metric", "minivllm-jax (XLA)", "HF transformers (PyTorch)", "ratio"]
     if any(r[4:] != ("", "") for r in rows if len(r) > 4):
         header += ["llama.cpp F32 / Q4_1 GGUF", "ours / llama.cpp F32"]
@@ -142,12 +145,32 @@ def summary() -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     machine = tp.get("machine") or dec.get("machine") or {}
-    stamps = sorted(r["timestamp"] for r in (tp, bf, dec, lat, mem, roof, inter, start, dcd, kv) if r.get("timestamp"))
+    stamps = sorted(r["timestamp"] for r in (tp, bf, dec, lat, mem, roof, inter, start, dcd, kv, res) if r.get("timestamp"))
     when = "not run yet" if not stamps else stamps[0] if stamps[0] == stamps[-1] else (
         f"from {stamps[0]} to {stamps[-1]} (rows rerun with `--only` keep their own timestamps)")
     lines.append(f"\nMeasured {when} on {machine.get('cpu', '?')}, {machine.get('cpu_count', '?')} cores, "
                  f"{machine.get('mem_gib', '?')} GiB (`python benchmarks/run_all.py`).")  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def _resilience_rows(res: dict) -> list[tuple[str, ...]]:
+    """bench_resilience.py: good-traffic goodput alone and beside the worst abuse, good requests
+    lost, and /health's worst latency while tool bombs arrive."""
+    phases = {p["phase"]: p for p in res.get("phases", [])}
+
+    def pct(phase: dict) -> str:
+        goodput = phase["good"]["goodput"]
+        return f"{_fmt(None if goodput is None else 100 * goodput, 0)}% ({phase['phase']})"
+
+    abused = [p for name, p in phases.items() if name != "alone"]
+    worst = min(abused, key=lambda p: p["good"]["goodput"] or 0) if abused else None
+    goodput = "n/a" if not phases else (f"{pct(phases['alone']) if 'alone' in phases else 'n/a'} / "
+                                        f"{pct(worst) if worst else 'n/a'}; {res.get('lost_good_requests')} lost")  # fmt: skip
+    health = res.get("health_worst_s_during_tool_bombs")
+    return [("good-traffic goodput at concurrency 16 (TTFT <= 2 s, TPOT <= 100 ms): alone / worst beside abuse; "
+             "good requests lost", goodput, "", ""),
+            ("/health worst latency while 800 KB tool-bomb requests arrive, ms",
+             _fmt(None if health is None else 1e3 * health, 0), "", "")]  # fmt: skip
 
 
 def _write_between(path: Path, start: str, end: str, table: str) -> None:

@@ -1,0 +1,542 @@
+"""Resilience: does good traffic keep its latency while abusive clients hit the same server?
+
+One loopback server (`python -m server`, started here) serves good streaming completions at
+`--concurrency` 16 (load_test.py's client and prompts) in each phase, beside one kind of abuse:
+
+  a. alone             good traffic only (the baseline)
+  b. slow readers      SSE clients that never read (socket receive buffer shrunk), arriving
+                       every `--slow-reader-interval` s
+  c. oversized bodies  bodies just over --max-body-bytes, and ~800 KB prompts, in a loop
+  d. tool bombs        chat requests with 15,000 minimal tools (~800 KB), in a loop
+  e. overflow values   top_k 2**32, seed 2**63, n 2**32, token ids 2**32, ... in a loop
+  f. disconnect storm  clients that start streams and drop them at once, in a loop
+  g. SIGKILL + restart on a disk tier: a server with --kv-disk-dir is stopped cleanly (pages
+                       written), restarted, SIGKILLed mid-run, two of its page files are torn
+                       (one truncated, one given a 100k-deep JSON header), and it is started
+                       again: it must come up and serve every good request
+
+After b and f, once the engine is idle, requests still in flight and KV pages still in use are
+read from /metrics (both must be 0: they would be held by clients that never read or that left).
+
+For each phase: good-traffic goodput (the share of good requests with TTFT <= --slo-ttft-ms and
+TPOT <= --slo-tpot-ms), TTFT p50/p95, lost good requests (an error or no answer; must be 0; in
+phase g the requests in flight at the SIGKILL die with the process and are counted apart), the
+abusive requests' answers, and /health's worst latency (polled every 50 ms through the phase).
+
+    python benchmarks/bench_resilience.py                       # every phase, 48 good requests each
+    python benchmarks/bench_resilience.py --phases alone tool_bombs --requests 16
+    python benchmarks/bench_resilience.py --duration 20         # 20 s of good traffic per phase
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+from urllib.parse import urlparse
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+from benchmarks.bench_interference import git_state  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    RESULTS, add_slo_args, meets_slo, new_figure, percentiles, save_plot, write_result,
+)  # fmt: skip
+from benchmarks.load_test import PROMPTS, _free_port, launched_server, one_request  # noqa: E402
+
+PHASES = ["alone", "slow_readers", "oversized_bodies", "tool_bombs", "overflow_values", "disconnect_storm",
+          "sigkill_restart"]  # fmt: skip
+DEFAULT_SERVER_ARGS = "--max-num-seqs 16 --max-model-len 512 --max-queue 32"
+SLO_TTFT_MS, SLO_TPOT_MS = 2000.0, 100.0  # the issue's goodput SLO (looser TTFT than load_test's)
+MAX_BODY_BYTES = 1 << 20  # the server's default --max-body-bytes
+TOOL_BOMB_TOOLS = 15_000  # about 800 KB of minimal tools: under the body limit
+HEALTH_POLL_S = 0.05
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+# Values that must each be a 400: out of every sane range, or of the int32/int64 arrays they end in.
+OVERFLOW_FIELDS: list[dict[str, Any]] = [
+    {"top_k": 2**32}, {"top_k": 2**63}, {"seed": 2**63}, {"seed": 2**64}, {"n": 2**32}, {"logprobs": 2**32},
+    {"max_tokens": 2**63}, {"stop_token_ids": [2**63]}, {"presence_penalty": 1e308}, {"temperature": 1e308},
+    {"repetition_penalty": 1e308}, {"prompt": [2**32]}, {"prompt": [-1]}, {"logit_bias": {"1": 1e308}},
+]  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m", help="alias, converted dir, HF folder or .gguf")
+    p.add_argument("--phases", nargs="+", choices=PHASES, default=PHASES, help="which phases to run (in order)")
+    p.add_argument("--requests", type=int, default=48, help="good requests per phase (unless --duration)")
+    p.add_argument("--duration", type=float, default=None, help="seconds of good traffic per phase instead")
+    p.add_argument("--concurrency", type=int, default=16, help="good requests in flight")
+    p.add_argument("--max-tokens", type=int, default=32, help="output tokens per good request (EOS ignored)")
+    p.add_argument("--abusers", type=int, default=4, help="abusive client threads per looping phase")
+    p.add_argument("--slow-readers", type=int, default=48, help="most slow readers opened in phase b")
+    p.add_argument("--slow-reader-interval", type=float, default=0.5, help="seconds between slow readers")
+    p.add_argument("--settle", type=float, default=120.0,
+                   help="after phases b and f: most seconds to wait for the engine to finish the abusers' requests")
+    p.add_argument("--server-args", default=DEFAULT_SERVER_ARGS, help="flags for `python -m server`")
+    p.add_argument("--launch-timeout", type=float, default=900.0, help="seconds to wait for a server to be ready")
+    p.add_argument("--request-timeout", type=float, default=120.0, help="seconds per good request")
+    add_slo_args(p)
+    p.set_defaults(slo_ttft_ms=SLO_TTFT_MS, slo_tpot_ms=SLO_TPOT_MS)
+    p.add_argument("--out", default=str(RESULTS / "resilience.json"), help="JSON path; the PNG goes beside it")
+    args = p.parse_args(argv)
+    if min(args.requests, args.concurrency, args.max_tokens, args.abusers) < 1:
+        p.error("--requests, --concurrency, --max-tokens and --abusers must be >= 1")
+    return args
+
+
+# ------------------------------------------------------------------ good traffic
+
+
+def good_body(i: int, max_tokens: int) -> dict[str, Any]:
+    return {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens, "temperature": 0.8, "seed": i,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+
+
+async def good_traffic(url: str, args: argparse.Namespace, on_done: Callable[[int], None] | None = None) -> dict:
+    """`--requests` good streams (or as many as `--duration` allows) at `--concurrency`; each
+    result is load_test's timings or its error. `on_done(n)` runs after each of them."""
+    import httpx
+
+    client_args = SimpleNamespace(endpoint="completions", model=args.model, request_timeout=args.request_timeout)
+    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+    results: list[dict] = []
+    start = time.perf_counter()
+    counter = iter(range(10**9))
+
+    def more() -> int | None:
+        i = next(counter)
+        if args.duration is not None:
+            return i if time.perf_counter() - start < args.duration else None
+        return i if i < args.requests else None
+
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=30.0) as client:
+
+        async def worker() -> None:
+            while (i := more()) is not None:
+                results.append(await one_request(client, client_args, good_body(i, args.max_tokens)))
+                if on_done is not None:
+                    on_done(len(results))
+
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+    return summarize(results, time.perf_counter() - start, args)
+
+
+def summarize(results: list[dict], wall_s: float, args: argparse.Namespace) -> dict:
+    ok = [r for r in results if "error" not in r]
+    errors = [r["error"] for r in results if "error" in r]
+    good = sum(meets_slo(r, args.slo_ttft_ms, args.slo_tpot_ms) for r in ok)
+    ttft = sorted(r["ttft"] for r in ok)
+    return {
+        "sent": len(results), "completed": len(ok), "lost": len(errors), "lost_samples": errors[:5],
+        "meeting_slo": good, "goodput": good / len(results) if results else None, "wall_s": wall_s,
+        "ttft_s": {**percentiles(ttft), "p95": nearest_rank(ttft, 95)},
+        "tpot_s": percentiles([r["tpot"] for r in ok if r["tpot"] is not None]),
+    }  # fmt: skip
+
+
+def nearest_rank(sorted_values: list[float], p: float) -> float | None:
+    if not sorted_values:
+        return None
+    return sorted_values[min(len(sorted_values) - 1, max(0, int(np.ceil(p / 100 * len(sorted_values))) - 1))]
+
+
+# ------------------------------------------------------------------ abusive clients
+
+
+def raw_post(url: str, path: str, body: bytes, rcvbuf: int | None = None) -> socket.socket:
+    """Send one POST on a raw socket and return it unread (closing it is a disconnect)."""
+    parsed = urlparse(url)
+    sock = socket.socket()
+    if rcvbuf is not None:  # set before connecting, so the advertised window stays small
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.connect((parsed.hostname, parsed.port))
+    head = (f"POST {path} HTTP/1.1\r\nHost: {parsed.netloc}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n")  # fmt: skip
+    sock.sendall(head.encode() + body)
+    return sock
+
+
+class Abuse:
+    """Abusive clients on threads until `stop()`: each loops its `send` and counts the answers."""
+
+    def __init__(self, threads: int, send: Callable[[int], str]) -> None:
+        self.answers: collections.Counter[str] = collections.Counter()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._loop, args=(send, k), daemon=True) for k in range(threads)]
+
+    def _loop(self, send: Callable[[int], str], k: int) -> None:
+        i = 0
+        while not self._stop.is_set():
+            try:
+                answer = send(k * 1_000_000 + i)
+            except Exception as e:  # the abuser's own connection errors: counted, not raised
+                answer = type(e).__name__
+            with self._lock:
+                self.answers[answer] += 1
+            i += 1
+
+    def __enter__(self) -> "Abuse":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(120)
+
+
+def http_sender(url: str, make: Callable[[int], tuple[str, bytes]]) -> Callable[[int], str]:
+    """A send function: POST the (path, body) `make(i)` returns; the answer is the status code."""
+    import httpx
+
+    client = httpx.Client(base_url=url, timeout=120.0, headers={"Content-Type": "application/json"})
+
+    def send(i: int) -> str:
+        path, body = make(i)
+        return str(client.post(path, content=body).status_code)
+
+    return send
+
+
+def oversized_body(i: int) -> tuple[str, bytes]:
+    if i % 2:  # just over the limit
+        return COMPLETIONS, json.dumps({"prompt": "a" * (MAX_BODY_BYTES - 12)}).encode()
+    return COMPLETIONS, json.dumps({"prompt": "word " * 160_000, "max_tokens": 4}).encode()  # ~800 KB
+
+
+def tool_bomb_body() -> bytes:
+    tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(TOOL_BOMB_TOOLS)]
+    return json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": tools, "max_tokens": 4}).encode()
+
+
+def overflow_body(i: int) -> tuple[str, bytes]:
+    fields = OVERFLOW_FIELDS[i % len(OVERFLOW_FIELDS)]
+    return COMPLETIONS, json.dumps({"prompt": "Hello", "max_tokens": 4, "temperature": 0.8, **fields}).encode()
+
+
+def disconnect_sender(url: str, max_tokens: int) -> Callable[[int], str]:
+    def send(i: int) -> str:
+        body = json.dumps(good_body(i, max_tokens)).encode()
+        sock = raw_post(url, COMPLETIONS, body)
+        sock.settimeout(30)
+        if i % 2:
+            sock.recv(1)  # the stream started; then gone
+        sock.close()
+        return "dropped"
+
+    return send
+
+
+class SlowReaders:
+    """SSE clients that never read (4 KB receive buffer), one every `interval` s, at most `most`;
+    each asks for bulky chunks (top-20 logprobs) so the server's sends block."""
+
+    def __init__(self, url: str, most: int, interval: float) -> None:
+        self.url, self.most, self.interval = url, most, interval
+        self.sockets: list[socket.socket] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._open, daemon=True)
+
+    def _open(self) -> None:
+        body = {"prompt": PROMPTS[0], "max_tokens": 64, "logprobs": 20, "ignore_eos": True, "stream": True}
+        while len(self.sockets) < self.most and not self._stop.is_set():
+            self.sockets.append(raw_post(self.url, COMPLETIONS, json.dumps(body).encode(), rcvbuf=4096))
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> "SlowReaders":
+        self._thread.start()
+        return self
+
+    def stop_opening(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop_opening()
+        for s in self.sockets:
+            s.close()
+
+
+class HealthPoller:
+    """GET /health every HEALTH_POLL_S on its own thread; keeps the worst latency and non-200s."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.latencies: list[float] = []
+        self.not_ok: collections.Counter[str] = collections.Counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        import httpx
+
+        with httpx.Client(base_url=self.url, timeout=60.0) as client:
+            while not self._stop.is_set():
+                start = time.perf_counter()
+                try:
+                    status = str(client.get("/health").status_code)
+                except httpx.HTTPError as e:
+                    status = type(e).__name__
+                self.latencies.append(time.perf_counter() - start)
+                if status != "200":
+                    self.not_ok[status] += 1
+                self._stop.wait(HEALTH_POLL_S)
+
+    def __enter__(self) -> "HealthPoller":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(90)
+
+    def summary(self) -> dict:
+        return {"polls": len(self.latencies), "worst_s": max(self.latencies, default=None),
+                "p50_s": percentiles(self.latencies)["p50"], "not_200": dict(self.not_ok)}  # fmt: skip
+
+
+def metric(url: str, name: str) -> float | None:
+    """One unlabelled (or exactly labelled) sample of /metrics, or None when absent."""
+    import httpx
+
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+# ------------------------------------------------------------------ phases
+
+
+def run_phase(url: str, args: argparse.Namespace, name: str) -> dict:
+    """Good traffic beside the abuse `name` (phases a-f), with /health polled throughout."""
+    extra: dict[str, Any] = {}
+    with HealthPoller(url) as health, contextlib.ExitStack() as stack:
+        abuse: Abuse | None = None
+        if name == "slow_readers":
+            slow = stack.enter_context(SlowReaders(url, args.slow_readers, args.slow_reader_interval))
+        elif name == "oversized_bodies":
+            abuse = stack.enter_context(Abuse(args.abusers, http_sender(url, oversized_body)))
+        elif name == "tool_bombs":
+            bomb = tool_bomb_body()
+            extra["tool_bomb_bytes"] = len(bomb)
+            abuse = stack.enter_context(Abuse(args.abusers, http_sender(url, lambda i: (CHAT, bomb))))
+        elif name == "overflow_values":
+            abuse = stack.enter_context(Abuse(args.abusers, http_sender(url, overflow_body)))
+        elif name == "disconnect_storm":
+            abuse = stack.enter_context(Abuse(args.abusers, disconnect_sender(url, args.max_tokens)))
+        good = asyncio.run(good_traffic(url, args))
+        if name == "slow_readers":
+            slow.stop_opening()
+            extra.update(slow_readers_opened=len(slow.sockets), **leftovers(url, args.settle))
+    if name == "disconnect_storm":
+        extra.update(leftovers(url, args.settle))
+    if abuse is not None:
+        extra["abuse_answers"] = dict(abuse.answers)
+    return {"phase": name, "good": good, "health": health.summary(), **extra}
+
+
+def leftovers(url: str, seconds: float) -> dict:
+    """What abusive clients left behind once the engine is done with their requests: wait up to
+    `seconds` for the engine to have no running or waiting request (good traffic is over by
+    now), then read /metrics. Requests in flight or KV pages in use then are held by clients
+    that never read or that left (both must be 0)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        engine_work = [metric(url, f"minivllm_num_requests_{k}") for k in ("running", "waiting")]
+        if not any(engine_work):
+            break
+        time.sleep(0.5)
+    return {"engine_idle": not any(engine_work), "in_flight_when_idle": metric(url, "minivllm_requests_in_flight"),
+            "kv_pages_used_when_idle": metric(url, "minivllm_kv_pages_used")}  # fmt: skip
+
+
+@contextlib.contextmanager
+def killable_server(model: str, server_args: str, timeout: float) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Like load_test.launched_server, but yields the process too (phase g SIGKILLs it)."""
+    import httpx
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = Path(tempfile.mkdtemp(prefix="minivllm-resilience-")) / "server.log"
+    cmd = [sys.executable, "-m", "server", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+           "--log-level", "warning", *shlex.split(server_args)]  # fmt: skip
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"server not ready after {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            time.sleep(0.5)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        proc.wait(30)
+
+
+def tear_pages(disk_dir: Path) -> list[str]:
+    """What a crash (or an attacker with the folder) can leave: one page file cut in half, one
+    whose JSON header is nested 100k deep. Returns what was done to which file."""
+    pages = sorted(disk_dir.rglob("*.kvpage"))
+    done = []
+    if pages:
+        data = pages[0].read_bytes()
+        pages[0].write_bytes(data[: len(data) // 2])
+        done.append(f"truncated {pages[0].name}")
+    if len(pages) > 1:
+        pages[1].write_bytes(b'{"a":' * 100_000 + b"1" + b"}" * 100_000 + b"\n" + os.urandom(64))
+        done.append(f"100k-deep header in {pages[1].name}")
+    return done
+
+
+def sigkill_restart(args: argparse.Namespace) -> dict:
+    """Phase g: clean run (pages written), SIGKILL mid-run, tear two page files, restart, serve."""
+    disk_dir = Path(tempfile.mkdtemp(prefix="minivllm-resilience-kv-"))
+    server_args = f"{args.server_args} --kv-disk-dir {disk_dir}"
+    with launched_server(args.model, server_args, args.launch_timeout, None) as url:
+        asyncio.run(good_traffic(url, args))  # fills the prefix cache; SIGTERM then writes it to disk
+    killed: dict[str, Any] = {}
+    with killable_server(args.model, server_args, args.launch_timeout) as (url, proc):
+        half = max(1, args.requests // 2)
+
+        def kill_at_half(n: int) -> None:
+            if n == half and proc.poll() is None:  # about --concurrency requests are mid-stream now
+                os.kill(proc.pid, signal.SIGKILL)
+                killed["at_completed"] = n
+
+        before_kill = asyncio.run(good_traffic(url, args, on_done=kill_at_half))
+    # In flight at the SIGKILL, or sent after it: they die with the process (expected, counted apart).
+    killed["failed_at_or_after_sigkill"] = before_kill["lost"]
+    pages_before_restart = len(list(disk_dir.rglob("*.kvpage")))
+    torn = tear_pages(disk_dir)
+    start = time.perf_counter()
+    with killable_server(args.model, server_args, args.launch_timeout) as (url, proc), HealthPoller(url) as health:
+        ready_s = time.perf_counter() - start
+        good = asyncio.run(good_traffic(url, args))
+        disk_hits = metric(url, 'minivllm_prefix_cache_hit_tokens_total{tier="disk"}')
+        alive = proc.poll() is None
+    shutil.rmtree(disk_dir, ignore_errors=True)
+    return {"phase": "sigkill_restart", "good": good, "health": health.summary(), "killed": killed,
+            "kv_disk_pages_before_restart": pages_before_restart, "torn_files": torn, "restart_ready_s": ready_s,
+            "served_after_restart": alive, "disk_hit_tokens_after_restart": disk_hits}  # fmt: skip
+
+
+# ------------------------------------------------------------------ report
+
+
+def ms(x: float | None) -> str:
+    return "-" if x is None else f"{1e3 * x:.0f}"
+
+
+def print_phase(r: dict) -> None:
+    g, h = r["good"], r["health"]
+    goodput = "-" if g["goodput"] is None else f"{100 * g['goodput']:.0f}%"
+    print(f"{r['phase']:<18}{goodput:>9}{ms(g['ttft_s']['p50']):>10}{ms(g['ttft_s']['p95']):>10}"
+          f"{ms(g['tpot_s']['p50']):>10}{g['lost']:>6}{ms(h['worst_s']):>12}  "
+          + ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("phase", "good", "health")), flush=True)  # fmt: skip
+    for e in g["lost_samples"]:
+        print(f"  lost: {e}", file=sys.stderr)
+
+
+def plot(result: dict, out: str) -> Path:
+    """Goodput and TTFT p50 (p95 as a tick) of the good traffic in each phase."""
+    fig, axes = new_figure(2, width=6.0)
+    phases = result["phases"]
+    names = [p["phase"].replace("_", "\n") for p in phases]
+    x = np.arange(len(phases))
+    goodput = [100 * (p["good"]["goodput"] or 0) for p in phases]
+    lost = [p["good"]["lost"] for p in phases]
+    bars = axes[0, 0].bar(x, goodput, color=["tab:red" if n else "tab:blue" for n in lost])
+    for b, n in zip(bars, lost):
+        if n:
+            axes[0, 0].annotate(f"{n} lost", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center",
+                                va="bottom", fontsize=8, color="tab:red")  # fmt: skip
+    axes[0, 0].set_ylim(0, 110)
+    axes[0, 0].set_ylabel("good requests meeting the SLO (%)")
+    slo = result["slo"]
+    axes[0, 0].set_title(f"goodput (TTFT <= {slo['ttft_ms']:g} ms, TPOT <= {slo['tpot_ms']:g} ms)")
+    p50 = [1e3 * (p["good"]["ttft_s"]["p50"] or 0) for p in phases]
+    p95 = [1e3 * (p["good"]["ttft_s"]["p95"] or 0) for p in phases]
+    axes[0, 1].bar(x, p50, label="p50")
+    axes[0, 1].plot(x, p95, "k_", markersize=18, label="p95")
+    axes[0, 1].set_yscale("log")
+    axes[0, 1].set_ylabel("TTFT (ms)")
+    axes[0, 1].set_title("good-traffic TTFT")
+    axes[0, 1].legend(fontsize=8)
+    for ax in axes[0]:
+        ax.set_xticks(x, names, fontsize=8)
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(f"{result['model']}: {result['flags']['concurrency']} good streams beside each abusive client "
+                 f"(red: good requests lost)", fontsize=10)  # fmt: skip
+    return save_plot(fig, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    phases: list[dict] = []
+    header = (f"{'phase':<18}{'goodput':>9}{'TTFT p50':>10}{'TTFT p95':>10}{'TPOT p50':>10}{'lost':>6}"
+              f"{'/health max':>12}  (ms)")  # fmt: skip
+    in_server = [p for p in args.phases if p != "sigkill_restart"]
+    if in_server:
+        with launched_server(args.model, args.server_args, args.launch_timeout, None) as url:
+            asyncio.run(good_traffic(url, SimpleNamespace(**{**vars(args), "requests": args.concurrency,
+                                                             "duration": None})))  # warm-up, untimed
+            print(header, flush=True)
+            for name in in_server:
+                phases.append(run_phase(url, args, name))
+                print_phase(phases[-1])
+    if "sigkill_restart" in args.phases:
+        phases.append(sigkill_restart(args))
+        if not in_server:
+            print(header)
+        print_phase(phases[-1])
+    lost = sum(p["good"]["lost"] for p in phases)
+    tool_phase = next((p for p in phases if p["phase"] == "tool_bombs"), None)
+    result = {
+        "benchmark": "resilience", "model": args.model, "flags": vars(args), "server_args": args.server_args,
+        "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}, "git": git_state(),
+        "lost_good_requests": lost,
+        "health_worst_s_during_tool_bombs": tool_phase["health"]["worst_s"] if tool_phase else None,
+        "phases": phases,
+    }  # fmt: skip
+    print(f"lost good requests: {lost} (must be 0); /health worst during tool bombs: "
+          f"{ms(result['health_worst_s_during_tool_bombs'])} ms")  # fmt: skip
+    write_result(result, args.out)
+    plot(result, args.out)
+    return 1 if lost else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
