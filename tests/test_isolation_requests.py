@@ -527,3 +527,25 @@ def test_parallel_tool_calls_false_returns_only_the_first_call():
     assert {c["index"] for c in calls} == {0} and [c["function"]["name"] for c in calls if "id" in c] == ["get_weather"]
     assert json.loads("".join(c["function"]["arguments"] for c in calls)) == {"city": "Paris"}
     assert reasons == ["tool_calls"]
+
+
+def test_websocket_requests_get_the_same_bounds():
+    from starlette.testclient import TestClient
+
+    app = create_app(fake_llm(max_model_len=200_000), model_name="fake")
+    with TestClient(app) as client, client.websocket_connect("/v1/stream") as ws:
+        ws.send_json({"prompt": "ab", "top_k": 2**32})
+        err = ws.receive_json()
+        assert err["type"] == "error" and err["status"] == 400 and err["param"] == "top_k"
+        ws.send_text('{"prompt": "ab", "temperature": NaN}')
+        err = ws.receive_json()
+        assert err["status"] == 400 and err["param"] == "temperature"
+        ws.send_json({"prompt": "ab", "n": 16, "logprobs": 20, "max_tokens": 2000})
+        err = ws.receive_json()
+        assert err["status"] == 400 and err["code"] == "response_too_large"
+        ws.send_json({"prompt": [97, 98], "max_tokens": 2, "temperature": 0})
+        tokens = []
+        while (msg := ws.receive_json())["type"] == "token":
+            tokens.append(msg["text"])
+        assert msg["type"] == "done" and "".join(tokens) == expected_text("ab", 2)
+        assert app.state.minivllm.gate.active == 0
