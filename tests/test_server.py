@@ -45,7 +45,7 @@ class Server:
 
     def metrics(self) -> dict[str, float]:
         """Unlabelled samples of /metrics by name (labelled ones keyed with their labels)."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        text = httpx.get(f"{self.url}/metrics", headers=AUTH, timeout=10).text  # behind the API key
         samples = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):
@@ -478,7 +478,7 @@ def test_queue_limit_then_disconnects_free_every_page(server):
 
 
 def test_metrics_exposition(server):
-    text = httpx.get(f"{server.url}/metrics").text
+    text = httpx.get(f"{server.url}/metrics", headers=AUTH).text
     for name in ("num_requests_running", "num_requests_waiting", "kv_pages_used", "kv_pages_free",
                  "generation_tokens_total", "compiles_total", "time_to_first_token_seconds",
                  "time_per_output_token_seconds"):  # fmt: skip
