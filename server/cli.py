@@ -163,7 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-compression", type=json.loads, default=None, metavar="JSON",
                    help='drop KV pages of long sequences, for every request: \'{"policy": "sink_window", '
                         '"window_tokens": 512}\' or \'{"policy": "page_scores", "budget_tokens": 1024}\' '
-                        "(default: off; a request may ask with its own kv_compression field)")  # fmt: skip
+                        "(default: off)")  # fmt: skip
+    p.add_argument("--allow-request-kv-compression", action="store_true",
+                   help="let a request ask for its own policy with a kv_compression field (its programs are "
+                        "compiled at warm-up; refused with several processes; default: a 400)")  # fmt: skip
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over this many devices (heads, MLP and vocabulary; docs/scaling.md)")
     p.add_argument("--data-parallel-size", type=int, default=1,
@@ -209,6 +212,7 @@ def load_llm(args: argparse.Namespace):
         num_scheduler_steps=args.num_scheduler_steps, speculative_config=args.speculative_config,
         preemption_mode=args.preemption_mode, swap_space_gb=args.swap_space_gb, kv_disk_dir=args.kv_disk_dir,
         kv_disk_gb=args.kv_disk_gb, kv_compression=args.kv_compression,
+        allow_request_kv_compression=args.allow_request_kv_compression,
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
     )  # fmt: skip
 
