@@ -582,14 +582,8 @@ class LLMEngine:
             seq.logprobs.append(entry)
         request.metrics.first_token_time = request.metrics.first_token_time or now
         request.metrics.last_token_time = now
-        if seq.grammar is not None:
-            try:
-                seq.grammar.accept(token)
-            except RuntimeError:  # the mask allowed only grammar tokens: a bug, not bad input
-                logger.exception("request %s: sampled token outside its grammar", seq.request_id)
-                self.scheduler.finish(seq, "error")
-                request.detokenizers[seq.index].flush()
-                return
+        if seq.grammar is not None:  # a grammar broken by this token fails its request at the next mask
+            seq.grammar.accept(token)
         self._check_stop(seq, token, slot + 1, request.detokenizers[seq.index])
 
     def _fork(self, request: _Request, parent: Sequence) -> None:
