@@ -62,9 +62,9 @@ FUZZ_SETTINGS = settings(
     suppress_health_check=list(HealthCheck),
 )  # fmt: skip
 REQUEST_TIMEOUT_S = 30.0
-# The tool bomb from issue 33: 15,000 minimal tools, about 800 KB, under the 1 MiB body limit.
-# Today it froze the event loop for 8.9 s (/health took 8.4 s). The bound is 4x under that and
-# 100x over a healthy /health (milliseconds), so it separates a blocked loop from a busy box.
+# The tool bomb: 15,000 minimal tools, about 800 KB, under the 1 MiB body limit. Before tools
+# were capped it froze the event loop for 8.9 s (/health took 8.4 s). The bound is 4x under that
+# and 100x over a healthy /health (milliseconds): it tells a blocked loop from a busy box.
 TOOL_BOMB_TOOLS = 15_000
 HEALTH_WORST_BOUND_S = 2.0
 MAX_TOOLS = 128  # OpenAI's cap on `tools`
@@ -548,7 +548,7 @@ def test_http_fuzz_gets_json_4xx_or_valid_200_while_good_streams_complete(live, 
 
 
 def ws_frames() -> st.SearchStrategy:
-    """(text frame, or bytes for a binary frame)."""
+    """A text frame (a mutated request, as JSON) or bytes for a binary frame."""
     text = mutated(stream_base, field_names(StreamRequest)).map(lambda v: to_json_bytes(v).decode("ascii"))
     return text | raw_bodies.filter(lambda b: len(b) <= DEFAULT_MAX_BODY_BYTES)
 
