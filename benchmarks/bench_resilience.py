@@ -106,14 +106,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ------------------------------------------------------------------ good traffic
 
 
-def good_body(i: int, max_tokens: int) -> dict[str, Any]:
-    return {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens, "temperature": 0.8, "seed": i,
+def good_body(i: int, max_tokens: int, prefix: str = "") -> dict[str, Any]:
+    return {"prompt": prefix + PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens, "temperature": 0.8, "seed": i,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
 
 
-async def good_traffic(url: str, args: argparse.Namespace, on_done: Callable[[int], None] | None = None) -> dict:
-    """`--requests` good streams (or as many as `--duration` allows) at `--concurrency`; each
-    result is load_test's timings or its error. `on_done(n)` runs after each of them."""
+async def good_traffic(
+    url: str, args: argparse.Namespace, on_done: Callable[[list[dict]], None] | None = None, prefix: str = "",
+) -> dict:
+    """`--requests` good streams (or as many as `--duration` allows) at `--concurrency`, each
+    prompt after `prefix`; each result is load_test's timings or its error. `on_done(results)`
+    runs after each of them."""
     import httpx
 
     client_args = SimpleNamespace(endpoint="completions", model=args.model, request_timeout=args.request_timeout)
@@ -132,9 +135,9 @@ async def good_traffic(url: str, args: argparse.Namespace, on_done: Callable[[in
 
         async def worker() -> None:
             while (i := more()) is not None:
-                results.append(await one_request(client, client_args, good_body(i, args.max_tokens)))
+                results.append(await one_request(client, client_args, good_body(i, args.max_tokens, prefix)))
                 if on_done is not None:
-                    on_done(len(results))
+                    on_done(results)
 
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
     return summarize(results, time.perf_counter() - start, args)
@@ -421,30 +424,44 @@ def tear_pages(disk_dir: Path) -> list[str]:
     return done
 
 
+# Phase g's prompts start with this (several KV pages), so the restarted server can serve them
+# from the disk tier the killed one left behind.
+SHARED_PREFIX = ("You are a helpful assistant. Answer briefly and clearly, in plain words, and say so when "
+                 "you do not know. The user asks about geography, history, cooking and programming. ") * 2
+
+
 def sigkill_restart(args: argparse.Namespace) -> dict:
     """Phase g: clean run (pages written), SIGKILL mid-run, tear two page files, restart, serve."""
     disk_dir = Path(tempfile.mkdtemp(prefix="minivllm-resilience-kv-"))
     server_args = f"{args.server_args} --kv-disk-dir {disk_dir}"
     with launched_server(args.model, server_args, args.launch_timeout, None) as url:
-        asyncio.run(good_traffic(url, args))  # fills the prefix cache; SIGTERM then writes it to disk
+        asyncio.run(good_traffic(url, args, prefix=SHARED_PREFIX))  # cached, then written to disk at SIGTERM
     killed: dict[str, Any] = {}
+    # Two waves at least: once the first wave is done, the second is killed halfway through.
+    two_waves = argparse.Namespace(**{**vars(args), "requests": max(args.requests, 2 * args.concurrency),
+                                      "duration": None})  # fmt: skip
     with killable_server(args.model, server_args, args.launch_timeout) as (url, proc):
-        half = max(1, args.requests // 2)
 
-        def kill_at_half(n: int) -> None:
-            if n == half and proc.poll() is None:  # about --concurrency requests are mid-stream now
-                os.kill(proc.pid, signal.SIGKILL)
-                killed["at_completed"] = n
+        def sigkill() -> None:
+            if proc.poll() is None:
+                proc.kill()  # SIGKILL: no drain, no clean write of the cache
 
-        before_kill = asyncio.run(good_traffic(url, args, on_done=kill_at_half))
+        def kill_mid_second_wave(results: list[dict]) -> None:
+            if len(results) == args.concurrency:  # half a typical request later, the next wave is mid-stream
+                e2e = sorted(r["e2e"] for r in results if "e2e" in r) or [1.0]
+                killed["after_s"] = e2e[len(e2e) // 2] / 2
+                threading.Timer(killed["after_s"], sigkill).start()
+
+        before_kill = asyncio.run(good_traffic(url, two_waves, on_done=kill_mid_second_wave, prefix=SHARED_PREFIX))
     # In flight at the SIGKILL, or sent after it: they die with the process (expected, counted apart).
+    killed["completed_before"] = before_kill["completed"]
     killed["failed_at_or_after_sigkill"] = before_kill["lost"]
     pages_before_restart = len(list(disk_dir.rglob("*.kvpage")))
     torn = tear_pages(disk_dir)
     start = time.perf_counter()
     with killable_server(args.model, server_args, args.launch_timeout) as (url, proc), HealthPoller(url) as health:
         ready_s = time.perf_counter() - start
-        good = asyncio.run(good_traffic(url, args))
+        good = asyncio.run(good_traffic(url, args, prefix=SHARED_PREFIX))
         disk_hits = metric(url, 'minivllm_prefix_cache_hit_tokens_total{tier="disk"}')
         alive = proc.poll() is None
     shutil.rmtree(disk_dir, ignore_errors=True)
