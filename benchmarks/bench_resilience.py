@@ -17,6 +17,10 @@ One loopback server (`python -m server`, started here) serves good streaming com
 
 After b and f, once the engine is idle, requests still in flight and KV pages still in use are
 read from /metrics (both must be 0: they would be held by clients that never read or that left).
+Loopback sockets buffer about 4 MB, more than a 512-token stream's SSE (even with top-20
+logprobs), so phase b's clients load the server but seldom block its sends; the queue slot
+release itself is proven in tests/test_isolation_connections.py with a stand-in engine whose
+tokens are megabytes wide.
 
 For each phase: good-traffic goodput (the share of good requests with TTFT <= --slo-ttft-ms and
 TPOT <= --slo-tpot-ms), TTFT p50/p95, lost good requests (an error or no answer; must be 0; in
