@@ -636,14 +636,35 @@ class _NumberCheck:
         return value
 
 
-def _non_finite_path(value: Any, path: tuple[str, ...] = ()) -> str | None:
-    """The dotted path of the first NaN or infinity in decoded JSON (iterative: any depth)."""
-    stack = [(value, path)]
+def _non_finite_path(value: Any) -> str | None:
+    """The dotted path of the first NaN or infinity in decoded JSON."""
+    return _first_path(value, lambda v: isinstance(v, float) and not math.isfinite(v))
+
+
+# A lone surrogate is legal in JSON (`"\ud800"`) but is no Unicode text: tokenizers raise on it
+# and a response echoing it cannot be encoded. It can only come from such an escape (the body
+# was decoded as strict UTF-8), so the body is walked only when one appears.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF][0-9a-fA-F]{2}")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _surrogate_path(value: Any) -> str | None:
+    """The dotted path of the first string (or key) in decoded JSON holding a lone surrogate."""
+    return _first_path(value, lambda v: isinstance(v, str) and _SURROGATE.search(v) is not None, keys=True)
+
+
+def _first_path(value: Any, bad: Any, keys: bool = False) -> str | None:
+    """The dotted path of the first value (or, with `keys`, key) for which `bad` holds in decoded
+    JSON (iterative: any depth)."""
+    stack: list[tuple[Any, tuple[str, ...]]] = [(value, ())]
     while stack:
         value, path = stack.pop()
-        if isinstance(value, float) and not math.isfinite(value):
+        if bad(value):
             return ".".join(path)
         if isinstance(value, dict):
+            for k in value if keys else ():
+                if bad(k):
+                    return ".".join((*path, _SURROGATE.sub("?", k)))
             stack.extend((v, (*path, str(k))) for k, v in reversed(value.items()))
         elif isinstance(value, list):
             stack.extend((v, (*path, str(i))) for i, v in reversed(list(enumerate(value))))
@@ -736,7 +757,18 @@ def _loads_finite(text: str, caps: dict[str, int] | None = None) -> Any:
         path = _non_finite_path(data)
         if path is not None:
             raise _NonFinite(path)
+    if _SURROGATE_ESCAPE.search(text):
+        path = _surrogate_path(data)
+        if path is not None:
+            raise _LoneSurrogate(path)
     return data
+
+
+class _LoneSurrogate(ValueError):
+    def __init__(self, path: str) -> None:
+        super().__init__(f"{path or 'the body'}: a lone UTF-16 surrogate (\\ud800-\\udfff without its pair) is not "
+                         "Unicode text")  # fmt: skip
+        self.path = path
 
 
 class _NonFinite(ValueError):
@@ -760,7 +792,7 @@ def parse_json(raw: bytes) -> Any:
         return _loads_finite(text, _CAPPED_ARRAYS)
     except _TooMany as e:
         raise invalid(str(e), e.key) from None
-    except _NonFinite as e:
+    except (_NonFinite, _LoneSurrogate) as e:
         raise invalid(str(e), e.path or None) from None
     except RecursionError:
         raise invalid("request body JSON is nested too deeply") from None

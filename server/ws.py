@@ -86,6 +86,10 @@ async def _serve_requests(websocket: WebSocket, state: ServerState, sockets: Ope
             except APIError as e:
                 await send(error_message(e))
                 continue
+            except Exception:  # a server bug in preparing this request: it alone fails, the socket serves on
+                logger.exception("preparing a WebSocket request failed")
+                await send(error_message(_INTERNAL_ERROR))
+                continue
             if started is None:  # a cancel with nothing running
                 continue
             stream, top_k = started
@@ -121,6 +125,7 @@ async def _serve_requests(websocket: WebSocket, state: ServerState, sockets: Ope
             receiving.cancel()
 
 
+_INTERNAL_ERROR = APIError(500, "internal server error", type="server_error", code="internal_error")
 _SHUTTING_DOWN = APIError(503, "the server is shutting down; retry on a new connection", type="service_unavailable",
                           code="shutting_down")  # fmt: skip
 

@@ -549,3 +549,38 @@ def test_websocket_requests_get_the_same_bounds():
             tokens.append(msg["text"])
         assert msg["type"] == "done" and "".join(tokens) == expected_text("ab", 2)
         assert app.state.minivllm.gate.active == 0
+
+
+@pytest.mark.parametrize("raw, param", [
+    (b'{"prompt": "\\ud800", "max_tokens": 2}', "prompt"),  # tokenizers raise on it: it was a 500
+    (b'{"prompt": ["a\\udfffb"]}', "prompt.0"),
+    (b'{"messages": [{"role": "user", "content": "\\udbff"}]}', "messages.0.content"),
+    (b'{"prompt": "x", "stop": ["\\ud800"]}', "stop.0"),
+])  # fmt: skip
+def test_lone_surrogates_are_400s_naming_the_field(raw, param):
+    with pytest.raises(APIError) as e:
+        parse_json(raw)
+    assert e.value.status == 400 and e.value.param == param, e.value.message
+    assert parse_json(b'{"prompt": "\\ud83d\\ude00"}') == {"prompt": "\U0001F600"}  # a surrogate pair is one character
+
+
+def test_a_websocket_request_that_breaks_the_server_fails_alone():
+    """A bug in preparing one request (here: the tokenizer raising) answers that request with a
+    500 error message; the socket stays open and serves the next request."""
+    from starlette.testclient import TestClient
+
+    llm = fake_llm()
+    app = create_app(llm, model_name="fake")
+    with TestClient(app) as client, client.websocket_connect("/v1/stream") as ws:
+        pre = app.state.minivllm.pre
+        encode = pre._tokenizer.encode
+        pre._tokenizer.encode = lambda text, **kw: (_ for _ in ()).throw(RuntimeError("tokenizer bug"))
+        ws.send_json({"prompt": "ab", "max_tokens": 2})
+        err = ws.receive_json()
+        assert err["type"] == "error" and err["status"] == 500 and err["code"] == "internal_error"
+        pre._tokenizer.encode = encode
+        ws.send_json({"prompt": "ab", "max_tokens": 2, "temperature": 0})
+        tokens = []
+        while (msg := ws.receive_json())["type"] == "token":
+            tokens.append(msg["text"])
+        assert msg["type"] == "done" and "".join(tokens) == expected_text("ab", 2)
