@@ -40,16 +40,13 @@ import collections
 import contextlib
 import json
 import os
-import shlex
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -64,7 +61,7 @@ from benchmarks.bench_interference import git_state  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     RESULTS, add_slo_args, meets_slo, new_figure, percentiles, save_plot, write_result,
 )  # fmt: skip
-from benchmarks.load_test import PROMPTS, _free_port, launched_server, one_request  # noqa: E402
+from benchmarks.load_test import PROMPTS, launched_process, launched_server, one_request  # noqa: E402
 
 PHASES = ["alone", "slow_readers", "oversized_bodies", "tool_bombs", "overflow_values", "disconnect_storm",
           "sigkill_restart"]  # fmt: skip
@@ -379,40 +376,6 @@ def leftovers(url: str, seconds: float) -> dict:
             "kv_pages_used_when_idle": metric(url, "minivllm_kv_pages_used")}  # fmt: skip
 
 
-@contextlib.contextmanager
-def killable_server(model: str, server_args: str, timeout: float) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Like load_test.launched_server, but yields the process too (phase g SIGKILLs it)."""
-    import httpx
-
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = Path(tempfile.mkdtemp(prefix="minivllm-resilience-")) / "server.log"
-    cmd = [sys.executable, "-m", "server", "--model", model, "--host", "127.0.0.1", "--port", str(port),
-           "--log-level", "warning", *shlex.split(server_args)]  # fmt: skip
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            if time.monotonic() > deadline:
-                raise SystemExit(f"server not ready after {timeout:.0f} s:\n{log.read_text()[-3000:]}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            time.sleep(0.5)
-        yield url, proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        proc.wait(30)
-
-
 def tear_pages(disk_dir: Path) -> list[str]:
     """What a crash (or an attacker with the folder) can leave: one page file cut in half, one
     whose JSON header is nested 100k deep. Returns what was done to which file."""
@@ -444,7 +407,7 @@ def sigkill_restart(args: argparse.Namespace) -> dict:
     # Two waves at least: once the first wave is done, the second is killed halfway through.
     two_waves = argparse.Namespace(**{**vars(args), "requests": max(args.requests, 2 * args.concurrency),
                                       "duration": None})  # fmt: skip
-    with killable_server(args.model, server_args, args.launch_timeout) as (url, proc):
+    with launched_process(args.model, server_args, args.launch_timeout, None) as (url, proc):
 
         def sigkill() -> None:
             if proc.poll() is None:
@@ -463,7 +426,7 @@ def sigkill_restart(args: argparse.Namespace) -> dict:
     pages_before_restart = len(list(disk_dir.rglob("*.kvpage")))
     torn = tear_pages(disk_dir)
     start = time.perf_counter()
-    with killable_server(args.model, server_args, args.launch_timeout) as (url, proc), HealthPoller(url) as health:
+    with launched_process(args.model, server_args, args.launch_timeout, None) as (url, proc), HealthPoller(url) as health:
         ready_s = time.perf_counter() - start
         good = asyncio.run(good_traffic(url, args, prefix=SHARED_PREFIX))
         disk_hits = metric(url, 'minivllm_prefix_cache_hit_tokens_total{tier="disk"}')

@@ -145,6 +145,17 @@ def launched_server(
     """Run `python -m server` on a free loopback port until the block ends (then SIGTERM);
     yields its URL once /health says 200 (polled every `poll_s`). `env` adds to the server's
     environment. The server log goes to a temp file, shown on failure."""
+    with launched_process(model, server_args, timeout, api_key, env, poll_s) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def launched_process(
+    model: str, server_args: str, timeout: float, api_key: str | None, env: dict[str, str] | None = None,
+    poll_s: float = 0.5,
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`launched_server` that yields the process too (for a caller that kills it); a server the
+    caller ended is not warned about."""
     import httpx
 
     port = _free_port()
@@ -168,16 +179,17 @@ def launched_server(
                     break
             time.sleep(poll_s)
         print(f"server ready after {time.perf_counter() - start:.1f} s", flush=True)
-        yield url
+        yield url, proc
     finally:
-        if proc.poll() is None:
+        ended_by_caller = proc.poll() is not None
+        if not ended_by_caller:
             proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(30)
-    if proc.returncode != 0:
+    if proc.returncode != 0 and not ended_by_caller:
         print(f"warning: the server exited with {proc.returncode} after SIGTERM (log: {log})", file=sys.stderr)
     else:
         shutil.rmtree(log.parent, ignore_errors=True)
