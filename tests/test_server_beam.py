@@ -125,11 +125,9 @@ def test_a_stream_started_beside_a_beam_search_progresses_and_both_answer_as_alo
     assert engine.num_in_flight == 0 and engine.beam_rows == 0
 
 
-@pytest.fixture
-def gated_engine(llm, monkeypatch):
-    """An `AsyncEngine` on the tiny engine whose first step holding a beam row waits for `release`
-    (so a round is surely in flight); records every request id added. Yields (engine, in_round,
-    release, added)."""
+def gate_beam_rounds(llm, monkeypatch) -> tuple[threading.Event, threading.Event, list[str]]:
+    """Make the tiny engine's first step holding a beam row wait for `release` (so a round is
+    surely in flight), and record every request id added. Returns (in_round, release, added)."""
     in_round, release, added = threading.Event(), threading.Event(), []
     step, add_request = llm.engine.step, llm.engine.add_request
 
@@ -145,6 +143,14 @@ def gated_engine(llm, monkeypatch):
 
     monkeypatch.setattr(llm.engine, "step", gated_step)
     monkeypatch.setattr(llm.engine, "add_request", logged_add)
+    return in_round, release, added
+
+
+@pytest.fixture
+def gated_engine(llm, monkeypatch):
+    """An `AsyncEngine` on the tiny engine gated by `gate_beam_rounds`. Yields (engine, in_round,
+    release, added)."""
+    in_round, release, added = gate_beam_rounds(llm, monkeypatch)
     engine = AsyncEngine(llm.engine, max_beam_rows=4)
     engine.start()
     yield engine, in_round, release, added
@@ -263,18 +269,7 @@ def test_a_client_that_disconnects_cancels_its_search_over_http(llm, monkeypatch
 
     import uvicorn
 
-    in_round, release, added = threading.Event(), threading.Event(), []
-    step, add_request = llm.engine.step, llm.engine.add_request
-
-    def gated_step(*a, **kw):
-        if not release.is_set() and any(rid.startswith("beam-") for rid in llm.engine.requests):
-            in_round.set()
-            release.wait(30)
-        return step(*a, **kw)
-
-    monkeypatch.setattr(llm.engine, "step", gated_step)
-    monkeypatch.setattr(llm.engine, "add_request", lambda ids, p, **kw: added.append(kw["request_id"]) or
-                        add_request(ids, p, **kw))  # fmt: skip
+    in_round, release, added = gate_beam_rounds(llm, monkeypatch)
 
     def until(predicate, what: str) -> None:
         deadline = time.monotonic() + 30
