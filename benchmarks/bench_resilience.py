@@ -376,6 +376,14 @@ def leftovers(url: str, seconds: float) -> dict:
             "kv_pages_used_when_idle": metric(url, "minivllm_kv_pages_used")}  # fmt: skip
 
 
+def _shown_path(path: str) -> str:
+    """`path` relative to the repository when it is inside it (no machine paths in results)."""
+    try:
+        return str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        return Path(path).name
+
+
 def tear_pages(disk_dir: Path) -> list[str]:
     """What a crash (or an attacker with the folder) can leave: one page file cut in half, one
     whose JSON header is nested 100k deep. Returns what was done to which file."""
@@ -509,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     lost = sum(p["good"]["lost"] for p in phases)
     tool_phase = next((p for p in phases if p["phase"] == "tool_bombs"), None)
     result = {
-        "benchmark": "resilience", "model": args.model, "flags": vars(args), "server_args": args.server_args,
+        "benchmark": "resilience", "model": args.model, "flags": {**vars(args), "out": _shown_path(args.out)}, "server_args": args.server_args,
         "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}, "git": git_state(),
         "lost_good_requests": lost,
         "health_worst_s_during_tool_bombs": tool_phase["health"]["worst_s"] if tool_phase else None,

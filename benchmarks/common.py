@@ -135,6 +135,12 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
     return {"p50": q(50), "p90": q(90), "p99": q(99), "mean": statistics.fmean(xs), "count": len(xs)}
 
 
+# The CPU features a kernel's speed depends on (recorded with every result: the same code runs at
+# different speeds on CPUs with and without them).
+KERNEL_CPU_FLAGS = frozenset({"avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+                              "avx512_bf16", "avx512vbmi", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8"})  # fmt: skip
+
+
 def machine_info() -> dict[str, Any]:
     """What a result was measured on, so numbers are never quoted without their machine."""
     info: dict[str, Any] = {
@@ -146,6 +152,8 @@ def machine_info() -> dict[str, Any]:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 info["cpu"] = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):  # the instruction sets the native kernels dispatch on
+                info["cpu_flags"] = sorted(set(line.split(":", 1)[1].split()) & KERNEL_CPU_FLAGS)
                 break
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemTotal"):

@@ -313,6 +313,32 @@ def test_request_compression_refused_unless_allowed(llm):
     assert engine.requests == {}
 
 
+def test_request_compression_is_a_400_naming_the_field_over_http(llm):
+    """The server maps the engine's refusal to a 400 naming `kv_compression` (a server without
+    --allow-request-kv-compression), and the request leaves nothing behind."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import httpx
+
+    from server.app import create_app
+
+    engine = side_engine(llm)
+    app = create_app(SimpleNamespace(engine=engine, tokenizer=llm.tokenizer), model_name="tiny")
+
+    async def main() -> httpx.Response:
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+                return await client.post("/v1/completions", json={"prompt": ids(55, 8), "max_tokens": 4,
+                                                                  "kv_compression": WINDOW})  # fmt: skip
+
+    response = asyncio.run(main())
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "kv_compression" and "not enabled" in response.json()["error"]["message"]
+    assert engine.requests == {}
+
+
 def test_request_compression_refused_across_processes(llm, monkeypatch):
     engine = llm.engine
     monkeypatch.setattr(engine.runner, "channel", object())  # how the runner knows it is one of several
