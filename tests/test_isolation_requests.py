@@ -16,7 +16,6 @@ import httpx
 import pytest
 
 import server.state
-from minivllm_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from server.app import create_app
 from server.preprocess import PROBE_CHARS_PER_TOKEN, PROBE_MARGIN_TOKENS, Preprocessor
 from server.protocol import (
@@ -478,21 +477,11 @@ class ScriptedEngine(FakeEngine):
         super().__init__(max_model_len=4096, **kw)
         self.script = script
 
-    def step(self):
-        time.sleep(self.step_seconds)
-        outputs = []
-        for rid, (ids, params, outs) in list(self.requests.items()):
-            for out in outs:
-                out.extend(ord(c) for c in self.script[len(out) : len(out) + 7])
-            done = len(outs[0]) >= len(self.script)
-            outputs.append(RequestOutput(rid, None, ids, [
-                CompletionOutput(i, "".join(map(chr, o)), list(o), 0.0, None, "stop" if done else None)
-                for i, o in enumerate(outs)
-            ], done, RequestMetrics(0.0)))  # fmt: skip
-            if done:
-                del self.requests[rid]
-        self._sync()
-        return outputs
+    def next_tokens(self, ids, out, index):
+        return [ord(c) for c in self.script[len(out) : len(out) + 7]]
+
+    def finish_reason(self, params, out):
+        return "stop" if len(out) >= len(self.script) else None
 
 
 def _stream_calls(text: str) -> tuple[list[dict], list[str]]:

@@ -89,17 +89,24 @@ class FakeEngine:
         outputs = []
         for rid, (ids, params, outs) in list(self.requests.items()):
             for i, out in enumerate(outs):
-                out.append(ord("a") + (ids[-1] + len(out) + 1 + i) % 26)
-                self.num_generated_tokens += 1
-            done = len(outs[0]) >= params.max_tokens
+                new = self.next_tokens(ids, out, i)
+                out.extend(new)
+                self.num_generated_tokens += len(new)
+            reason = self.finish_reason(params, outs[0])
             outputs.append(RequestOutput(rid, None, ids, [
-                CompletionOutput(i, "".join(map(chr, o)), list(o), 0.0, None, "length" if done else None)
-                for i, o in enumerate(outs)
-            ], done, RequestMetrics(0.0)))  # fmt: skip
-            if done:
+                CompletionOutput(i, "".join(map(chr, o)), list(o), 0.0, None, reason) for i, o in enumerate(outs)
+            ], reason is not None, RequestMetrics(0.0)))  # fmt: skip
+            if reason is not None:
                 del self.requests[rid]
         self._sync()
         return outputs
+
+    def next_tokens(self, ids, out, index):
+        """This step's tokens for sample `index` (one: the letter after the last)."""
+        return [ord("a") + (ids[-1] + len(out) + 1 + index) % 26]
+
+    def finish_reason(self, params, out):
+        return "length" if len(out) >= params.max_tokens else None
 
     def _sync(self):
         self.scheduler.running = list(self.requests)
