@@ -153,7 +153,7 @@ def create_app(
             top_k = (req.top_logprobs or 0) if req.logprobs else None
             fmt = ChatFormatter(rid, state.model_name, int(time.time()), state.table, top_k, req.n, req.include_usage,
                                 tool_plan=req.parsed_tool_plan())  # fmt: skip
-            renames = {"logprobs": "top_logprobs"}
+            renames = req.field_names()
             salt = request_cache_salt(request.scope, req.cache_salt)
             stream = None if params is None else await state.start(ids, params, rid, arrival, renames, salt)
         if stream is None:

@@ -517,10 +517,17 @@ class ChatCompletionRequest(_Sampling):
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def field_names(self) -> dict[str, str]:
+        """Our parameter names -> the fields this request sent them as (errors name the latter)."""
+        names = {"logprobs": "top_logprobs"}
+        if self.max_completion_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        return names
+
     def sampling_params(self) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return make_sampling_params(self.sampling_kwargs(), max_tokens=self._max_tokens(), logprobs=logprobs,
-                                    renames={"logprobs": "top_logprobs"})  # fmt: skip
+                                    renames=self.field_names())  # fmt: skip
 
     def beam_search_params(self, default_max_tokens: int) -> BeamSearchParams:
         return self._beam_search_params(self._max_tokens(), default_max_tokens)
@@ -611,11 +618,12 @@ def check_response_size(n: int, logprobs: int | None, max_tokens: int, max_token
     if entries <= MAX_RESPONSE_TOKEN_ENTRIES:
         return
     name = (renames or {}).get("logprobs", "logprobs")
-    limit = f"max_tokens ({max_tokens})" if max_tokens_set else f"max_tokens (unset: the rest of the context, {max_tokens})"
+    tokens = (renames or {}).get("max_tokens", "max_tokens")
+    limit = f"{tokens} ({max_tokens})" if max_tokens_set else f"{tokens} (unset: the rest of the context, {max_tokens})"
     raise invalid(
         f"the response could hold n ({n}) x ({name} ({logprobs or 0}) + 1) x {limit} = {entries} tokens, over the "
-        f"limit of {MAX_RESPONSE_TOKEN_ENTRIES}; lower max_tokens, n or {name}",
-        "max_tokens", "response_too_large",
+        f"limit of {MAX_RESPONSE_TOKEN_ENTRIES}; lower {tokens}, n or {name}",
+        tokens, "response_too_large",
     )  # fmt: skip
 
 
@@ -874,7 +882,7 @@ def beam_search_error(e: ValueError) -> APIError:
 def param_from_message(message: str, renames: dict[str, str] | None = None) -> str | None:
     """'top_p must be in (0, 1]' -> 'top_p'; engine length errors name max_tokens or prompt."""
     if "max_tokens (" in message:
-        return "max_tokens"
+        return (renames or {}).get("max_tokens", "max_tokens")
     m = re.match(r"[a-z_]+", message)
     name = m.group(0) if m else None
     return (renames or {}).get(name, name) if name else None

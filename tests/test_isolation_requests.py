@@ -431,6 +431,12 @@ def test_response_size_is_capped():
             err = r.json()["error"]
             assert r.status_code == 400 and err["code"] == "response_too_large" and "top_logprobs" in err["message"]
             assert "unset" in err["message"], err
+            # The limit names the field the client sent.
+            r = await client.post("/v1/chat/completions", json={"messages": USER, "n": n, "logprobs": True,
+                                                                "top_logprobs": k, "max_completion_tokens": too_many})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == "max_completion_tokens", err
+            assert err["code"] == "response_too_large" and "max_completion_tokens" in err["message"], err
             state = app.state.minivllm
             assert state.gate.active == 0 and state.engine.num_in_flight == 0
 
