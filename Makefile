@@ -36,6 +36,8 @@ run: setup
 # time of one worker (1,111 against about 1,330 s here). TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
 test: setup $(BROWSER_STAMP)
+	$(PY) -m ruff check --quiet .
+	$(PY) -m ruff format --check --quiet .
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=25 $(PYTEST_ARGS)
 
 # Debian's chromium and chromium-driver, for the chat page test (tests/test_chat_page.py drives

@@ -62,7 +62,7 @@ Batches = list[tuple[list[list[int]], list[int]]]  # requests run together, one 
 class Ablation:
     name: str
     description: str
-    run: Callable[["Bench"], dict[str, Any]]  # returns the row's metrics (see Bench.execute)
+    run: Callable[[Bench], dict[str, Any]]  # returns the row's metrics (see Bench.execute)
 
 
 def registry(a: argparse.Namespace) -> list[Ablation]:
@@ -70,29 +70,60 @@ def registry(a: argparse.Namespace) -> list[Ablation]:
     the Bench (usually `b.run(knob=value)` or `b.run(workload=...)`)."""
     budget = f"KV bytes of {a.kv_budget_seqs} max-length sequences"
     rows = [
-        Ablation("baseline", "continuous batching, paged KV cache, prefix caching on", lambda b: b.run()),
-        Ablation("kv-cache-off", "batch 1, every token re-prefills prompt + output so far (vs cached batch 1)", kv_cache_off),
-        Ablation("static-batching", f"fixed batches of {a.static_batch}; each waits for its slowest request",
-                 lambda b: b.run(batch_size=a.static_batch)),
-        Ablation("paged-same-kv", f"paged (page {a.page_size}) limited to {budget}",
-                 lambda b: b.run(num_pages=1 + a.kv_budget_seqs * b.max_model_len // a.page_size)),
+        Ablation(
+            "baseline", "continuous batching, paged KV cache, prefix caching on", lambda b: b.run()
+        ),
+        Ablation(
+            "kv-cache-off",
+            "batch 1, every token re-prefills prompt + output so far (vs cached batch 1)",
+            kv_cache_off,
+        ),
+        Ablation(
+            "static-batching",
+            f"fixed batches of {a.static_batch}; each waits for its slowest request",
+            lambda b: b.run(batch_size=a.static_batch),
+        ),
+        Ablation(
+            "paged-same-kv",
+            f"paged (page {a.page_size}) limited to {budget}",
+            lambda b: b.run(num_pages=1 + a.kv_budget_seqs * b.max_model_len // a.page_size),
+        ),
         Ablation("contiguous", f"one max_model_len page per sequence, {budget}", contiguous),
-        Ablation("bucket-padding", "baseline's padded slots per step kind (tokens, sequences)",
-                 lambda b: b.run()),
-        Ablation("sync-scheduling", "each step's tokens read before the next step is scheduled (async off)",
-                 lambda b: b.run(async_scheduling=False)),
-        Ablation("prefix-caching-on", f"prompts share their first {a.shared_prefix_len} tokens; cache on",
-                 lambda b: b.run(workload=b.shared_prefix)),
-        Ablation("prefix-caching-off", f"prompts share their first {a.shared_prefix_len} tokens; cache off",
-                 lambda b: b.run(workload=b.shared_prefix, enable_prefix_caching=False)),
-    ]  # fmt: skip
+        Ablation(
+            "bucket-padding",
+            "baseline's padded slots per step kind (tokens, sequences)",
+            lambda b: b.run(),
+        ),
+        Ablation(
+            "sync-scheduling",
+            "each step's tokens read before the next step is scheduled (async off)",
+            lambda b: b.run(async_scheduling=False),
+        ),
+        Ablation(
+            "prefix-caching-on",
+            f"prompts share their first {a.shared_prefix_len} tokens; cache on",
+            lambda b: b.run(workload=b.shared_prefix),
+        ),
+        Ablation(
+            "prefix-caching-off",
+            f"prompts share their first {a.shared_prefix_len} tokens; cache off",
+            lambda b: b.run(workload=b.shared_prefix, enable_prefix_caching=False),
+        ),
+    ]
     rows += [
-        Ablation(f"chunked-prefill-{t}", f"max_num_batched_tokens={t} (step token budget: decodes + prompt chunks)",
-                 lambda b, t=t: b.run(max_num_batched_tokens=t))
+        Ablation(
+            f"chunked-prefill-{t}",
+            f"max_num_batched_tokens={t} (step token budget: decodes + prompt chunks)",
+            lambda b, t=t: b.run(max_num_batched_tokens=t),
+        )
         for t in a.chunk_sizes
-    ]  # fmt: skip
+    ]
     rows += [
-        Ablation(f"max-num-seqs-{n}", f"at most {n} sequences running (decode batch)", lambda b, n=n: b.run(max_num_seqs=n))
+        Ablation(
+            f"max-num-seqs-{n}",
+            f"at most {n} sequences running (decode batch)",
+            lambda b, n=n: b.run(max_num_seqs=n),
+        )
         for n in a.max_num_seqs_values
     ]
     return rows
@@ -106,7 +137,9 @@ class Bench:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.workload = make_workload(args, vocab_hi=min(10000, _vocab_size(args.model, args.dtype)))
+        self.workload = make_workload(
+            args, vocab_hi=min(10000, _vocab_size(args.model, args.dtype))
+        )
         self.shared_prefix = _with_shared_prefix(self.workload, args.shared_prefix_len, args.seed)
         ps = args.page_size
         need = args.max_model_len or self.workload.max_len
@@ -120,10 +153,12 @@ class Bench:
         key = tuple(sorted(overrides.items()))
         if key not in self._llms:
             a = self.args
-            base = dict(max_model_len=self.max_model_len,
-                        max_num_seqs=max(a.max_num_seqs, *a.max_num_seqs_values),
-                        max_num_batched_tokens=max(a.max_num_batched_tokens, *a.chunk_sizes),
-                        num_pages=a.num_pages or 1 + a.max_num_seqs * self.max_model_len // a.page_size)  # fmt: skip
+            base = dict(
+                max_model_len=self.max_model_len,
+                max_num_seqs=max(a.max_num_seqs, *a.max_num_seqs_values),
+                max_num_batched_tokens=max(a.max_num_batched_tokens, *a.chunk_sizes),
+                num_pages=a.num_pages or 1 + a.max_num_seqs * self.max_model_len // a.page_size,
+            )
             start = time.perf_counter()
             llm = build_llm(a, **{**base, **overrides})
             # Untimed pass (outputs capped at 8 tokens) so first-call costs of the compiled
@@ -131,29 +166,47 @@ class Bench:
             fresh_host_state(llm.engine)
             wl = self.workload
             run_requests(llm.engine, wl.prompts, greedy_params([min(o, 8) for o in wl.output_lens]))
-            print(f"  engine {dict(key) or 'base'}: ready in {time.perf_counter() - start:.1f} s "
-                  f"({llm.engine.num_compiles} programs)", flush=True)  # fmt: skip
+            print(
+                f"  engine {dict(key) or 'base'}: ready in {time.perf_counter() - start:.1f} s "
+                f"({llm.engine.num_compiles} programs)",
+                flush=True,
+            )
             self._llms[key] = llm
             self._counters[id(llm)] = PaddingCounter(llm.engine.runner)
         return self._llms[key]
 
-    def run(self, workload: Workload | None = None, batch_size: int | None = None, llm=None,
-            contiguous: bool = False, **knobs: Any) -> dict[str, Any]:  # fmt: skip
+    def run(
+        self,
+        workload: Workload | None = None,
+        batch_size: int | None = None,
+        llm=None,
+        contiguous: bool = False,
+        **knobs: Any,
+    ) -> dict[str, Any]:
         """Run a whole workload (all at once, or in static batches of `batch_size`); memoized."""
         wl = workload or self.workload
         llm = llm or self.llm()
         n = len(wl.prompts)
         size = batch_size or n
-        batches = [(wl.prompts[i : i + size], wl.output_lens[i : i + size]) for i in range(0, n, size)]
+        batches = [
+            (wl.prompts[i : i + size], wl.output_lens[i : i + size]) for i in range(0, n, size)
+        ]
         key = (id(llm), id(wl), size, contiguous, _scheduler_config(llm.engine, **knobs))
         if key not in self._memo:
-            runs = sorted((self.execute(batches, llm, contiguous, **knobs)[0] for _ in range(self.args.repeat)),
-                          key=lambda m: m["elapsed_s"])  # fmt: skip
+            runs = sorted(
+                (
+                    self.execute(batches, llm, contiguous, **knobs)[0]
+                    for _ in range(self.args.repeat)
+                ),
+                key=lambda m: m["elapsed_s"],
+            )
             median = runs[len(runs) // 2]
             self._memo[key] = {**median, "repeat_elapsed_s": [m["elapsed_s"] for m in runs]}
         return self._memo[key]
 
-    def execute(self, batches: Batches, llm=None, contiguous: bool = False, **knobs: Any) -> tuple[dict[str, Any], list]:
+    def execute(
+        self, batches: Batches, llm=None, contiguous: bool = False, **knobs: Any
+    ) -> tuple[dict[str, Any], list]:
         """Run groups of requests one after another on fresh host state (scheduler, block manager
         and prefix cache), with scheduler knobs applied; all requests count as arriving at the
         start. Returns the metrics and the generated token ids."""
@@ -170,7 +223,9 @@ class Bench:
             peak = max(peak, len(e.scheduler.running))
 
         t0 = time.monotonic()
-        runs = [run_requests(engine, p, greedy_params(o), on_step=on_step, t0=t0) for p, o in batches]
+        runs = [
+            run_requests(engine, p, greedy_params(o), on_step=on_step, t0=t0) for p, o in batches
+        ]
         run = EngineRun(
             elapsed_s=time.monotonic() - t0,
             input_tokens=sum(r.input_tokens for r in runs),
@@ -210,13 +265,18 @@ def kv_cache_off(b: Bench) -> dict[str, Any]:
 
     return {
         **off,
-        "total_tok_s": useful / off["elapsed_s"],  # prompt + generated tokens, not the recomputed ones
+        "total_tok_s": useful
+        / off["elapsed_s"],  # prompt + generated tokens, not the recomputed ones
         "ttft_s": None,  # not meaningful here: each token is its own request; compare per-token ms
         "recomputed_prefill_tokens": off["input_tokens"],
         "input_tokens": sum(map(len, prompts)),
         "ms_per_token": ms_per_token(off),
-        "tokens_matching_cached_pct": 100.0 * sum(x == y for x, y in zip(flat_off, flat_cached)) / len(flat_cached),
-        "cached_batch1": {k: cached[k] for k in ("elapsed_s", "output_tokens", "output_tok_s", "total_tok_s")}
+        "tokens_matching_cached_pct": 100.0
+        * sum(x == y for x, y in zip(flat_off, flat_cached))
+        / len(flat_cached),
+        "cached_batch1": {
+            k: cached[k] for k in ("elapsed_s", "output_tokens", "output_tok_s", "total_tok_s")
+        }
         | {"ms_per_token": ms_per_token(cached)},
         "slowdown_vs_cached_batch1": ms_per_token(off) / ms_per_token(cached),
     }
@@ -225,15 +285,29 @@ def kv_cache_off(b: Bench) -> dict[str, Any]:
 def contiguous(b: Bench) -> dict[str, Any]:
     """One page of max_model_len per sequence: a contiguous max-length cache in paged clothing."""
     seqs = b.args.kv_budget_seqs
-    llm = b.llm(page_size=b.max_model_len, num_pages=1 + seqs, max_num_seqs=min(seqs, b.args.max_num_seqs))
+    llm = b.llm(
+        page_size=b.max_model_len, num_pages=1 + seqs, max_num_seqs=min(seqs, b.args.max_num_seqs)
+    )
     return b.run(llm=llm, contiguous=True)
 
 
 # ---------------------------------------------------------------- engine plumbing (benchmark-side hooks)
 
-SCHEDULER_KNOBS = ("num_pages", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
-                   "target_tpot_ms", "target_ttft_ms", "max_batch_wait_ms", "async_scheduling")  # fmt: skip
-COMPILED_LIMITS = ("num_pages", "max_num_seqs", "max_num_batched_tokens")  # buckets were compiled up to these
+SCHEDULER_KNOBS = (
+    "num_pages",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "enable_prefix_caching",
+    "target_tpot_ms",
+    "target_ttft_ms",
+    "max_batch_wait_ms",
+    "async_scheduling",
+)
+COMPILED_LIMITS = (
+    "num_pages",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+)  # buckets were compiled up to these
 
 
 def _scheduler_config(engine, **knobs: Any):
@@ -262,7 +336,9 @@ def fresh_host_state(engine, contiguous: bool = False, **knobs: Any) -> None:
     """
     assert not engine.has_unfinished(), "fresh_host_state with requests in flight"
     cfg = _scheduler_config(engine, **knobs)
-    bm = (NoReserveBlockManager if contiguous else BlockManager)(cfg.num_pages, cfg.page_size, cfg.enable_prefix_caching)
+    bm = (NoReserveBlockManager if contiguous else BlockManager)(
+        cfg.num_pages, cfg.page_size, cfg.enable_prefix_caching
+    )
     engine.block_manager = bm
     engine.scheduler = Scheduler(cfg, bm)
 
@@ -270,7 +346,9 @@ def fresh_host_state(engine, contiguous: bool = False, **knobs: Any) -> None:
 def _vocab_size(model: str, dtype: str) -> int:
     from convert import resolve_model
 
-    return json.loads((resolve_model(model, dtype=dtype, progress=False) / "config.json").read_text())["vocab_size"]
+    return json.loads(
+        (resolve_model(model, dtype=dtype, progress=False) / "config.json").read_text()
+    )["vocab_size"]
 
 
 def _with_shared_prefix(wl: Workload, prefix_len: int, seed: int) -> Workload:
@@ -281,7 +359,9 @@ def _with_shared_prefix(wl: Workload, prefix_len: int, seed: int) -> Workload:
     lo = min(min(map(min, wl.prompts)), 100)
     hi = max(max(map(max, wl.prompts)) + 1, lo + 2)
     prefix = np.random.default_rng(seed + 1).integers(lo, hi, size=prefix_len).tolist()
-    prompts = [prefix[: min(prefix_len, len(p) - 1)] + p[min(prefix_len, len(p) - 1) :] for p in wl.prompts]
+    prompts = [
+        prefix[: min(prefix_len, len(p) - 1)] + p[min(prefix_len, len(p) - 1) :] for p in wl.prompts
+    ]
     return Workload(prompts, list(wl.output_lens), f"{wl.preset}+shared-prefix-{prefix_len}")
 
 
@@ -306,7 +386,10 @@ def plot(rows: list[dict[str, Any]], out: str | Path) -> Path:
     fig, axes = new_figure(2, width=6.5, height=0.45 * len(rows) + 1.5)
     names = [r["name"] for r in rows][::-1]
     colors = ["tab:green" if n == "baseline" else "tab:blue" for n in names]
-    for ax, key, label in ((axes[0][0], "output_tok_s", "output tok/s"), (axes[0][1], "ttft_p50_s", "TTFT p50 (s)")):
+    for ax, key, label in (
+        (axes[0][0], "output_tok_s", "output tok/s"),
+        (axes[0][1], "ttft_p50_s", "TTFT p50 (s)"),
+    ):
         values = [r[key] or 0.0 for r in rows][::-1]
         bars = ax.barh(names, values, color=colors)
         ax.bar_label(bars, fmt="%.3g", fontsize=8)
@@ -317,25 +400,64 @@ def plot(rows: list[dict[str, Any]], out: str | Path) -> Path:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_workload_args(p, default_preset="mixed")
     p.set_defaults(num_prompts=24)
     add_engine_args(p, max_num_seqs=32)  # max_model_len None: the workload's longest request
-    p.add_argument("--only", nargs="+", metavar="NAME", help="run these ablations (a prefix selects several)")
+    p.add_argument(
+        "--only", nargs="+", metavar="NAME", help="run these ablations (a prefix selects several)"
+    )
     p.add_argument("--list", action="store_true", help="list the ablations and exit")
     p.add_argument("--static-batch", type=int, default=8, help="batch size of static batching")
-    p.add_argument("--kv-budget-seqs", type=int, default=8, help="KV bytes for paged-same-kv/contiguous, in max-length sequences")
-    p.add_argument("--kv-off-prompts", type=int, default=2, help="prompts in the kv-cache-off subset")
-    p.add_argument("--kv-off-tokens", type=int, default=32, help="output tokens per prompt in that subset (cap)")
-    p.add_argument("--shared-prefix-len", type=int, default=128, help="shared prompt prefix for the prefix-caching rows")
-    p.add_argument("--chunk-sizes", type=int, nargs="+", default=[256, 512], help="max_num_batched_tokens values")
-    p.add_argument("--max-num-seqs-values", type=int, nargs="+", default=[8, 16], help="max_num_seqs values")
-    p.add_argument("--repeat", type=int, default=1, help="runs per row; the median by wall time is reported (noisy machines: 3)")
+    p.add_argument(
+        "--kv-budget-seqs",
+        type=int,
+        default=8,
+        help="KV bytes for paged-same-kv/contiguous, in max-length sequences",
+    )
+    p.add_argument(
+        "--kv-off-prompts", type=int, default=2, help="prompts in the kv-cache-off subset"
+    )
+    p.add_argument(
+        "--kv-off-tokens",
+        type=int,
+        default=32,
+        help="output tokens per prompt in that subset (cap)",
+    )
+    p.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=128,
+        help="shared prompt prefix for the prefix-caching rows",
+    )
+    p.add_argument(
+        "--chunk-sizes",
+        type=int,
+        nargs="+",
+        default=[256, 512],
+        help="max_num_batched_tokens values",
+    )
+    p.add_argument(
+        "--max-num-seqs-values", type=int, nargs="+", default=[8, 16], help="max_num_seqs values"
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs per row; the median by wall time is reported (noisy machines: 3)",
+    )
     p.add_argument("--quick", action="store_true", help="tiny preset and engine, for smoke tests")
     p.add_argument("--out", default=str(RESULTS / "ablations.json"))
     args = p.parse_args(argv)
     if args.quick:
-        args.preset, args.num_prompts, args.max_num_seqs, args.max_num_batched_tokens = "tiny", None, 4, 32
+        args.preset, args.num_prompts, args.max_num_seqs, args.max_num_batched_tokens = (
+            "tiny",
+            None,
+            4,
+            32,
+        )
         args.static_batch, args.kv_budget_seqs, args.kv_off_prompts, args.kv_off_tokens = 2, 2, 1, 4
         args.shared_prefix_len, args.chunk_sizes, args.max_num_seqs_values = 16, [16, 32], [2]
     return args
@@ -360,8 +482,11 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row_of(ab, ab.run(bench)))
         r = rows[-1]
         ttft = f"{r['ttft_p50_s'] * 1000:8.0f}" if r["ttft_p50_s"] is not None else "       -"
-        print(f"{ab.name:>22}: {r['output_tok_s']:8.1f} out tok/s {r['total_tok_s']:8.1f} total tok/s "
-              f"TTFT p50 {ttft} ms  padded {r['padded_token_pct']}%  ({time.perf_counter() - start:.1f} s)", flush=True)  # fmt: skip
+        print(
+            f"{ab.name:>22}: {r['output_tok_s']:8.1f} out tok/s {r['total_tok_s']:8.1f} total tok/s "
+            f"TTFT p50 {ttft} ms  padded {r['padded_token_pct']}%  ({time.perf_counter() - start:.1f} s)",
+            flush=True,
+        )
     result = {
         "benchmark": "ablations",
         "model": args.model,

@@ -24,12 +24,19 @@ from benchmarks.common import RESULTS, load_hf_model, write_result  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--prompt", default="Write a short story about a robot learning to paint.")
     p.add_argument("--tokens", type=int, default=128, help="new tokens per run")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2, help="torch and llama.cpp threads (XLA uses the same cores)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="torch and llama.cpp threads (XLA uses the same cores)",
+    )
     p.add_argument("--no-hf", action="store_true", help="skip the PyTorch peer")
     llamacpp_peer.add_peer_args(p)
     p.add_argument("--quick", action="store_true", help="16 tokens, 1 rep")
@@ -56,8 +63,10 @@ def bench_ours(model: str, prompt_ids: list[int], tokens: int, reps: int) -> dic
     pages = list(range(1, -(-(len(prompt_ids) + tokens) // 16) + 1))
     cache = init_kv_cache(cfg, len(pages) + 1, 16, jnp.float32)
     compile_s = {}
-    for name, batch in [("prefill", single_sequence_batch(np.asarray(prompt_ids), 0, pages, 16)),
-                        ("decode", single_sequence_batch(np.array([1]), len(prompt_ids), pages, 16))]:  # fmt: skip
+    for name, batch in [
+        ("prefill", single_sequence_batch(np.asarray(prompt_ids), 0, pages, 16)),
+        ("decode", single_sequence_batch(np.array([1]), len(prompt_ids), pages, 16)),
+    ]:
         start = time.perf_counter()
         forward_jit.lower(params, cache, batch, cfg).compile()
         compile_s[name] = time.perf_counter() - start
@@ -70,7 +79,12 @@ def bench_ours(model: str, prompt_ids: list[int], tokens: int, reps: int) -> dic
         for tok in greedy_stream(params, cfg, prompt_ids, tokens):
             stamps.append(time.perf_counter())
             ids.append(tok)
-        runs.append({"ttft_s": stamps[0] - start, "decode_tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])})
+        runs.append(
+            {
+                "ttft_s": stamps[0] - start,
+                "decode_tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
+            }
+        )
     jax.clear_caches()
     return {"compile_s": compile_s, **_medians(runs), "token_ids": ids}
 
@@ -97,13 +111,17 @@ def bench_hf(model: str, prompt_ids: list[int], tokens: int, reps: int, threads:
             hf.generate(ids, max_new_tokens=1, do_sample=False, eos_token_id=None, pad_token_id=0)
             ttft = time.perf_counter() - start
             start = time.perf_counter()
-            hf.generate(ids, max_new_tokens=tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+            hf.generate(
+                ids, max_new_tokens=tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
             total = time.perf_counter() - start
             runs.append({"ttft_s": ttft, "decode_tok_s": (tokens - 1) / max(total - ttft, 1e-9)})
     return _medians(runs)
 
 
-def bench_llamacpp(path: Path, prompt_ids: list[int], tokens: int, reps: int, threads: int, ours: dict) -> dict:
+def bench_llamacpp(
+    path: Path, prompt_ids: list[int], tokens: int, reps: int, threads: int, ours: dict
+) -> dict:
     """llama.cpp's batch-1 greedy decode of exactly `tokens` tokens on GGUF `path`, measured as
     ours is (TTFT; tokens after the first over their time), and how many agree with ours."""
     runs = []
@@ -111,7 +129,12 @@ def bench_llamacpp(path: Path, prompt_ids: list[int], tokens: int, reps: int, th
         for _ in range(reps):
             r = peer.run([prompt_ids], [tokens], 1)
             t, ids = r.token_times[0], r.token_ids[0]
-            runs.append({"ttft_s": t[0] - r.arrival[0], "decode_tok_s": (len(t) - 1) / max(t[-1] - t[0], 1e-9)})
+            runs.append(
+                {
+                    "ttft_s": t[0] - r.arrival[0],
+                    "decode_tok_s": (len(t) - 1) / max(t[-1] - t[0], 1e-9),
+                }
+            )
     medians = _medians(runs)
     return {
         "gguf": path.name,
@@ -144,18 +167,29 @@ def main(argv=None) -> int:
     if not args.no_hf:
         result["hf"] = bench_hf(args.model, prompt_ids, args.tokens, args.reps, args.threads)
         result["speedup"] = result["ours"]["decode_tok_s"] / result["hf"]["decode_tok_s"]
-    llamacpp_peer.run_variants(args, result, lambda _, path: bench_llamacpp(
-        path, prompt_ids, args.tokens, args.reps, args.threads, result["ours"]))  # fmt: skip
+    llamacpp_peer.run_variants(
+        args,
+        result,
+        lambda _, path: bench_llamacpp(
+            path, prompt_ids, args.tokens, args.reps, args.threads, result["ours"]
+        ),
+    )
     write_result(result, args.out)
-    print(f"ours: decode {result['ours']['decode_tok_s']:.1f} tok/s, ttft {result['ours']['ttft_s'] * 1e3:.0f} ms, "
-          f"compile {result['ours']['compile_s']}")  # fmt: skip
+    print(
+        f"ours: decode {result['ours']['decode_tok_s']:.1f} tok/s, ttft {result['ours']['ttft_s'] * 1e3:.0f} ms, "
+        f"compile {result['ours']['compile_s']}"
+    )
     if "hf" in result:
-        print(f"HF:   decode {result['hf']['decode_tok_s']:.1f} tok/s, ttft {result['hf']['ttft_s'] * 1e3:.0f} ms")
+        print(
+            f"HF:   decode {result['hf']['decode_tok_s']:.1f} tok/s, ttft {result['hf']['ttft_s'] * 1e3:.0f} ms"
+        )
         print(f"speedup {result['speedup']:.2f}x")
     for variant, r in result.get("llamacpp", {}).items():
-        print(f"llama.cpp {variant}: decode {r['decode_tok_s']:.1f} tok/s, ttft {r['ttft_s'] * 1e3:.0f} ms, "
-              f"ours/llama.cpp {r['ours_speedup']:.2f}x, first {r['tokens_agreeing_with_ours']} of "
-              f"{args.tokens} greedy tokens agree with ours")  # fmt: skip
+        print(
+            f"llama.cpp {variant}: decode {r['decode_tok_s']:.1f} tok/s, ttft {r['ttft_s'] * 1e3:.0f} ms, "
+            f"ours/llama.cpp {r['ours_speedup']:.2f}x, first {r['tokens_agreeing_with_ours']} of "
+            f"{args.tokens} greedy tokens agree with ours"
+        )
     return 0
 
 

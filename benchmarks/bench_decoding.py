@@ -22,8 +22,9 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -34,7 +35,12 @@ from benchmarks.common import PRESETS, RESULTS, load_hf_model, new_figure, save_
 # 7 draft tokens: 1 + 7 = 8 rows, a step bucket, which the native matmuls read the weights once
 # for. Measured here on the grounded workload, batch-1 decode with / without: gamma 3 (min 1 or
 # 2) 1.7x, gamma 5 1.7x, gamma 7 min 2 1.8x, gamma 7 min 1 2.0x (lookup max 3, 4 or 6: the same).
-SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+SPECULATIVE = {
+    "method": "ngram",
+    "num_speculative_tokens": 7,
+    "prompt_lookup_max": 4,
+    "prompt_lookup_min": 1,
+}
 BATCH_LIMIT = 4  # `disable_by_batch_size` of the third setting at batch 8
 
 # Input-grounded requests: the answer is mostly the given text again, edited.
@@ -76,17 +82,31 @@ def chat_prompts(n: int, seed: int = 0) -> list[list[int]]:
 
     preset = PRESETS["chat"]
     rng = np.random.default_rng(seed)
-    return [rng.integers(100, 10000, size=int(k)).tolist() for k in rng.integers(*preset.input_len, size=n)]
+    return [
+        rng.integers(100, 10000, size=int(k)).tolist()
+        for k in rng.integers(*preset.input_len, size=n)
+    ]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--tokens", type=int, default=64, help="new tokens per request (sections 1, 2, 4)")
-    p.add_argument("--spec-tokens", type=int, default=160, help="max new tokens per speculative-workload request")
+    p.add_argument(
+        "--tokens", type=int, default=64, help="new tokens per request (sections 1, 2, 4)"
+    )
+    p.add_argument(
+        "--spec-tokens",
+        type=int,
+        default=160,
+        help="max new tokens per speculative-workload request",
+    )
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2, help="torch threads")
-    p.add_argument("--quick", action="store_true", help="few tokens, 1 rep, batch 8 only where it is cheap")
+    p.add_argument(
+        "--quick", action="store_true", help="few tokens, 1 rep, batch 8 only where it is cheap"
+    )
     p.add_argument("--out", default=str(RESULTS / "decoding.json"))
     args = p.parse_args(argv)
     if args.quick:
@@ -133,25 +153,45 @@ def bench_generate(args, llm, hf, prompts: list[list[int]]) -> dict[str, Any]:
     n = args.tokens
     for batch in (1, 8):
         ps = prompts[:batch]
-        t_fn, fn_out = timed(lambda: generate(llm.params, llm.model_config, ps, n,
-                                              SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)), args.reps)  # fmt: skip
+        t_fn, fn_out = timed(
+            lambda: generate(
+                llm.params,
+                llm.model_config,
+                ps,
+                n,
+                SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+            ),
+            args.reps,
+        )
         t_engine, engine_out = timed(lambda: llm.generate(ps, greedy(n), use_tqdm=False), args.reps)
         ids = torch.tensor(ps)  # same-length prompts: no padding, so HF's tokens are comparable
-        run_hf = lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,  # noqa: E731
-                                     do_sample=False, pad_token_id=0)  # fmt: skip
+        run_hf = lambda: hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,  # noqa: E731
+            do_sample=False,
+            pad_token_id=0,
+        )
         with torch.no_grad():
             t_hf, hf_out = timed(run_hf, args.reps)
         engine_ids = [o.outputs[0].token_ids for o in engine_out]
         out[f"batch_{batch}"] = {
-            "functional_tok_s": batch * n / t_fn, "engine_tok_s": batch * n / t_engine, "hf_tok_s": batch * n / t_hf,
+            "functional_tok_s": batch * n / t_fn,
+            "engine_tok_s": batch * n / t_engine,
+            "hf_tok_s": batch * n / t_hf,
             "functional_equals_engine": [o.token_ids for o in fn_out] == engine_ids,
-            "hf_equals_engine_rows": sum(h[len(p):].tolist() == e for h, p, e in zip(hf_out, ps, engine_ids)),
-        }  # fmt: skip
+            "hf_equals_engine_rows": sum(
+                h[len(p) :].tolist() == e for h, p, e in zip(hf_out, ps, engine_ids)
+            ),
+        }
         print(f"generate batch {batch}: {out[f'batch_{batch}']}")
     return out
 
 
-def bench_multi_step(args, prompt: list[int], bytes_per_token: int, bandwidth_gb_s: float) -> dict[str, Any]:
+def bench_multi_step(
+    args, prompt: list[int], bytes_per_token: int, bandwidth_gb_s: float
+) -> dict[str, Any]:
     """Batch-1 engine decode rate (tokens after the first, per second of their arrival) per k."""
     from minivllm_jax import LLM
 
@@ -159,11 +199,17 @@ def bench_multi_step(args, prompt: list[int], bytes_per_token: int, bandwidth_gb
     out: dict[str, Any] = {"bound_tok_s": bound}
     tokens = 2 * args.tokens
     for k in (1, 4, 8):
-        llm = LLM(args.model, max_num_seqs=1, max_model_len=len(prompt) + tokens + 8, max_num_batched_tokens=64,
-                  num_scheduler_steps=k, use_tqdm=False, warmup=False)  # fmt: skip
-        engine = llm.engine
+        llm = LLM(
+            args.model,
+            max_num_seqs=1,
+            max_model_len=len(prompt) + tokens + 8,
+            max_num_batched_tokens=64,
+            num_scheduler_steps=k,
+            use_tqdm=False,
+            warmup=False,
+        )
 
-        def run() -> tuple[float, list[int]]:
+        def run(engine=llm.engine) -> tuple[float, list[int]]:
             engine.add_request(prompt, greedy(tokens))
             stamps, ids = [], []
             while engine.has_unfinished():
@@ -173,13 +219,23 @@ def bench_multi_step(args, prompt: list[int], bytes_per_token: int, bandwidth_gb
                     ids += new
             return (len(stamps) - 1) / (stamps[-1] - stamps[0]), ids
 
-        run(), run()  # compile what this k uses (the second run hits the prefix cache: other shapes)
+        # Compile what this k uses (the second run hits the prefix cache: other shapes).
+        run()
+        run()
         rates = [run() for _ in range(max(args.reps, 1))]
         rate = statistics.median(r for r, _ in rates)
-        out[f"k_{k}"] = {"decode_tok_s": rate, "share_of_bound": rate / bound, "token_ids": rates[-1][1]}
-        print(f"multi-step k={k}: {rate:.1f} tok/s, {100 * rate / bound:.0f}% of the bound ({bound:.0f} tok/s)")
-        del llm, engine
-    out["identical_tokens"] = out["k_1"]["token_ids"] == out["k_4"]["token_ids"] == out["k_8"]["token_ids"]
+        out[f"k_{k}"] = {
+            "decode_tok_s": rate,
+            "share_of_bound": rate / bound,
+            "token_ids": rates[-1][1],
+        }
+        print(
+            f"multi-step k={k}: {rate:.1f} tok/s, {100 * rate / bound:.0f}% of the bound ({bound:.0f} tok/s)"
+        )
+        del llm, run
+    out["identical_tokens"] = (
+        out["k_1"]["token_ids"] == out["k_4"]["token_ids"] == out["k_8"]["token_ids"]
+    )
     for k in (1, 4, 8):
         out[f"k_{k}"].pop("token_ids")
     return out
@@ -192,14 +248,25 @@ def bench_speculative(args, workloads: dict[str, list[list[int]]]) -> dict[str, 
     from minivllm_jax import LLM
 
     limited = {**SPECULATIVE, "disable_by_batch_size": BATCH_LIMIT}
-    variants = {"fp32": (None, {1: ("off", "ngram"), 8: ("off", "ngram", "ngram_limited")}),
-                "int8": ("int8", {1: ("off", "ngram")})}  # fmt: skip
+    variants = {
+        "fp32": (None, {1: ("off", "ngram"), 8: ("off", "ngram", "ngram_limited")}),
+        "int8": ("int8", {1: ("off", "ngram")}),
+    }
     configs = {"off": None, "ngram": SPECULATIVE, "ngram_limited": limited}
     out: dict[str, Any] = {}
     for variant, (quantization, batches) in variants.items():
-        engines = {name: LLM(args.model, max_num_seqs=8, max_model_len=1024, speculative_config=configs[name],
-                             quantization=quantization, use_tqdm=False, warmup=False)
-                   for name in ("off", "ngram", "ngram_limited")}  # fmt: skip
+        engines = {
+            name: LLM(
+                args.model,
+                max_num_seqs=8,
+                max_model_len=1024,
+                speculative_config=configs[name],
+                quantization=quantization,
+                use_tqdm=False,
+                warmup=False,
+            )
+            for name in ("off", "ngram", "ngram_limited")
+        }
         for workload, prompts in workloads.items():
             for batch, names in batches.items():
                 row: dict[str, Any] = {}
@@ -207,27 +274,44 @@ def bench_speculative(args, workloads: dict[str, list[list[int]]]) -> dict[str, 
                 for name in names:
                     llm, e = engines[name], engines[name].engine
                     groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
-                    run = lambda: [o for g in groups for o in llm.generate(g, greedy(args.spec_tokens, False), use_tqdm=False)]  # noqa: E731
+                    run = lambda: [
+                        o
+                        for g in groups
+                        for o in llm.generate(g, greedy(args.spec_tokens, False), use_tqdm=False)
+                    ]  # noqa: E731
                     drafts, accepted = e.num_draft_tokens, e.num_accepted_tokens
                     seconds, outs = timed(run, args.reps)
                     runs = args.reps + 2  # timed()'s warm-ups count too
                     generated = sum(len(o.outputs[0].token_ids) for o in outs)
                     tokens[name] = [o.outputs[0].token_ids for o in outs]
-                    d, a = (e.num_draft_tokens - drafts) / runs, (e.num_accepted_tokens - accepted) / runs
-                    row[name] = {"tok_s": generated / seconds, "decode_tok_s": decode_rate(outs),
-                                 "output_tokens": generated, "draft_tokens_per_run": d,
-                                 "acceptance_rate": a / d if d else None}  # fmt: skip
+                    d, a = (
+                        (e.num_draft_tokens - drafts) / runs,
+                        (e.num_accepted_tokens - accepted) / runs,
+                    )
+                    row[name] = {
+                        "tok_s": generated / seconds,
+                        "decode_tok_s": decode_rate(outs),
+                        "output_tokens": generated,
+                        "draft_tokens_per_run": d,
+                        "acceptance_rate": a / d if d else None,
+                    }
                 for name in names[1:]:
                     suffix = name.removeprefix("ngram")
                     row["speedup" + suffix] = row[name]["tok_s"] / row["off"]["tok_s"]
-                    row["decode_speedup" + suffix] = row[name]["decode_tok_s"] / row["off"]["decode_tok_s"]
+                    row["decode_speedup" + suffix] = (
+                        row[name]["decode_tok_s"] / row["off"]["decode_tok_s"]
+                    )
                 row["identical_tokens"] = all(tokens[name] == tokens["off"] for name in names)
                 key = f"{workload}_batch_{batch}" + ("" if variant == "fp32" else f"_{variant}")
                 out[key] = row
-                speeds = ", ".join(f"{n} {row[n]['tok_s']:.1f} / {row[n]['decode_tok_s']:.1f}" for n in names)
-                print(f"speculative {key}: output / decode tok/s {speeds} (ngram {row['speedup']:.2f}x / "
-                      f"{row['decode_speedup']:.2f}x), acceptance {row['ngram']['acceptance_rate']}, "
-                      f"identical {row['identical_tokens']}")  # fmt: skip
+                speeds = ", ".join(
+                    f"{n} {row[n]['tok_s']:.1f} / {row[n]['decode_tok_s']:.1f}" for n in names
+                )
+                print(
+                    f"speculative {key}: output / decode tok/s {speeds} (ngram {row['speedup']:.2f}x / "
+                    f"{row['decode_speedup']:.2f}x), acceptance {row['ngram']['acceptance_rate']}, "
+                    f"identical {row['identical_tokens']}"
+                )
         del engines
     return out
 
@@ -241,17 +325,34 @@ def bench_beam(args, llm, hf, prompts: list[list[int]]) -> dict[str, Any]:
     n, k = args.tokens, 4
     for batch in (1, 4):
         ps = prompts[:batch]
-        t_ours, ours = timed(lambda: llm.beam_search(ps, BeamSearchParams(beam_width=k, max_tokens=n, ignore_eos=True)),
-                             args.reps)  # fmt: skip
+        t_ours, ours = timed(
+            lambda: llm.beam_search(
+                ps, BeamSearchParams(beam_width=k, max_tokens=n, ignore_eos=True)
+            ),
+            args.reps,
+        )
         ids = torch.tensor(ps)
         with torch.no_grad():
-            t_hf, hf_out = timed(lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                                     min_new_tokens=n, num_beams=k, do_sample=False, pad_token_id=0),
-                                 args.reps)  # fmt: skip
+            t_hf, hf_out = timed(
+                lambda: hf.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    num_beams=k,
+                    do_sample=False,
+                    pad_token_id=0,
+                ),
+                args.reps,
+            )
         same = sum(o.sequences[0].tokens == h.tolist() for o, h in zip(ours, hf_out))
-        out[f"batch_{batch}"] = {"ours_tok_s": batch * n / t_ours, "hf_tok_s": batch * n / t_hf,
-                                 "ours_beam_tok_s": batch * k * n / t_ours, "hf_beam_tok_s": batch * k * n / t_hf,
-                                 "best_beam_equal_rows": same}  # fmt: skip
+        out[f"batch_{batch}"] = {
+            "ours_tok_s": batch * n / t_ours,
+            "hf_tok_s": batch * n / t_hf,
+            "ours_beam_tok_s": batch * k * n / t_ours,
+            "hf_beam_tok_s": batch * k * n / t_hf,
+            "best_beam_equal_rows": same,
+        }
         print(f"beam search batch {batch}: {out[f'batch_{batch}']}")
     return out
 
@@ -264,8 +365,12 @@ def plot(result: dict[str, Any], out: str | Path) -> Path:
     gen = result["generate"]
     names = ["functional", "engine", "hf"]
     for j, b in enumerate((1, 8)):
-        axes[0][0].bar([x + 0.3 * j for x in range(3)], [gen[f"batch_{b}"][f"{n}_tok_s"] for n in names], 0.3,
-                       label=f"batch {b}")  # fmt: skip
+        axes[0][0].bar(
+            [x + 0.3 * j for x in range(3)],
+            [gen[f"batch_{b}"][f"{n}_tok_s"] for n in names],
+            0.3,
+            label=f"batch {b}",
+        )
     axes[0][0].set_xticks([x + 0.15 for x in range(3)], names)
     axes[0][0].set_ylabel("generated tok/s")
     axes[0][0].set_title("greedy generate")
@@ -278,7 +383,9 @@ def plot(result: dict[str, Any], out: str | Path) -> Path:
     keys = list(spec)
     axes[0][2].bar(range(len(keys)), [spec[key]["decode_speedup"] for key in keys])
     axes[0][2].axhline(1.0, color="gray", lw=0.8)
-    axes[0][2].set_xticks(range(len(keys)), [key.replace("_batch_", "\nb") for key in keys], fontsize=8)
+    axes[0][2].set_xticks(
+        range(len(keys)), [key.replace("_batch_", "\nb") for key in keys], fontsize=8
+    )
     axes[0][2].set_ylabel("decode tok/s with / without speculation")
     axes[0][2].set_title("n-gram speculation")
     return save_plot(fig, out)
@@ -295,8 +402,12 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     same_len = [rng.integers(100, 10000, size=32).tolist() for _ in range(8)]
     bandwidth = measure_bandwidth(64 if args.quick else 512, args.reps)
-    result: dict[str, Any] = {"model": args.model, "tokens": args.tokens, "reps": args.reps,
-                              "speculative_config": SPECULATIVE}  # fmt: skip
+    result: dict[str, Any] = {
+        "model": args.model,
+        "tokens": args.tokens,
+        "reps": args.reps,
+        "speculative_config": SPECULATIVE,
+    }
     result["generate"] = bench_generate(args, llm, hf, same_len)
     result["beam_search"] = bench_beam(args, llm, hf, same_len)
     grounded = grounded_prompts(llm)
@@ -310,7 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     bytes_per_token = decode_bytes_per_token(load_converted(resolve_model(args.model))[2])
     result["multi_step"] = bench_multi_step(args, same_len[0], bytes_per_token, best)
     result["multi_step"]["weight_bytes_per_token"] = bytes_per_token
-    result["speculative"] = bench_speculative(args, {"grounded": grounded, "chat": chat_prompts(len(grounded))})
+    result["speculative"] = bench_speculative(
+        args, {"grounded": grounded, "chat": chat_prompts(len(grounded))}
+    )
     path = write_result(result, args.out)
     plot(result, path)
     return 0

@@ -27,8 +27,8 @@ import statistics
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -41,24 +41,67 @@ STREAM_PROMPT_TOKENS, LONG_MAX_TOKENS, TARGET_RATIO = 64, 8, 2.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m", help="alias, converted dir, HF folder or .gguf")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model", default="smollm2-135m", help="alias, converted dir, HF folder or .gguf"
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--streams", type=int, default=None, help="decoding streams (default 8; --quick 4)")
-    p.add_argument("--long-prompt-tokens", type=int, default=None, help="the long prompt (default 1500; --quick 300)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="step token budget (default 512; --quick 128)")
-    p.add_argument("--target-tpot-ms", type=float, default=None, help="the engine's TPOT target (default: auto)")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="default 16 (the server's); --quick 8")
+    p.add_argument(
+        "--streams", type=int, default=None, help="decoding streams (default 8; --quick 4)"
+    )
+    p.add_argument(
+        "--long-prompt-tokens",
+        type=int,
+        default=None,
+        help="the long prompt (default 1500; --quick 300)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="step token budget (default 512; --quick 128)",
+    )
+    p.add_argument(
+        "--target-tpot-ms",
+        type=float,
+        default=None,
+        help="the engine's TPOT target (default: auto)",
+    )
+    p.add_argument(
+        "--max-num-seqs", type=int, default=None, help="default 16 (the server's); --quick 8"
+    )
     p.add_argument("--max-model-len", type=int, default=None, help="default 2048; --quick 512")
-    p.add_argument("--warm-steps", type=int, default=None, help="phase-1 decode steps (default 40; --quick 8)")
-    p.add_argument("--tail-steps", type=int, default=4, help="steps recorded after the long prompt's first token")
-    p.add_argument("--repeats", type=int, default=None, help="phase-2 measurements (default 3; --quick 1)")
+    p.add_argument(
+        "--warm-steps", type=int, default=None, help="phase-1 decode steps (default 40; --quick 8)"
+    )
+    p.add_argument(
+        "--tail-steps",
+        type=int,
+        default=4,
+        help="steps recorded after the long prompt's first token",
+    )
+    p.add_argument(
+        "--repeats", type=int, default=None, help="phase-2 measurements (default 3; --quick 1)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="smoke test: small shapes, one repeat")
-    p.add_argument("--out", default=str(RESULTS / "interference.json"), help="JSON path; the PNG goes beside it")
+    p.add_argument(
+        "--out",
+        default=str(RESULTS / "interference.json"),
+        help="JSON path; the PNG goes beside it",
+    )
     args = p.parse_args(argv)
-    defaults = dict(streams=(8, 4), long_prompt_tokens=(1500, 300), max_num_batched_tokens=(512, 128),
-                    max_num_seqs=(16, 8), max_model_len=(2048, 512), warm_steps=(40, 8), repeats=(3, 1))  # fmt: skip
+    defaults = dict(
+        streams=(8, 4),
+        long_prompt_tokens=(1500, 300),
+        max_num_batched_tokens=(512, 128),
+        max_num_seqs=(16, 8),
+        max_model_len=(2048, 512),
+        warm_steps=(40, 8),
+        repeats=(3, 1),
+    )
     for name, (full, quick) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
@@ -77,9 +120,16 @@ class Recorder:
         def timed(batch):
             start = time.perf_counter()
             pending = run(batch)
-            kind = "mixed" if batch.num_decodes < len(batch.seqs) else "decode"  # mixed: has prompt tokens
-            record = {"start": start, "kind": kind, "rows": len(batch.seqs), "decodes": batch.num_decodes,
-                      "tokens": batch.num_tokens}  # fmt: skip
+            kind = (
+                "mixed" if batch.num_decodes < len(batch.seqs) else "decode"
+            )  # mixed: has prompt tokens
+            record = {
+                "start": start,
+                "kind": kind,
+                "rows": len(batch.seqs),
+                "decodes": batch.num_decodes,
+                "tokens": batch.num_tokens,
+            }
 
             def fetch():  # dispatch is asynchronous: the step ends when its tokens are read
                 result = pending.fetch()
@@ -113,15 +163,19 @@ def gaps_within(stamps: list[float], lo: float, hi: float) -> list[float]:
 def git_state() -> dict:
     """The commit measured and the engine files that differ from it (a baseline says what it measured)."""
     run = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout  # noqa: E731
-    return {"commit": run("rev-parse", "HEAD").strip() or None,
-            "dirty": run("status", "--porcelain", "minivllm_jax").rstrip().splitlines()}  # fmt: skip
+    return {
+        "commit": run("rev-parse", "HEAD").strip() or None,
+        "dirty": run("status", "--porcelain", "minivllm_jax").rstrip().splitlines(),
+    }
 
 
 def ms(x: float | None) -> str:
     return "-" if x is None else f"{1e3 * x:.1f}"
 
 
-def long_prompt(rec: Recorder, streams: list[str], prompt: list[int], params, tail_steps: int) -> dict:
+def long_prompt(
+    rec: Recorder, streams: list[str], prompt: list[int], params, tail_steps: int
+) -> dict:
     """Submit one long prompt while the streams decode; step until it has finished (recording
     `tail_steps` steps past its first token at least); return the stall it caused."""
     arrival = time.perf_counter()
@@ -133,14 +187,30 @@ def long_prompt(rec: Recorder, streams: list[str], prompt: list[int], params, ta
         done = done or next((o for o in rec.step() if o.request_id == rid and o.finished), None)
         n += 1
     gaps = [g for s in streams for g in gaps_within(rec.tokens[s], arrival, first)]
-    steps = [{"kind": st["kind"], "rows": st["rows"], "decodes": st["decodes"], "tokens": st["tokens"],
-              "duration_s": st["end"] - st["start"]} for st in rec.steps if arrival <= st["start"] and st["end"] <= first]  # fmt: skip
-    return {"arrival": arrival, "first_token": first, "ttft_s": first - arrival, "worst_gap_s": max(gaps),
-            "gaps_s": percentiles(gaps), "steps_during_prefill": steps,
-            "num_prompt_steps": sum(st["kind"] in ("prefill", "mixed") for st in steps),
-            "num_decode_steps": sum(st["kind"] == "decode" for st in steps),
-            "long_finished": done.outputs[0].finish_reason, "long_output_tokens": len(done.outputs[0].token_ids),
-            "long_cached_tokens": done.num_cached_tokens}  # fmt: skip
+    steps = [
+        {
+            "kind": st["kind"],
+            "rows": st["rows"],
+            "decodes": st["decodes"],
+            "tokens": st["tokens"],
+            "duration_s": st["end"] - st["start"],
+        }
+        for st in rec.steps
+        if arrival <= st["start"] and st["end"] <= first
+    ]
+    return {
+        "arrival": arrival,
+        "first_token": first,
+        "ttft_s": first - arrival,
+        "worst_gap_s": max(gaps),
+        "gaps_s": percentiles(gaps),
+        "steps_during_prefill": steps,
+        "num_prompt_steps": sum(st["kind"] in ("prefill", "mixed") for st in steps),
+        "num_decode_steps": sum(st["kind"] == "decode" for st in steps),
+        "long_finished": done.outputs[0].finish_reason,
+        "long_output_tokens": len(done.outputs[0].token_ids),
+        "long_cached_tokens": done.num_cached_tokens,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,16 +219,32 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rng = np.random.default_rng(args.seed)
     vocab_hi = min(10_000, model_vocab_size(args.model) or 10_000)
-    num_pages = (args.streams + 1) * -(-args.max_model_len // 16) + 1  # every sequence at full length fits
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-              max_num_batched_tokens=args.max_num_batched_tokens, num_pages=num_pages, use_tqdm=sys.stderr.isatty(),
-              target_tpot_ms=args.target_tpot_ms)
+    num_pages = (args.streams + 1) * -(
+        -args.max_model_len // 16
+    ) + 1  # every sequence at full length fits
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_pages=num_pages,
+        use_tqdm=sys.stderr.isatty(),
+        target_tpot_ms=args.target_tpot_ms,
+    )
     engine, cfg = llm.engine, llm.engine.config
     greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)  # noqa: E731
-    streams = [engine.add_request(rng.integers(100, vocab_hi, STREAM_PROMPT_TOKENS).tolist(),
-                                  greedy(cfg.max_model_len - STREAM_PROMPT_TOKENS)) for _ in range(args.streams)]
+    streams = [
+        engine.add_request(
+            rng.integers(100, vocab_hi, STREAM_PROMPT_TOKENS).tolist(),
+            greedy(cfg.max_model_len - STREAM_PROMPT_TOKENS),
+        )
+        for _ in range(args.streams)
+    ]
     rec = Recorder(engine)
-    while min(len(rec.tokens.get(s, [])) for s in streams) < 4:  # prefilled, then a few untimed decodes
+    while (
+        min(len(rec.tokens.get(s, [])) for s in streams) < 4
+    ):  # prefilled, then a few untimed decodes
         rec.step()
     compiles_before = engine.num_compiles
 
@@ -167,54 +253,110 @@ def main(argv: list[str] | None = None) -> int:
         rec.step()
     t1 = time.perf_counter()
     itl = [g for s in streams for g in gaps_within(rec.tokens[s], t0, t1)]
-    decode_steps = [st["end"] - st["start"] for st in rec.steps if st["start"] >= t0 and st["end"] <= t1]
-    phase1 = {"itl_s": {**percentiles(itl), "max": max(itl)}, "decode_step_s": percentiles(decode_steps)}
+    decode_steps = [
+        st["end"] - st["start"] for st in rec.steps if st["start"] >= t0 and st["end"] <= t1
+    ]
+    phase1 = {
+        "itl_s": {**percentiles(itl), "max": max(itl)},
+        "decode_step_s": percentiles(decode_steps),
+    }
     p50 = phase1["itl_s"]["p50"]
-    print(f"phase 1: ITL p50 {ms(p50)} ms, p99 {ms(phase1['itl_s']['p99'])} ms, max {ms(max(itl))} ms", flush=True)
+    print(
+        f"phase 1: ITL p50 {ms(p50)} ms, p99 {ms(phase1['itl_s']['p99'])} ms, max {ms(max(itl))} ms",
+        flush=True,
+    )
 
-    repeats, spans = [], []  # phase 2: a long prompt arrives (fresh ids each time: no prefix-cache hit)
+    repeats, spans = (
+        [],
+        [],
+    )  # phase 2: a long prompt arrives (fresh ids each time: no prefix-cache hit)
     for r in range(args.repeats):
-        rep = long_prompt(rec, streams, rng.integers(100, vocab_hi, args.long_prompt_tokens).tolist(),
-                          greedy(LONG_MAX_TOKENS), args.tail_steps)  # fmt: skip
+        rep = long_prompt(
+            rec,
+            streams,
+            rng.integers(100, vocab_hi, args.long_prompt_tokens).tolist(),
+            greedy(LONG_MAX_TOKENS),
+            args.tail_steps,
+        )
         spans.append((rep.pop("arrival") - t0, rep.pop("first_token") - t0))
         rep = {"repeat": r, **rep, "ratio_worst_gap_to_itl_p50": rep["worst_gap_s"] / p50}
         repeats.append(rep)
-        kinds = " ".join(f"{st['kind']}({st['rows']}x, {st['tokens']} tok) {ms(st['duration_s'])}"
-                         for st in rep["steps_during_prefill"])  # fmt: skip
-        print(f"repeat {r}: TTFT {ms(rep['ttft_s'])} ms, worst gap {ms(rep['worst_gap_s'])} ms = "
-              f"{rep['ratio_worst_gap_to_itl_p50']:.1f}x ITL p50; steps (ms): {kinds}", flush=True)  # fmt: skip
+        kinds = " ".join(
+            f"{st['kind']}({st['rows']}x, {st['tokens']} tok) {ms(st['duration_s'])}"
+            for st in rep["steps_during_prefill"]
+        )
+        print(
+            f"repeat {r}: TTFT {ms(rep['ttft_s'])} ms, worst gap {ms(rep['worst_gap_s'])} ms = "
+            f"{rep['ratio_worst_gap_to_itl_p50']:.1f}x ITL p50; steps (ms): {kinds}",
+            flush=True,
+        )
 
     alive = sum(s in engine.requests for s in streams)
     for s in streams:
         engine.abort(s)
     rec.close()
     med = lambda f: statistics.median(map(f, repeats))  # noqa: E731
-    median = {"ttft_s": med(lambda r: r["ttft_s"]), "worst_gap_s": med(lambda r: r["worst_gap_s"]),
-              "gap_p50_s": med(lambda r: r["gaps_s"]["p50"]), "gap_p99_s": med(lambda r: r["gaps_s"]["p99"]),
-              "ratio_worst_gap_to_itl_p50": med(lambda r: r["ratio_worst_gap_to_itl_p50"])}  # fmt: skip
+    median = {
+        "ttft_s": med(lambda r: r["ttft_s"]),
+        "worst_gap_s": med(lambda r: r["worst_gap_s"]),
+        "gap_p50_s": med(lambda r: r["gaps_s"]["p50"]),
+        "gap_p99_s": med(lambda r: r["gaps_s"]["p99"]),
+        "ratio_worst_gap_to_itl_p50": med(lambda r: r["ratio_worst_gap_to_itl_p50"]),
+    }
     result = {
-        "benchmark": "interference", "model": args.model, "dtype": args.dtype,
-        "scenario": {"streams": args.streams, "stream_prompt_tokens": STREAM_PROMPT_TOKENS,
-                     "long_prompt_tokens": args.long_prompt_tokens, "long_max_tokens": LONG_MAX_TOKENS,
-                     "warm_steps": args.warm_steps, "tail_steps": args.tail_steps, "repeats": args.repeats,
-                     "seed": args.seed, "sampling": "greedy, ignore_eos"},  # fmt: skip
-        "engine": {"max_num_seqs": cfg.max_num_seqs, "max_model_len": cfg.max_model_len, "page_size": cfg.page_size,
-                   "num_pages": cfg.num_pages, "max_num_batched_tokens": cfg.max_num_batched_tokens,
-                   "target_tpot_ms": cfg.target_tpot_ms},  # fmt: skip
-        "git": git_state(), "warmup_s": llm.warmup_seconds, "num_compiles": engine.num_compiles,
+        "benchmark": "interference",
+        "model": args.model,
+        "dtype": args.dtype,
+        "scenario": {
+            "streams": args.streams,
+            "stream_prompt_tokens": STREAM_PROMPT_TOKENS,
+            "long_prompt_tokens": args.long_prompt_tokens,
+            "long_max_tokens": LONG_MAX_TOKENS,
+            "warm_steps": args.warm_steps,
+            "tail_steps": args.tail_steps,
+            "repeats": args.repeats,
+            "seed": args.seed,
+            "sampling": "greedy, ignore_eos",
+        },
+        "engine": {
+            "max_num_seqs": cfg.max_num_seqs,
+            "max_model_len": cfg.max_model_len,
+            "page_size": cfg.page_size,
+            "num_pages": cfg.num_pages,
+            "max_num_batched_tokens": cfg.max_num_batched_tokens,
+            "target_tpot_ms": cfg.target_tpot_ms,
+        },
+        "git": git_state(),
+        "warmup_s": llm.warmup_seconds,
+        "num_compiles": engine.num_compiles,
         "compiles_during_timed": engine.num_compiles - compiles_before,
-        "num_preemptions": engine.scheduler.num_preemptions, "streams_outlasted": alive == len(streams),
-        "phase1": phase1, "median": median, "repeats": repeats,
-        "target_ratio": TARGET_RATIO, "meets_target": median["ratio_worst_gap_to_itl_p50"] <= TARGET_RATIO,
-        "timeline": {"streams_s": [[round(t - t0, 5) for t in rec.tokens[s] if t >= t0] for s in streams],
-                     "prefill_spans_s": spans},
-    }  # fmt: skip
-    print(f"median: TTFT {ms(median['ttft_s'])} ms, worst gap {ms(median['worst_gap_s'])} ms = "
-          f"{median['ratio_worst_gap_to_itl_p50']:.1f}x ITL p50 (target <= {TARGET_RATIO:g}x)")  # fmt: skip
+        "num_preemptions": engine.scheduler.num_preemptions,
+        "streams_outlasted": alive == len(streams),
+        "phase1": phase1,
+        "median": median,
+        "repeats": repeats,
+        "target_ratio": TARGET_RATIO,
+        "meets_target": median["ratio_worst_gap_to_itl_p50"] <= TARGET_RATIO,
+        "timeline": {
+            "streams_s": [[round(t - t0, 5) for t in rec.tokens[s] if t >= t0] for s in streams],
+            "prefill_spans_s": spans,
+        },
+    }
+    print(
+        f"median: TTFT {ms(median['ttft_s'])} ms, worst gap {ms(median['worst_gap_s'])} ms = "
+        f"{median['ratio_worst_gap_to_itl_p50']:.1f}x ITL p50 (target <= {TARGET_RATIO:g}x)"
+    )
     write_result(result, args.out)
     plot(result, args.out)
-    if result["compiles_during_timed"] or result["num_preemptions"] or not result["streams_outlasted"]:
-        print("error: compiles, preemptions or a finished stream during the timed run", file=sys.stderr)
+    if (
+        result["compiles_during_timed"]
+        or result["num_preemptions"]
+        or not result["streams_outlasted"]
+    ):
+        print(
+            "error: compiles, preemptions or a finished stream during the timed run",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -247,10 +389,13 @@ def plot(result: dict, out: str) -> Path:
     top.grid(alpha=0.3)
     bottom.grid(alpha=0.3)
     s, m = result["scenario"], result["median"]
-    top.set_title(f"{Path(result['model']).name}: {s['streams']} streams, a {s['long_prompt_tokens']}-token prompt "
-                  f"arrives (chunk {result['engine']['max_num_batched_tokens']}); median worst gap "
-                  f"{1e3 * m['worst_gap_s']:.0f} ms = {m['ratio_worst_gap_to_itl_p50']:.1f}x ITL p50, "
-                  f"TTFT {1e3 * m['ttft_s']:.0f} ms", fontsize=10)  # fmt: skip
+    top.set_title(
+        f"{Path(result['model']).name}: {s['streams']} streams, a {s['long_prompt_tokens']}-token prompt "
+        f"arrives (chunk {result['engine']['max_num_batched_tokens']}); median worst gap "
+        f"{1e3 * m['worst_gap_s']:.0f} ms = {m['ratio_worst_gap_to_itl_p50']:.1f}x ITL p50, "
+        f"TTFT {1e3 * m['ttft_s']:.0f} ms",
+        fontsize=10,
+    )
     return save_plot(fig, out)
 
 

@@ -30,26 +30,48 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (RESULTS, greedy_params, machine_info, new_figure, percentiles, run_requests,  # noqa: E402
-                               save_plot, write_result)  # fmt: skip
+from benchmarks.common import (
+    RESULTS,
+    greedy_params,
+    machine_info,
+    new_figure,
+    percentiles,
+    run_requests,  # noqa: E402
+    save_plot,
+    write_result,
+)
 
 MODES = ("recompute", "swap", "auto")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--quick", action="store_true", help="a smoke run: small workloads, short text")
-    p.add_argument("--only", nargs="+", choices=["preemption", "restart", "compression"], default=None)
+    p.add_argument(
+        "--only", nargs="+", choices=["preemption", "restart", "compression"], default=None
+    )
     # Long outputs: sequences are preempted deep into their decode, when recomputing costs most.
     p.add_argument("--requests", type=int, default=12, help="preemption: requests (all at once)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=640)
-    p.add_argument("--pressure-seqs", type=float, default=3,
-                   help="preemption: num_pages holds this many full-length sequences")  # fmt: skip
-    p.add_argument("--system-tokens", type=int, default=1024, help="restart: shared system prompt length")
-    p.add_argument("--first-requests", type=int, default=8, help="restart: concurrent first requests after it")
-    p.add_argument("--text-tokens", type=int, default=4096, help="compression: tokens of the long text scored")
+    p.add_argument(
+        "--pressure-seqs",
+        type=float,
+        default=3,
+        help="preemption: num_pages holds this many full-length sequences",
+    )
+    p.add_argument(
+        "--system-tokens", type=int, default=1024, help="restart: shared system prompt length"
+    )
+    p.add_argument(
+        "--first-requests", type=int, default=8, help="restart: concurrent first requests after it"
+    )
+    p.add_argument(
+        "--text-tokens", type=int, default=4096, help="compression: tokens of the long text scored"
+    )
     p.add_argument("--out", default=str(RESULTS / "kv_tiers.json"))
     args = p.parse_args(argv)
     if args.quick:
@@ -68,38 +90,67 @@ def preemption(args: argparse.Namespace) -> dict[str, Any]:
     full_len = args.prompt_len + args.output_len
     page_size = 16
     pages = 1 + int(args.pressure_seqs * -(-full_len // page_size))
-    llm = LLM(args.model, max_num_seqs=args.requests, max_model_len=full_len, num_pages=pages, use_tqdm=False)
+    llm = LLM(
+        args.model,
+        max_num_seqs=args.requests,
+        max_model_len=full_len,
+        num_pages=pages,
+        use_tqdm=False,
+    )
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, 10000, args.prompt_len).tolist() for _ in range(args.requests)]
     params = greedy_params([args.output_len] * args.requests)
     base, rows, tokens = llm.engine, [], None
     for mode in MODES:
         config = dataclasses.replace(base.config, preemption_mode=mode)
-        engine = LLMEngine(base.model_config, config, base.runner.params, llm.tokenizer, eos_token_ids=base.eos_token_ids)
+        engine = LLMEngine(
+            base.model_config,
+            config,
+            base.runner.params,
+            llm.tokenizer,
+            eos_token_ids=base.eos_token_ids,
+        )
         engine.warmup(progress=False)
         run = run_requests(engine, prompts, params)
         tokens = tokens or run.token_ids
         pool = engine.scheduler.swap_pool
-        rows.append({
-            "mode": mode, "elapsed_s": run.elapsed_s, "output_tok_s": run.output_tokens / run.elapsed_s,
-            "preemptions": engine.scheduler.num_preemptions, "swap_outs": pool.num_swap_outs if pool else 0,
-            "swap_ins": pool.num_swap_ins if pool else 0, "recomputes": pool.num_recomputes if pool else None,
-            "prompt_tokens_computed": engine.num_prompt_tokens,
-            "swap_copy_gb_s": pool.bytes_per_second / 1e9 if pool else None,
-            "tokens_identical_to_recompute": run.token_ids == tokens,
-        })  # fmt: skip
-        print(f"preemption {mode:>9}: {run.elapsed_s:6.1f} s, {rows[-1]['preemptions']} preemptions, "
-              f"{rows[-1]['swap_outs']} swaps, {engine.num_prompt_tokens} prompt tokens computed", flush=True)  # fmt: skip
+        rows.append(
+            {
+                "mode": mode,
+                "elapsed_s": run.elapsed_s,
+                "output_tok_s": run.output_tokens / run.elapsed_s,
+                "preemptions": engine.scheduler.num_preemptions,
+                "swap_outs": pool.num_swap_outs if pool else 0,
+                "swap_ins": pool.num_swap_ins if pool else 0,
+                "recomputes": pool.num_recomputes if pool else None,
+                "prompt_tokens_computed": engine.num_prompt_tokens,
+                "swap_copy_gb_s": pool.bytes_per_second / 1e9 if pool else None,
+                "tokens_identical_to_recompute": run.token_ids == tokens,
+            }
+        )
+        print(
+            f"preemption {mode:>9}: {run.elapsed_s:6.1f} s, {rows[-1]['preemptions']} preemptions, "
+            f"{rows[-1]['swap_outs']} swaps, {engine.num_prompt_tokens} prompt tokens computed",
+            flush=True,
+        )
         del engine
-    return {"requests": args.requests, "prompt_len": args.prompt_len, "output_len": args.output_len,
-            "num_pages": pages, "bytes_per_page": _page_bytes(base), "rows": rows}  # fmt: skip
+    return {
+        "requests": args.requests,
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "num_pages": pages,
+        "bytes_per_page": _page_bytes(base),
+        "rows": rows,
+    }
 
 
 def _page_bytes(engine) -> int:
     from minivllm_jax.kv_cache import kv_bytes_per_page
 
     c = engine.config
-    return kv_bytes_per_page(engine.model_config, c.page_size, engine.runner.dtype, c.kv_cache_dtype)
+    return kv_bytes_per_page(
+        engine.model_config, c.page_size, engine.runner.dtype, c.kv_cache_dtype
+    )
 
 
 # ---------------------------------------------------------------- 2. restart
@@ -117,16 +168,31 @@ def _system_prompt(model: str, tokens: int) -> str:
     return tokenizer.decode(ids)
 
 
-async def _first_requests(url: str, args: argparse.Namespace, system: str, n: int, offset: int) -> list[dict]:
+async def _first_requests(
+    url: str, args: argparse.Namespace, system: str, n: int, offset: int
+) -> list[dict]:
     import httpx
 
     from benchmarks.load_test import one_request
 
     req = argparse.Namespace(endpoint="chat", model=args.model, request_timeout=600)
-    bodies = [{"messages": [{"role": "system", "content": system},
-                            {"role": "user", "content": f"Question {offset + i}: what does section {offset + i} say?"}],
-               "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True,
-               "stream_options": {"include_usage": True}} for i in range(n)]  # fmt: skip
+    bodies = [
+        {
+            "messages": [
+                {"role": "system", "content": system},
+                {
+                    "role": "user",
+                    "content": f"Question {offset + i}: what does section {offset + i} say?",
+                },
+            ],
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        for i in range(n)
+    ]
     async with httpx.AsyncClient(base_url=url) as client:
         return await asyncio.gather(*(one_request(client, req, b) for b in bodies))
 
@@ -147,8 +213,12 @@ def restart(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for tier in ("disk", "none"):
         with tempfile.TemporaryDirectory(prefix="minivllm-kv-disk-") as folder:
-            flags = "--max-num-seqs 16 --max-model-len 2048" + (f" --kv-disk-dir {folder}" if tier == "disk" else "")
-            with launched_server(args.model, flags, 900, None) as url:  # yesterday: a few requests, then SIGTERM
+            flags = "--max-num-seqs 16 --max-model-len 2048" + (
+                f" --kv-disk-dir {folder}" if tier == "disk" else ""
+            )
+            with launched_server(
+                args.model, flags, 900, None
+            ) as url:  # yesterday: a few requests, then SIGTERM
                 yesterday = asyncio.run(_first_requests(url, args, system, 2, 0))
             start = time.perf_counter()
             with launched_server(args.model, flags, 900, None) as url:
@@ -160,11 +230,26 @@ def restart(args: argparse.Namespace) -> dict[str, Any]:
         if errors:
             raise SystemExit(f"restart ({tier}): {errors[:3]}")
         ttft = [r["ttft"] for r in today]
-        rows.append({"tier": tier, "ttft_s": percentiles(ttft), "ttfts_s": ttft, "disk_hit_tokens": hits,
-                     "page_files_after": files, "server_ready_s": ready_s})  # fmt: skip
-        print(f"restart {tier:>4}: first {len(ttft)} requests TTFT p50 {rows[-1]['ttft_s']['p50'] * 1000:.0f} ms, "
-              f"{hits:.0f} prompt tokens from disk", flush=True)  # fmt: skip
-    return {"system_tokens": args.system_tokens, "first_requests": args.first_requests, "rows": rows}
+        rows.append(
+            {
+                "tier": tier,
+                "ttft_s": percentiles(ttft),
+                "ttfts_s": ttft,
+                "disk_hit_tokens": hits,
+                "page_files_after": files,
+                "server_ready_s": ready_s,
+            }
+        )
+        print(
+            f"restart {tier:>4}: first {len(ttft)} requests TTFT p50 {rows[-1]['ttft_s']['p50'] * 1000:.0f} ms, "
+            f"{hits:.0f} prompt tokens from disk",
+            flush=True,
+        )
+    return {
+        "system_tokens": args.system_tokens,
+        "first_requests": args.first_requests,
+        "rows": rows,
+    }
 
 
 # ---------------------------------------------------------------- 3. compression
@@ -185,22 +270,34 @@ def compression(args: argparse.Namespace) -> dict[str, Any]:
     cfg, _, params = load_converted(folder)
     params = unstack_layers(params)
     text, sources = read_text(None)
-    ids = AutoTokenizer.from_pretrained(str(folder))(text, add_special_tokens=False)["input_ids"][: args.text_tokens + 1]
+    ids = AutoTokenizer.from_pretrained(str(folder))(text, add_special_tokens=False)["input_ids"][
+        : args.text_tokens + 1
+    ]
     if len(ids) < args.text_tokens + 1:
-        raise SystemExit(f"the text has {len(ids)} tokens, fewer than --text-tokens {args.text_tokens} + 1")
+        raise SystemExit(
+            f"the text has {len(ids)} tokens, fewer than --text-tokens {args.text_tokens} + 1"
+        )
     native = "native" if kernels.native_available() else "reference"
     common = dict(page_size=16, chunk=16, attention=native, matmul=native)
     full = evaluate(params, cfg, ids, None, **common)
     rows = [{**full, "policy": "full"}]
     budgets = [n for n in (256, 512, 1024) if n < args.text_tokens // 2]
-    configs = [KVCompressionConfig("sink_window", sink_tokens=16, window_tokens=b - 16) for b in budgets]
-    configs += [KVCompressionConfig("page_scores", sink_tokens=16, window_tokens=b // 4, budget_tokens=b) for b in budgets]
+    configs = [
+        KVCompressionConfig("sink_window", sink_tokens=16, window_tokens=b - 16) for b in budgets
+    ]
+    configs += [
+        KVCompressionConfig("page_scores", sink_tokens=16, window_tokens=b // 4, budget_tokens=b)
+        for b in budgets
+    ]
     for config in configs:
         rows.append(evaluate(params, cfg, ids, config, reference_argmax=full["argmax"], **common))
         r = rows[-1]
-        print(f"compression {config.policy:>11} keep {r['final_kept_tokens']:5d}: ppl {r['perplexity']:.3f} "
-              f"(full {full['perplexity']:.3f}), agreement {r['greedy_agreement']:.3f}, "
-              f"kept fraction {r['kept_fraction']:.3f}, {r['bytes_per_seq'] / 2**20:.1f} MiB/seq", flush=True)  # fmt: skip
+        print(
+            f"compression {config.policy:>11} keep {r['final_kept_tokens']:5d}: ppl {r['perplexity']:.3f} "
+            f"(full {full['perplexity']:.3f}), agreement {r['greedy_agreement']:.3f}, "
+            f"kept fraction {r['kept_fraction']:.3f}, {r['bytes_per_seq'] / 2**20:.1f} MiB/seq",
+            flush=True,
+        )
     for r in rows:
         r.pop("argmax", None)
     return {"tokens": len(ids), "text": sources, "rows": rows}
@@ -214,18 +311,37 @@ def plot(result: dict[str, Any], out: str) -> Path:
     axes = axes[0]
     if "preemption" in result:
         rows = result["preemption"]["rows"]
-        axes[0].bar([r["mode"] for r in rows], [r["elapsed_s"] for r in rows], color=["#999", "#4a90d9", "#e8a33d"])
+        axes[0].bar(
+            [r["mode"] for r in rows],
+            [r["elapsed_s"] for r in rows],
+            color=["#999", "#4a90d9", "#e8a33d"],
+        )
         axes[0].set_ylabel("completion time (s)")
-        axes[0].set_title(f"preemption-heavy workload ({result['preemption']['requests']} requests)")
+        axes[0].set_title(
+            f"preemption-heavy workload ({result['preemption']['requests']} requests)"
+        )
     if "restart" in result:
         rows = result["restart"]["rows"]
-        axes[1].bar([r["tier"] for r in rows], [r["ttft_s"]["p50"] * 1000 for r in rows], color=["#4a90d9", "#999"])
+        axes[1].bar(
+            [r["tier"] for r in rows],
+            [r["ttft_s"]["p50"] * 1000 for r in rows],
+            color=["#4a90d9", "#999"],
+        )
         axes[1].set_ylabel("TTFT p50 of the first requests (ms)")
         axes[1].set_title("after a server restart: disk tier vs none")
     if "compression" in result:
         for policy, marker in (("sink_window", "o"), ("page_scores", "s")):
-            rows = [r for r in result["compression"]["rows"] if isinstance(r["policy"], dict) and r["policy"]["policy"] == policy]
-            axes[2].plot([r["kept_fraction"] for r in rows], [r["perplexity"] for r in rows], marker=marker, label=policy)
+            rows = [
+                r
+                for r in result["compression"]["rows"]
+                if isinstance(r["policy"], dict) and r["policy"]["policy"] == policy
+            ]
+            axes[2].plot(
+                [r["kept_fraction"] for r in rows],
+                [r["perplexity"] for r in rows],
+                marker=marker,
+                label=policy,
+            )
         full = result["compression"]["rows"][0]["perplexity"]
         axes[2].axhline(full, color="#999", linestyle="--", label="full attention")
         axes[2].set_xlabel("kept KV fraction (mean over positions)")
@@ -238,9 +354,17 @@ def plot(result: dict[str, Any], out: str) -> Path:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     parts = args.only or ["preemption", "restart", "compression"]
-    result: dict[str, Any] = {"benchmark": "kv_tiers", "model": args.model, "quick": args.quick,
-                              "machine": machine_info()}  # fmt: skip
-    for name, fn in (("preemption", preemption), ("restart", restart), ("compression", compression)):
+    result: dict[str, Any] = {
+        "benchmark": "kv_tiers",
+        "model": args.model,
+        "quick": args.quick,
+        "machine": machine_info(),
+    }
+    for name, fn in (
+        ("preemption", preemption),
+        ("restart", restart),
+        ("compression", compression),
+    ):
         if name in parts:
             result[name] = fn(args)
     write_result(result, args.out)

@@ -59,23 +59,46 @@ DEFAULT_CONCURRENCY = [1, 2, 4, 8, 16, 32]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m", help="alias, converted dir, HF folder or .gguf")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model", default="smollm2-135m", help="alias, converted dir, HF folder or .gguf"
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     add_workload_args(p, default_preset="chat")
     levels = " ".join(map(str, DEFAULT_CONCURRENCY))
-    p.add_argument("--concurrency", type=int, nargs="+", default=None,
-                   help=f"requests kept in flight, one run each (default {levels})")  # fmt: skip
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=None,
+        help=f"requests kept in flight, one run each (default {levels})",
+    )
     add_slo_args(p)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="our prefill token budget per step")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="our max_model_len (default: next power of two >= longest request, min 128)")  # fmt: skip
-    p.add_argument("--num-pages", type=int, default=None, help="our KV pages (default: sized from free memory)")
-    p.add_argument("--threads", type=int, default=2, help="torch and llama.cpp threads for the peers")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=512, help="our prefill token budget per step"
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="our max_model_len (default: next power of two >= longest request, min 128)",
+    )
+    p.add_argument(
+        "--num-pages", type=int, default=None, help="our KV pages (default: sized from free memory)"
+    )
+    p.add_argument(
+        "--threads", type=int, default=2, help="torch and llama.cpp threads for the peers"
+    )
     p.add_argument("--no-hf", action="store_true", help="skip the PyTorch peer")
     llamacpp_peer.add_peer_args(p)
-    p.add_argument("--quick", action="store_true", help="smoke test: tiny preset, concurrency 1 2 4")
-    p.add_argument("--out", default=str(RESULTS / "latency.json"), help="JSON path; the PNG goes beside it")
+    p.add_argument(
+        "--quick", action="store_true", help="smoke test: tiny preset, concurrency 1 2 4"
+    )
+    p.add_argument(
+        "--out", default=str(RESULTS / "latency.json"), help="JSON path; the PNG goes beside it"
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.preset = "tiny"
@@ -121,21 +144,32 @@ def engine_closed_loop(
             stamps = times[out.request_id]
             stamps += [now] * (len(out.outputs[0].token_ids) - len(stamps))
             if out.finished:
-                records.append(request_timings(arrival.pop(out.request_id), times.pop(out.request_id)))
+                records.append(
+                    request_timings(arrival.pop(out.request_id), times.pop(out.request_id))
+                )
     return records, time.perf_counter() - start
 
 
 def run_ours(
-    args: argparse.Namespace, work: Workload, level_prompts: dict[int, list[list[int]]], vocab_hi: int
+    args: argparse.Namespace,
+    work: Workload,
+    level_prompts: dict[int, list[list[int]]],
+    vocab_hi: int,
 ) -> dict:
     """Load and warm up our engine, then one closed-loop run per concurrency level."""
     from minivllm_jax import LLM
 
     max_len = args.max_model_len or max(128, 1 << (work.max_len - 1).bit_length())
     start = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.concurrency), max_model_len=max_len,
-              num_pages=args.num_pages, max_num_batched_tokens=args.max_num_batched_tokens,
-              use_tqdm=sys.stderr.isatty())  # fmt: skip
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_num_seqs=max(args.concurrency),
+        max_model_len=max_len,
+        num_pages=args.num_pages,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        use_tqdm=sys.stderr.isatty(),
+    )
     startup_s = time.perf_counter() - start
     # An untimed pass over the same shapes warms Python and allocator paths (compiles are done).
     warm = fresh_prompts(work, args.seed + 10_000, vocab_hi)[: max(args.concurrency)]
@@ -145,17 +179,23 @@ def run_ours(
     for c in args.concurrency:
         before = llm.engine.num_compiles
         records, wall = engine_closed_loop(llm, level_prompts[c], work.output_lens, c)
-        level = {"concurrency": c, **latency_summary(records, wall, args.slo_ttft_ms, args.slo_tpot_ms)}
+        level = {
+            "concurrency": c,
+            **latency_summary(records, wall, args.slo_ttft_ms, args.slo_tpot_ms),
+        }
         level["compiles_during_run"] = llm.engine.num_compiles - before
         levels.append(level)
         _print_level("ours", level)
     cfg = llm.engine.config
     return {
         "engine": {
-            "max_num_seqs": cfg.max_num_seqs, "max_model_len": cfg.max_model_len, "page_size": cfg.page_size,
-            "num_pages": cfg.num_pages, "max_num_batched_tokens": cfg.max_num_batched_tokens,
+            "max_num_seqs": cfg.max_num_seqs,
+            "max_model_len": cfg.max_model_len,
+            "page_size": cfg.page_size,
+            "num_pages": cfg.num_pages,
+            "max_num_batched_tokens": cfg.max_num_batched_tokens,
             "enable_prefix_caching": cfg.enable_prefix_caching,
-        },  # fmt: skip
+        },
         "startup_s": startup_s,
         "warmup_s": llm.warmup_seconds,
         "num_compiles": llm.engine.num_compiles,
@@ -191,7 +231,9 @@ def hf_generate(hf: Any, prompts: list[list[int]], max_new: int, pad_id: int) ->
     width = max(map(len, prompts))
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    gen = transformers.GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=pad_id)
+    gen = transformers.GenerationConfig(
+        max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=pad_id
+    )
     streamer = _Stamps()
     with torch.inference_mode():
         hf.generate(input_ids=ids, attention_mask=mask, generation_config=gen, streamer=streamer)
@@ -200,8 +242,9 @@ def hf_generate(hf: Any, prompts: list[list[int]], max_new: int, pad_id: int) ->
     return streamer.times
 
 
-def hf_static_batches(hf: Any, prompts: list[list[int]], output_lens: list[int], concurrency: int,
-                      pad_id: int) -> tuple[list[dict], float]:  # fmt: skip
+def hf_static_batches(
+    hf: Any, prompts: list[list[int]], output_lens: list[int], concurrency: int, pad_id: int
+) -> tuple[list[dict], float]:
     """C closed-loop users, served in static batches of C: user j's next request arrives when
     its previous one has its last token, but runs only when the whole batch is done."""
     records: list[dict] = []
@@ -209,7 +252,9 @@ def hf_static_batches(hf: Any, prompts: list[list[int]], output_lens: list[int],
     user_free = [start] * concurrency  # when each user sent its next request
     for b in range(0, len(prompts), concurrency):
         batch = range(b, min(b + concurrency, len(prompts)))
-        stamps = hf_generate(hf, [prompts[i] for i in batch], max(output_lens[i] for i in batch), pad_id)
+        stamps = hf_generate(
+            hf, [prompts[i] for i in batch], max(output_lens[i] for i in batch), pad_id
+        )
         for j, i in enumerate(batch):
             token_times = stamps[: output_lens[i]]
             records.append(request_timings(user_free[j], token_times))
@@ -217,7 +262,9 @@ def hf_static_batches(hf: Any, prompts: list[list[int]], output_lens: list[int],
     return records, time.perf_counter() - start
 
 
-def run_hf(args: argparse.Namespace, work: Workload, level_prompts: dict[int, list[list[int]]]) -> dict:
+def run_hf(
+    args: argparse.Namespace, work: Workload, level_prompts: dict[int, list[list[int]]]
+) -> dict:
     """The PyTorch peer at the same concurrency levels, on the same prompts."""
     start = time.perf_counter()
     hf = load_hf_model(args.model, args.dtype, args.threads)
@@ -227,7 +274,10 @@ def run_hf(args: argparse.Namespace, work: Workload, level_prompts: dict[int, li
     levels = []
     for c in args.concurrency:
         records, wall = hf_static_batches(hf, level_prompts[c], work.output_lens, c, pad_id)
-        level = {"concurrency": c, **latency_summary(records, wall, args.slo_ttft_ms, args.slo_tpot_ms)}
+        level = {
+            "concurrency": c,
+            **latency_summary(records, wall, args.slo_ttft_ms, args.slo_tpot_ms),
+        }
         levels.append(level)
         _print_level("hf", level)
     batching = "static batches of C, left padding"
@@ -237,8 +287,13 @@ def run_hf(args: argparse.Namespace, work: Workload, level_prompts: dict[int, li
 # ------------------------------------------------------------------ llama.cpp peer
 
 
-def run_llamacpp(args: argparse.Namespace, work: Workload, level_prompts: dict[int, list[list[int]]], name: str,
-                 path: Path) -> dict:  # fmt: skip
+def run_llamacpp(
+    args: argparse.Namespace,
+    work: Workload,
+    level_prompts: dict[int, list[list[int]]],
+    name: str,
+    path: Path,
+) -> dict:
     """llama.cpp at the same concurrency levels, on the same prompts: C closed-loop users."""
     start = time.perf_counter()
     levels = []
@@ -247,11 +302,20 @@ def run_llamacpp(args: argparse.Namespace, work: Workload, level_prompts: dict[i
         for c in args.concurrency:
             run = peer.run(level_prompts[c], work.output_lens, c, closed_loop=True)
             records = [request_timings(a, t) for a, t in zip(run.arrival, run.token_times)]
-            level = {"concurrency": c, **latency_summary(records, run.elapsed_s, args.slo_ttft_ms, args.slo_tpot_ms)}
+            level = {
+                "concurrency": c,
+                **latency_summary(records, run.elapsed_s, args.slo_ttft_ms, args.slo_tpot_ms),
+            }
             levels.append(level)
             _print_level(name, level)
     batching = "continuous, C sequences in flight (multi-sequence llama_decode)"
-    return {"gguf": path.name, "load_s": load_s, "threads": args.threads, "batching": batching, "levels": levels}
+    return {
+        "gguf": path.name,
+        "load_s": load_s,
+        "threads": args.threads,
+        "batching": batching,
+        "levels": levels,
+    }
 
 
 # ------------------------------------------------------------------ report
@@ -262,8 +326,11 @@ def _ms(v: float | None) -> str:
 
 
 def _print_level(name: str, lv: dict) -> None:
-    print(f"[{name}] C={lv['concurrency']}: TTFT p50 {_ms(lv['ttft_s']['p50'])} ms, TPOT p50 "
-          f"{_ms(lv['tpot_s']['p50'])} ms, {lv['output_tokens_per_s']:.1f} out tok/s", flush=True)  # fmt: skip
+    print(
+        f"[{name}] C={lv['concurrency']}: TTFT p50 {_ms(lv['ttft_s']['p50'])} ms, TPOT p50 "
+        f"{_ms(lv['tpot_s']['p50'])} ms, {lv['output_tokens_per_s']:.1f} out tok/s",
+        flush=True,
+    )
 
 
 def print_table(sides: dict[str, list[dict]]) -> None:
@@ -276,9 +343,15 @@ def print_table(sides: dict[str, list[dict]]) -> None:
             row = by_c[name].get(lv["concurrency"])
             if row is None:
                 continue
-            vals = [_ms(row["ttft_s"]["p50"]), _ms(row["ttft_s"]["p99"]), _ms(row["tpot_s"]["p50"]),
-                    _ms(row["tpot_s"]["p99"]), _ms(row["itl_s"]["p99"]), f"{row['output_tokens_per_s']:.1f}",
-                    f"{row['goodput']['requests_per_s']:.2f}"]  # fmt: skip
+            vals = [
+                _ms(row["ttft_s"]["p50"]),
+                _ms(row["ttft_s"]["p99"]),
+                _ms(row["tpot_s"]["p50"]),
+                _ms(row["tpot_s"]["p99"]),
+                _ms(row["itl_s"]["p99"]),
+                f"{row['output_tokens_per_s']:.1f}",
+                f"{row['goodput']['requests_per_s']:.2f}",
+            ]
             print(f"{lv['concurrency']:>4} {name:15}" + "".join(f"{v:>11}" for v in vals))
 
 
@@ -296,7 +369,9 @@ def plot(result: dict, out: str) -> Path:
         axes[0, 0].plot(cs, ms("ttft_s", "p50"), "o-", color=color, label=f"{name} p50")
         axes[0, 0].plot(cs, ms("ttft_s", "p99"), "s--", color=color, label=f"{name} p99")
         axes[0, 1].plot(cs, ms("tpot_s", "p50"), "o-", color=color, label=f"{name} p50")
-        axes[0, 2].plot(cs, [lv["output_tokens_per_s"] for lv in levels], "o-", color=color, label=name)
+        axes[0, 2].plot(
+            cs, [lv["output_tokens_per_s"] for lv in levels], "o-", color=color, label=name
+        )
     titles = ["TTFT (ms)", "TPOT (ms)", "output tok/s"]
     for ax, title in zip(axes[0], titles):
         ax.set_xscale("log", base=2)
@@ -306,7 +381,9 @@ def plot(result: dict, out: str) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     w = result["workload"]
-    fig.suptitle(f"{result['model']} {result['dtype']}, {w['num_prompts']} requests ({w['preset']}) per level")
+    fig.suptitle(
+        f"{result['model']} {result['dtype']}, {w['num_prompts']} requests ({w['preset']}) per level"
+    )
     return save_plot(fig, out)
 
 
@@ -328,15 +405,21 @@ def main(argv: list[str] | None = None) -> int:
         "ours": ours,
         "hf": hf,
     }
-    peer = llamacpp_peer.run_variants(args, result, lambda v, path: run_llamacpp(
-        args, work, level_prompts, f"llama.cpp {v}", path))  # fmt: skip
+    peer = llamacpp_peer.run_variants(
+        args,
+        result,
+        lambda v, path: run_llamacpp(args, work, level_prompts, f"llama.cpp {v}", path),
+    )
     sides = {"ours": ours["levels"], **({"hf": hf["levels"]} if hf else {})}
     print_table({**sides, **{f"llama.cpp {v}": side["levels"] for v, side in peer.items()}})
     write_result(result, args.out)
     plot(result, args.out)
     if ours["compiles_during_timed"]:
         n = ours["compiles_during_timed"]
-        print(f"error: {n} compiles during the timed runs (a bucket is missing from warm-up)", file=sys.stderr)
+        print(
+            f"error: {n} compiles during the timed runs (a bucket is missing from warm-up)",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -46,20 +46,43 @@ MIB = 2**20
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_workload_args(p, default_preset="mixed")
     add_engine_args(p)  # max_model_len None: the engine default (2048), what a server reserves
-    p.add_argument("--page-sizes", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256],
-                   help="page sizes for the computed fragmentation sweep")  # fmt: skip
-    p.add_argument("--no-hf", action="store_true", help="skip the PyTorch peer's RSS (a subprocess)")
-    p.add_argument("--hf-batch", type=int, default=8, help="prompts the peer generates in one batch")
+    p.add_argument(
+        "--page-sizes",
+        type=int,
+        nargs="+",
+        default=[8, 16, 32, 64, 128, 256],
+        help="page sizes for the computed fragmentation sweep",
+    )
+    p.add_argument(
+        "--no-hf", action="store_true", help="skip the PyTorch peer's RSS (a subprocess)"
+    )
+    p.add_argument(
+        "--hf-batch", type=int, default=8, help="prompts the peer generates in one batch"
+    )
     p.add_argument("--threads", type=int, default=2, help="torch threads of the peer")
-    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"],
-                   help="preempted sequences' KV: recomputed, or swapped to the host pool (its pages are in the timeline)")
-    p.add_argument("--kv-disk-dir", default=None, help="a disk tier for the prefix cache (its pages are in the timeline)")
-    p.add_argument("--quick", action="store_true", help="tiny preset and a small engine, for smoke tests")
+    p.add_argument(
+        "--preemption-mode",
+        default="recompute",
+        choices=["recompute", "swap", "auto"],
+        help="preempted sequences' KV: recomputed, or swapped to the host pool (its pages are in the timeline)",
+    )
+    p.add_argument(
+        "--kv-disk-dir",
+        default=None,
+        help="a disk tier for the prefix cache (its pages are in the timeline)",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="tiny preset and a small engine, for smoke tests"
+    )
     p.add_argument("--out", default=str(RESULTS / "memory.json"))
-    p.add_argument("--hf-child", action="store_true", help=argparse.SUPPRESS)  # internal: the peer process
+    p.add_argument(
+        "--hf-child", action="store_true", help=argparse.SUPPRESS
+    )  # internal: the peer process
     args = p.parse_args(argv)
     if args.quick:
         args.preset, args.num_prompts, args.max_num_seqs = "tiny", None, 4
@@ -133,8 +156,14 @@ def hf_child(args: argparse.Namespace) -> dict[str, Any]:
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(lens), do_sample=False,
-                       eos_token_id=None, pad_token_id=0)  # fmt: skip
+        model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max(lens),
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
     return {
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "batch": len(prompts),
@@ -151,7 +180,11 @@ def measure_hf(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if proc.returncode != 0:
-        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
+        return {
+            "error": proc.stderr.strip().splitlines()[-1]
+            if proc.stderr.strip()
+            else f"exit {proc.returncode}"
+        }
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -172,19 +205,23 @@ class Timeline:
         # (a prompt mid chunked-prefill has pages for the whole prompt already).
         held = [len(s) - (1 if s.output_token_ids else 0) for s in sched.running]
         tiers = engine.tier_stats()
-        self.samples.append({
-            "step": len(self.samples),
-            "t_s": round(time.monotonic() - self.t0, 4),
-            "running": len(sched.running),
-            "waiting": len(sched.waiting),
-            "pages_used": bm.num_usable_pages - bm.num_free_pages,  # the memory tier
-            "swap_pages": tiers.get("swap_pages", 0),
-            "disk_pages": tiers.get("disk_pages", 0),
-            "seq_tokens": held,
-        })  # fmt: skip
+        self.samples.append(
+            {
+                "step": len(self.samples),
+                "t_s": round(time.monotonic() - self.t0, 4),
+                "running": len(sched.running),
+                "waiting": len(sched.waiting),
+                "pages_used": bm.num_usable_pages - bm.num_free_pages,  # the memory tier
+                "swap_pages": tiers.get("swap_pages", 0),
+                "disk_pages": tiers.get("disk_pages", 0),
+                "seq_tokens": held,
+            }
+        )
 
 
-def fragmentation(samples: list[dict[str, Any]], page_sizes: list[int], max_model_len: int) -> list[dict[str, Any]]:
+def fragmentation(
+    samples: list[dict[str, Any]], page_sizes: list[int], max_model_len: int
+) -> list[dict[str, Any]]:
     """Allocated vs used token slots summed over all steps, per allocator (paged P, contiguous).
 
     Paged with page size P holds ceil(n / P) * P slots for a sequence of n tokens; a contiguous
@@ -197,13 +234,15 @@ def fragmentation(samples: list[dict[str, Any]], page_sizes: list[int], max_mode
     for name, slots in allocators:
         per_step = [sum(slots(n) for n in s["seq_tokens"]) for s in samples]
         allocated = sum(per_step)
-        rows.append({
-            "allocator": name,
-            "used_slots_step_sum": used,
-            "allocated_slots_step_sum": allocated,
-            "peak_allocated_slots": max(per_step, default=0),
-            "waste_pct": round(100.0 * (1 - used / allocated), 2) if allocated else None,
-        })  # fmt: skip
+        rows.append(
+            {
+                "allocator": name,
+                "used_slots_step_sum": used,
+                "allocated_slots_step_sum": allocated,
+                "peak_allocated_slots": max(per_step, default=0),
+                "waste_pct": round(100.0 * (1 - used / allocated), 2) if allocated else None,
+            }
+        )
     return rows
 
 
@@ -214,7 +253,9 @@ def plot(result: dict[str, Any], out: str | Path) -> Path:
     tl = result["timeline"]
     steps = [s["step"] for s in tl]
     ax.plot(steps, [s["pages_used"] for s in tl], color="tab:blue", label="KV pages used")
-    ax.axhline(result["kv_pool"]["usable_pages"], color="tab:blue", ls=":", lw=1, label="usable pages")
+    ax.axhline(
+        result["kv_pool"]["usable_pages"], color="tab:blue", ls=":", lw=1, label="usable pages"
+    )
     ax.set_xlabel("engine step")
     ax.set_ylabel("KV pages used", color="tab:blue")
     twin = ax.twinx()
@@ -253,11 +294,15 @@ def measure_ours(args: argparse.Namespace) -> dict[str, Any]:
     rss_loaded = rss_bytes()
     wl = make_workload(args, vocab_hi=min(10000, mcfg.vocab_size))
     if wl.max_len > cfg.max_model_len:
-        raise SystemExit(f"workload needs max_model_len >= {wl.max_len}; engine has {cfg.max_model_len}")
+        raise SystemExit(
+            f"workload needs max_model_len >= {wl.max_len}; engine has {cfg.max_model_len}"
+        )
     timeline = Timeline()
     run = run_requests(engine, wl.prompts, greedy_params(wl.output_lens), on_step=timeline)
     per_page = kv_bytes_per_page(mcfg, cfg.page_size, runner.dtype, cfg.kv_cache_dtype)
-    measured_pool = sum(x.nbytes for x in jax.tree.leaves(runner.cache))  # int8 pages: with their scales
+    measured_pool = sum(
+        x.nbytes for x in jax.tree.leaves(runner.cache)
+    )  # int8 pages: with their scales
     assert measured_pool == cfg.num_pages * per_page, (measured_pool, cfg.num_pages, per_page)
     pages = [s["pages_used"] for s in timeline.samples]
     tiers = engine.tier_stats()
@@ -267,9 +312,14 @@ def measure_ours(args: argparse.Namespace) -> dict[str, Any]:
             row["measured_allocated_slots_step_sum"] = sum(pages) * cfg.page_size
     return {
         "workload": wl.describe(),
-        "engine": {"max_num_seqs": cfg.max_num_seqs, "max_model_len": cfg.max_model_len,
-                   "page_size": cfg.page_size, "num_pages": cfg.num_pages,
-                   "max_num_batched_tokens": cfg.max_num_batched_tokens, "dtype": str(runner.dtype)},  # fmt: skip
+        "engine": {
+            "max_num_seqs": cfg.max_num_seqs,
+            "max_model_len": cfg.max_model_len,
+            "page_size": cfg.page_size,
+            "num_pages": cfg.num_pages,
+            "max_num_batched_tokens": cfg.max_num_batched_tokens,
+            "dtype": str(runner.dtype),
+        },
         "params": {
             "count": sum(x.size for x in jax.tree.leaves(runner.params)),
             "bytes": sum(x.nbytes for x in jax.tree.leaves(runner.params)),
@@ -280,7 +330,9 @@ def measure_ours(args: argparse.Namespace) -> dict[str, Any]:
             "bytes_per_page": per_page,
             "bytes": measured_pool,
             "token_capacity": (cfg.num_pages - 1) * cfg.page_size,
-            "max_len_seqs_that_fit_contiguous": (cfg.num_pages - 1) * cfg.page_size // cfg.max_model_len,
+            "max_len_seqs_that_fit_contiguous": (cfg.num_pages - 1)
+            * cfg.page_size
+            // cfg.max_model_len,
             "peak_pages_used": max(pages, default=0),
             "peak_running": max((s["running"] for s in timeline.samples), default=0),
         },
@@ -322,20 +374,28 @@ def main(argv: list[str] | None = None) -> int:
 
 def summarize(r: dict[str, Any]) -> None:
     kv, rss = r["kv_pool"], r["host_rss"]
-    print(f"params {r['params']['bytes'] / MIB:.1f} MiB; KV pool {kv['bytes'] / MIB:.1f} MiB "
-          f"({kv['num_pages']} pages x {kv['bytes_per_page'] / 1024:.0f} KiB); peak {kv['peak_pages_used']} pages used, "
-          f"peak {kv['peak_running']} running")  # fmt: skip
+    print(
+        f"params {r['params']['bytes'] / MIB:.1f} MiB; KV pool {kv['bytes'] / MIB:.1f} MiB "
+        f"({kv['num_pages']} pages x {kv['bytes_per_page'] / 1024:.0f} KiB); peak {kv['peak_pages_used']} pages used, "
+        f"peak {kv['peak_running']} running"
+    )
     t = r["tiers"]
-    print(f"tiers: memory peak {t['memory_pages_peak']} pages, swap pool peak {t['swap_pages_peak']} pages, disk "
-          f"{t['disk_pages_end']} pages at the end; prefix hits: {t['memory_hit_tokens']} tokens from memory, "
-          f"{t['disk_hit_tokens']} from disk")  # fmt: skip
-    print(f"ours: peak RSS {rss['peak_rss_bytes'] / MIB:.0f} MiB (after load+warm-up {rss['rss_after_load_and_warmup_bytes'] / MIB:.0f} MiB)")
+    print(
+        f"tiers: memory peak {t['memory_pages_peak']} pages, swap pool peak {t['swap_pages_peak']} pages, disk "
+        f"{t['disk_pages_end']} pages at the end; prefix hits: {t['memory_hit_tokens']} tokens from memory, "
+        f"{t['disk_hit_tokens']} from disk"
+    )
+    print(
+        f"ours: peak RSS {rss['peak_rss_bytes'] / MIB:.0f} MiB (after load+warm-up {rss['rss_after_load_and_warmup_bytes'] / MIB:.0f} MiB)"
+    )
     if "hf" in r:
         hf = r["hf"]
         if "error" in hf:
             print(f"HF peer failed: {hf['error']}")
         else:
-            print(f"HF:   peak RSS {hf['peak_rss_bytes'] / MIB:.0f} MiB (after load {hf['rss_after_load_bytes'] / MIB:.0f} MiB), params {hf['param_bytes'] / MIB:.1f} MiB")
+            print(
+                f"HF:   peak RSS {hf['peak_rss_bytes'] / MIB:.0f} MiB (after load {hf['rss_after_load_bytes'] / MIB:.0f} MiB), params {hf['param_bytes'] / MIB:.1f} MiB"
+            )
     print(f"device memory: {r['device_memory'].get('note', r['device_memory'])}")
     for row in r["fragmentation"]:
         print(f"  {row['allocator']:>16}: {row['waste_pct']:5.1f}% of allocated token slots unused")

@@ -52,7 +52,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_memory import peak_rss_bytes, rss_bytes  # noqa: E402
 from benchmarks.bench_roofline import measure_bandwidth  # noqa: E402
 from benchmarks.common import RESULTS, new_figure, percentiles, save_plot, write_result  # noqa: E402
-from benchmarks.quant_quality import DEFAULT_TEXTS, compare_greedy, greedy_outputs, read_text, score_text  # noqa: E402
+from benchmarks.quant_quality import (
+    DEFAULT_TEXTS,
+    compare_greedy,
+    greedy_outputs,
+    read_text,
+    score_text,
+)  # noqa: E402
 
 # base mode -> LLM arguments. The weight schemes keep the model in float32 (activations, norms).
 BASE_MODES: dict[str, dict[str, Any]] = {
@@ -98,8 +104,20 @@ DECODE_PROMPT = PROMPTS[0]
 
 
 # The sizes recorded with a result.
-SETTINGS = ("window", "chunk", "decode_tokens", "reps", "batch", "batch_input_len", "batch_output_len",
-            "ttft_prompt_len", "ttft_reps", "kv_budget_mib", "kv_budget_context", "quick")  # fmt: skip
+SETTINGS = (
+    "window",
+    "chunk",
+    "decode_tokens",
+    "reps",
+    "batch",
+    "batch_input_len",
+    "batch_output_len",
+    "ttft_prompt_len",
+    "ttft_reps",
+    "kv_budget_mib",
+    "kv_budget_context",
+    "quick",
+)
 
 
 def mode_name(base: str, kv: str) -> str:
@@ -107,33 +125,99 @@ def mode_name(base: str, kv: str) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m", help="alias, converted dir, HF folder or .gguf")
-    p.add_argument("--modes", nargs="+", default=list(BASE_MODES), choices=list(BASE_MODES),
-                   help=f"base modes (default: all; {REFERENCE}, the reference, always runs)")  # fmt: skip
-    p.add_argument("--kv", nargs="+", default=list(KV_DTYPES), choices=KV_DTYPES, help="KV cache dtypes of each mode")
-    p.add_argument("--text", nargs="+", default=None, metavar="FILE",
-                   help="perplexity text files (default: licence files of installed packages: "
-                        + ", ".join(f"{d} {f}" for d, f in DEFAULT_TEXTS) + ")")  # fmt: skip
-    p.add_argument("--min-text-tokens", type=int, default=5000, help="the scored text must have at least this many")
-    p.add_argument("--window", type=int, default=512, help="perplexity window (tokens; windows do not overlap)")
-    p.add_argument("--chunk", type=int, default=64, help="tokens fed per step when scoring a window")
-    p.add_argument("--num-prompts", type=int, default=len(PROMPTS), help=f"greedy prompts (at most {len(PROMPTS)})")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model", default="smollm2-135m", help="alias, converted dir, HF folder or .gguf"
+    )
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=list(BASE_MODES),
+        choices=list(BASE_MODES),
+        help=f"base modes (default: all; {REFERENCE}, the reference, always runs)",
+    )
+    p.add_argument(
+        "--kv",
+        nargs="+",
+        default=list(KV_DTYPES),
+        choices=KV_DTYPES,
+        help="KV cache dtypes of each mode",
+    )
+    p.add_argument(
+        "--text",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="perplexity text files (default: licence files of installed packages: "
+        + ", ".join(f"{d} {f}" for d, f in DEFAULT_TEXTS)
+        + ")",
+    )
+    p.add_argument(
+        "--min-text-tokens",
+        type=int,
+        default=5000,
+        help="the scored text must have at least this many",
+    )
+    p.add_argument(
+        "--window", type=int, default=512, help="perplexity window (tokens; windows do not overlap)"
+    )
+    p.add_argument(
+        "--chunk", type=int, default=64, help="tokens fed per step when scoring a window"
+    )
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        default=len(PROMPTS),
+        help=f"greedy prompts (at most {len(PROMPTS)})",
+    )
     p.add_argument("--gen-tokens", type=int, default=64, help="greedy tokens per prompt")
     p.add_argument("--decode-tokens", type=int, default=128, help="batch-1 decode: new tokens")
-    p.add_argument("--reps", type=int, default=3, help="batch-1 decode: timed runs (best counts) after a warm-up")
+    p.add_argument(
+        "--reps",
+        type=int,
+        default=3,
+        help="batch-1 decode: timed runs (best counts) after a warm-up",
+    )
     p.add_argument("--batch", type=int, default=32, help="offline throughput: prompts")
-    p.add_argument("--batch-input-len", type=int, default=128, help="offline throughput: prompt tokens (text slices)")
-    p.add_argument("--batch-output-len", type=int, default=64, help="offline throughput: new tokens per prompt")
-    p.add_argument("--ttft-prompt-len", type=int, default=256, help="TTFT: prompt tokens (text slices)")
+    p.add_argument(
+        "--batch-input-len",
+        type=int,
+        default=128,
+        help="offline throughput: prompt tokens (text slices)",
+    )
+    p.add_argument(
+        "--batch-output-len", type=int, default=64, help="offline throughput: new tokens per prompt"
+    )
+    p.add_argument(
+        "--ttft-prompt-len", type=int, default=256, help="TTFT: prompt tokens (text slices)"
+    )
     p.add_argument("--ttft-reps", type=int, default=5, help="TTFT: prompts timed (p50 reported)")
-    p.add_argument("--kv-budget-mib", type=float, default=64.0, help="KV budget for the largest-batch column")
-    p.add_argument("--kv-budget-context", type=int, default=512, help="tokens per sequence for that column")
-    p.add_argument("--bandwidth-mb", type=int, default=512, help="array size of the bandwidth probe (>> caches)")
+    p.add_argument(
+        "--kv-budget-mib", type=float, default=64.0, help="KV budget for the largest-batch column"
+    )
+    p.add_argument(
+        "--kv-budget-context", type=int, default=512, help="tokens per sequence for that column"
+    )
+    p.add_argument(
+        "--bandwidth-mb",
+        type=int,
+        default=512,
+        help="array size of the bandwidth probe (>> caches)",
+    )
     p.add_argument("--child-timeout", type=float, default=3600.0, help="seconds one mode may take")
-    p.add_argument("--keep-workdir", action="store_true", help="keep the reference logprobs and child logs")
-    p.add_argument("--quick", action="store_true", help="tiny sizes for smoke tests (a tiny model, any text)")
-    p.add_argument("--no-llamacpp", action="store_true", help="skip llama.cpp's batch-1 decode on the model's own GGUF")
+    p.add_argument(
+        "--keep-workdir", action="store_true", help="keep the reference logprobs and child logs"
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="tiny sizes for smoke tests (a tiny model, any text)"
+    )
+    p.add_argument(
+        "--no-llamacpp",
+        action="store_true",
+        help="skip llama.cpp's batch-1 decode on the model's own GGUF",
+    )
     p.add_argument("--report", action="store_true", help="only print/rebuild the table from --out")
     p.add_argument("--out", default=str(RESULTS / "quant.json"))
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: run one mode
@@ -169,12 +253,18 @@ def skip_reason(model: str, base: str, kv: str) -> str | None:
 
 def plan_modes(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """Every requested (base, kv) pair, the reference first, with a skip reason where it cannot run."""
-    pairs = [(REFERENCE, "auto")] + [(b, kv) for b in args.modes for kv in args.kv if (b, kv) != (REFERENCE, "auto")]
+    pairs = [(REFERENCE, "auto")] + [
+        (b, kv) for b in args.modes for kv in args.kv if (b, kv) != (REFERENCE, "auto")
+    ]
     plan = {}
     for base, kv in pairs:
         reason = skip_reason(args.model, base, kv)
-        plan[mode_name(base, kv)] = {"base": base, **BASE_MODES[base], "kv_cache_dtype": kv,
-                                     **({"status": "skipped", "reason": reason} if reason else {})}  # fmt: skip
+        plan[mode_name(base, kv)] = {
+            "base": base,
+            **BASE_MODES[base],
+            "kv_cache_dtype": kv,
+            **({"status": "skipped", "reason": reason} if reason else {}),
+        }
     return plan
 
 
@@ -196,16 +286,28 @@ def build_inputs(args: argparse.Namespace) -> dict[str, Any]:
     windows = len(ids) // args.window
     scored = windows * args.window
     if windows == 0 or scored < args.min_text_tokens:
-        raise SystemExit(f"the text has {len(ids)} tokens: {windows} windows of {args.window} give {scored}, "
-                         f"need >= {args.min_text_tokens} (--text more files, or --min-text-tokens)")  # fmt: skip
+        raise SystemExit(
+            f"the text has {len(ids)} tokens: {windows} windows of {args.window} give {scored}, "
+            f"need >= {args.min_text_tokens} (--text more files, or --min-text-tokens)"
+        )
 
-    def slices(n: int, length: int, offset: int) -> list[list[int]]:  # distinct text slices, wrapping around
-        return [[ids[(offset + i * length + j) % len(ids)] for j in range(length)] for i in range(n)]
+    def slices(
+        n: int, length: int, offset: int
+    ) -> list[list[int]]:  # distinct text slices, wrapping around
+        return [
+            [ids[(offset + i * length + j) % len(ids)] for j in range(length)] for i in range(n)
+        ]
 
     prompts = [tok(p)["input_ids"] for p in PROMPTS[: args.num_prompts]]
     return {
-        "text": {"sources": sources, "tokens": len(ids), "window": args.window, "chunk": args.chunk,
-                 "windows": windows, "scored_tokens": scored},  # fmt: skip
+        "text": {
+            "sources": sources,
+            "tokens": len(ids),
+            "window": args.window,
+            "chunk": args.chunk,
+            "windows": windows,
+            "scored_tokens": scored,
+        },
         "ids": ids[:scored],
         "prompts": prompts,
         "decode_prompt": tok(DECODE_PROMPT)["input_ids"],
@@ -217,11 +319,18 @@ def build_inputs(args: argparse.Namespace) -> dict[str, Any]:
 # ---------------------------------------------------------------- one mode (runs in its own process)
 
 
-def kv_budget(bytes_per_token: float, page_size: int, budget_mib: float, context: int) -> dict[str, Any]:
+def kv_budget(
+    bytes_per_token: float, page_size: int, budget_mib: float, context: int
+) -> dict[str, Any]:
     """How many whole pages, tokens and `context`-token sequences fit in `budget_mib` of KV."""
     pages = int(budget_mib * 2**20 // (bytes_per_token * page_size))
-    return {"budget_mib": budget_mib, "context": context, "pages": pages, "tokens": pages * page_size,
-            "max_batch": pages // -(-context // page_size)}  # fmt: skip
+    return {
+        "budget_mib": budget_mib,
+        "context": context,
+        "pages": pages,
+        "tokens": pages * page_size,
+        "max_batch": pages // -(-context // page_size),
+    }
 
 
 def _pages(tokens: int, page_size: int) -> int:
@@ -234,16 +343,31 @@ def build_mode_llm(args: argparse.Namespace, spec: dict[str, Any], inputs: dict[
     from minivllm_jax import LLM
 
     ps = 16
-    lens = [args.window, args.ttft_prompt_len + 1, len(inputs["decode_prompt"]) + args.decode_tokens,
-            args.batch_input_len + args.batch_output_len,
-            max(map(len, inputs["prompts"])) + args.gen_tokens]  # fmt: skip
-    num_pages = 1 + max(_pages(max(lens), ps), args.batch * _pages(lens[3], ps),
-                        len(inputs["prompts"]) * _pages(lens[4], ps))  # fmt: skip
-    kw: dict[str, Any] = dict(dtype=spec["dtype"], quantization=spec["quantization"], page_size=ps,
-                              max_num_seqs=max(args.batch, len(inputs["prompts"])),
-                              max_model_len=_pages(max(lens), ps) * ps, num_pages=num_pages,
-                              enable_prefix_caching=False, use_tqdm=False)  # fmt: skip
-    if spec["kv_cache_dtype"] != "auto":  # passed only when asked, so engines without the argument run "auto"
+    lens = [
+        args.window,
+        args.ttft_prompt_len + 1,
+        len(inputs["decode_prompt"]) + args.decode_tokens,
+        args.batch_input_len + args.batch_output_len,
+        max(map(len, inputs["prompts"])) + args.gen_tokens,
+    ]
+    num_pages = 1 + max(
+        _pages(max(lens), ps),
+        args.batch * _pages(lens[3], ps),
+        len(inputs["prompts"]) * _pages(lens[4], ps),
+    )
+    kw: dict[str, Any] = dict(
+        dtype=spec["dtype"],
+        quantization=spec["quantization"],
+        page_size=ps,
+        max_num_seqs=max(args.batch, len(inputs["prompts"])),
+        max_model_len=_pages(max(lens), ps) * ps,
+        num_pages=num_pages,
+        enable_prefix_caching=False,
+        use_tqdm=False,
+    )
+    if (
+        spec["kv_cache_dtype"] != "auto"
+    ):  # passed only when asked, so engines without the argument run "auto"
         kw["kv_cache_dtype"] = spec["kv_cache_dtype"]
     return LLM(args.model, **kw)
 
@@ -267,9 +391,13 @@ def measure_speed(llm, args: argparse.Namespace, inputs: dict[str, Any]) -> dict
     """Batch-1 decode (best of --reps after a warm-up run), TTFT (p50) and offline throughput."""
     runs = []
     for _ in range(args.reps + 1):
-        (out,) = llm.generate([inputs["decode_prompt"]], _greedy(args.decode_tokens), use_tqdm=False)
+        (out,) = llm.generate(
+            [inputs["decode_prompt"]], _greedy(args.decode_tokens), use_tqdm=False
+        )
         m, n = out.metrics, len(out.outputs[0].token_ids)
-        runs.append({"decode_tok_s": (n - 1) / (m.last_token_time - m.first_token_time), "ttft_s": m.ttft})
+        runs.append(
+            {"decode_tok_s": (n - 1) / (m.last_token_time - m.first_token_time), "ttft_s": m.ttft}
+        )
     timed = runs[1:]
     ttft = []
     for prompt in inputs["ttft_prompts"]:
@@ -281,12 +409,21 @@ def measure_speed(llm, args: argparse.Namespace, inputs: dict[str, Any]) -> dict
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     in_tokens = sum(map(len, inputs["batch_prompts"]))
     return {
-        "decode_b1": {"tokens": args.decode_tokens, "decode_tok_s": max(r["decode_tok_s"] for r in timed),
-                      "median_tok_s": statistics.median(r["decode_tok_s"] for r in timed), "runs": timed},  # fmt: skip
+        "decode_b1": {
+            "tokens": args.decode_tokens,
+            "decode_tok_s": max(r["decode_tok_s"] for r in timed),
+            "median_tok_s": statistics.median(r["decode_tok_s"] for r in timed),
+            "runs": timed,
+        },
         "ttft": {"prompt_tokens": args.ttft_prompt_len, **percentiles(ttft)},
-        "offline": {"prompts": len(outs), "input_tokens": in_tokens, "output_tokens": out_tokens,
-                    "elapsed_s": elapsed, "output_tok_s": out_tokens / elapsed,
-                    "total_tok_s": (in_tokens + out_tokens) / elapsed},  # fmt: skip
+        "offline": {
+            "prompts": len(outs),
+            "input_tokens": in_tokens,
+            "output_tokens": out_tokens,
+            "elapsed_s": elapsed,
+            "output_tok_s": out_tokens / elapsed,
+            "total_tok_s": (in_tokens + out_tokens) / elapsed,
+        },
     }
 
 
@@ -313,10 +450,17 @@ def run_mode(args: argparse.Namespace) -> dict[str, Any]:
         "decode_bytes_per_token": decode_bytes_per_token(runner.params),
         "kv_bytes_per_token": per_token,
         "kv_cache_leaf_dtypes": sorted({str(x.dtype) for x in leaves}),
-        "kv_budget": kv_budget(per_token, runner.config.page_size, args.kv_budget_mib, args.kv_budget_context),
-        "engine": {"max_num_seqs": runner.config.max_num_seqs, "max_model_len": runner.config.max_model_len,
-                   "num_pages": runner.config.num_pages, "page_size": runner.config.page_size,
-                   "attention": runner.attention, "matmul": runner.matmul},  # fmt: skip
+        "kv_budget": kv_budget(
+            per_token, runner.config.page_size, args.kv_budget_mib, args.kv_budget_context
+        ),
+        "engine": {
+            "max_num_seqs": runner.config.max_num_seqs,
+            "max_model_len": runner.config.max_model_len,
+            "num_pages": runner.config.num_pages,
+            "page_size": runner.config.page_size,
+            "attention": runner.attention,
+            "matmul": runner.matmul,
+        },
         "load_s": load_s,
         "warmup_s": llm.warmup_seconds,
         "rss_after_load_bytes": rss_bytes(),
@@ -341,21 +485,38 @@ def child_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_child(args: argparse.Namespace, argv: list[str], name: str, workdir: Path) -> dict[str, Any]:
+def run_child(
+    args: argparse.Namespace, argv: list[str], name: str, workdir: Path
+) -> dict[str, Any]:
     """Run one mode in a fresh interpreter; its result, or an error with its log's tail."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--child", name, "--workdir", str(workdir)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        *argv,
+        "--child",
+        name,
+        "--workdir",
+        str(workdir),
+    ]
     log = workdir / f"{name}.log"
     start = time.perf_counter()
     try:
         with log.open("w") as f:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.child_timeout).returncode
+            rc = subprocess.run(
+                cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.child_timeout
+            ).returncode
     except subprocess.TimeoutExpired:
         rc = "timeout"
     wall = time.perf_counter() - start
     out = workdir / f"{name}.json"
     if rc != 0 or not out.is_file():
         tail = log.read_text(errors="replace").strip().splitlines()[-12:] or ["(no output)"]
-        return {"status": "error", "reason": f"exit {rc}: {tail[-1]}", "log_tail": tail, "wall_s": wall}
+        return {
+            "status": "error",
+            "reason": f"exit {rc}: {tail[-1]}",
+            "log_tail": tail,
+            "wall_s": wall,
+        }
     return {"status": "ok", **json.loads(out.read_text()), "wall_s": wall}
 
 
@@ -380,10 +541,23 @@ def markdown_table(result: dict[str, Any]) -> str:
     budget = next((m["kv_budget"] for m in modes.values() if m.get("status") == "ok"), {})
     ref_tok_s = ((modes.get(REFERENCE) or {}).get("decode_b1") or {}).get("decode_tok_s")
     bandwidth = (result.get("bandwidth") or {}).get("best_gb_s")
-    head = ["mode", "params MB", "KV B/token", f"max batch ({_f(budget.get('budget_mib'), 0)} MiB KV, "
-            f"{budget.get('context', '?')} tok)", "peak RSS MB", "b1 decode tok/s", f"b1 x {REFERENCE}",
-            "b1 % of bound", "offline out tok/s",
-            "TTFT p50 ms", "perplexity", "mean KL", "top-1 agree %", "greedy agree %", "top-5 rule %"]  # fmt: skip
+    head = [
+        "mode",
+        "params MB",
+        "KV B/token",
+        f"max batch ({_f(budget.get('budget_mib'), 0)} MiB KV, {budget.get('context', '?')} tok)",
+        "peak RSS MB",
+        "b1 decode tok/s",
+        f"b1 x {REFERENCE}",
+        "b1 % of bound",
+        "offline out tok/s",
+        "TTFT p50 ms",
+        "perplexity",
+        "mean KL",
+        "top-1 agree %",
+        "greedy agree %",
+        "top-5 rule %",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     not_run: dict[str, list[str]] = {}  # "skipped: reason" -> modes
     for name, m in modes.items():
@@ -393,31 +567,54 @@ def markdown_table(result: dict[str, Any]) -> str:
         q, g = m.get("quality") or {}, m.get("greedy") or {}
         tok_s, read = m["decode_b1"]["decode_tok_s"], m.get("decode_bytes_per_token")
         share = tok_s * read / (bandwidth * 1e9) if bandwidth and read else None
-        lines.append("| " + " | ".join([
-            f"`{name}`", _mb(m["param_bytes"]), _f(m["kv_bytes_per_token"], 0), str(m["kv_budget"]["max_batch"]),
-            _mb(m["peak_rss_bytes"]), _f(tok_s), _f(tok_s / ref_tok_s if ref_tok_s else None, 2), _f(share, 0, 100),
-            _f(m["offline"]["output_tok_s"]),
-            _f(m["ttft"]["p50"], 0, 1e3), _f(q.get("perplexity"), 3), _kl(q.get("mean_kl")),
-            _f(q.get("top1_agreement"), 1, 100), _f(g.get("position_agreement"), 1, 100),
-            _f(g.get("top5_rule_pass_share"), 0, 100),
-        ]) + " |")  # fmt: skip
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    f"`{name}`",
+                    _mb(m["param_bytes"]),
+                    _f(m["kv_bytes_per_token"], 0),
+                    str(m["kv_budget"]["max_batch"]),
+                    _mb(m["peak_rss_bytes"]),
+                    _f(tok_s),
+                    _f(tok_s / ref_tok_s if ref_tok_s else None, 2),
+                    _f(share, 0, 100),
+                    _f(m["offline"]["output_tok_s"]),
+                    _f(m["ttft"]["p50"], 0, 1e3),
+                    _f(q.get("perplexity"), 3),
+                    _kl(q.get("mean_kl")),
+                    _f(q.get("top1_agreement"), 1, 100),
+                    _f(g.get("position_agreement"), 1, 100),
+                    _f(g.get("top5_rule_pass_share"), 0, 100),
+                ]
+            )
+            + " |"
+        )
     text = result.get("text") or {}
-    files = ", ".join(f"{s['package']} {s['version']} {Path(s['file']).name}" if "package" in s
-                      else Path(s["file"]).name for s in text.get("sources", []))  # fmt: skip
+    files = ", ".join(
+        f"{s['package']} {s['version']} {Path(s['file']).name}"
+        if "package" in s
+        else Path(s["file"]).name
+        for s in text.get("sources", [])
+    )
     machine = result.get("machine") or {}
     lines.append("")
-    lines.append(f"Quality against `{REFERENCE}` on {text.get('scored_tokens', 0):,} tokens of text ({files}; "
-                 f"{text.get('windows', '?')} windows of {text.get('window', '?')}, fed {text.get('chunk', '?')} "
-                 f"at a time through the KV cache) and {result.get('greedy_prompts', '?')} prompts x "
-                 f"{result.get('gen_tokens', '?')} greedy tokens. Measured {result.get('timestamp', 'not yet')} "
-                 f"on {machine.get('cpu', '?')}, "
-                 f"{machine.get('cpu_count', '?')} cores (`python benchmarks/bench_quant.py`). The bound of a "
-                 f"batch-1 decode is the read bandwidth ({_f(bandwidth)} GB/s, the best probe of the run) over "
-                 f"the weight bytes a step reads.")  # fmt: skip
+    lines.append(
+        f"Quality against `{REFERENCE}` on {text.get('scored_tokens', 0):,} tokens of text ({files}; "
+        f"{text.get('windows', '?')} windows of {text.get('window', '?')}, fed {text.get('chunk', '?')} "
+        f"at a time through the KV cache) and {result.get('greedy_prompts', '?')} prompts x "
+        f"{result.get('gen_tokens', '?')} greedy tokens. Measured {result.get('timestamp', 'not yet')} "
+        f"on {machine.get('cpu', '?')}, "
+        f"{machine.get('cpu_count', '?')} cores (`python benchmarks/bench_quant.py`). The bound of a "
+        f"batch-1 decode is the read bandwidth ({_f(bandwidth)} GB/s, the best probe of the run) over "
+        f"the weight bytes a step reads."
+    )
     peer = result.get("llamacpp") or {}
     if peer.get("status") == "ok":
-        lines.append(f"\nllama.cpp on the same GGUF ({peer['gguf']}), same prompt and run: batch-1 decode "
-                     f"{peer['decode_tok_s']:.1f} tok/s.")  # fmt: skip
+        lines.append(
+            f"\nllama.cpp on the same GGUF ({peer['gguf']}), same prompt and run: batch-1 decode "
+            f"{peer['decode_tok_s']:.1f} tok/s."
+        )
     if not_run:
         lines.append("\nNot measured:\n")
         lines += [f"- {', '.join(names)}: {why}" for why, names in not_run.items()]
@@ -430,14 +627,27 @@ def plot(result: dict[str, Any], out: Path) -> None:
     ok = {n: m for n, m in result["modes"].items() if m.get("status") == "ok"}
     for name, m in ok.items():
         q = m["quality"]
-        style = {"color": "C0"} if m["kv_cache_dtype"] == "auto" else {"facecolors": "none", "edgecolors": "C3"}
-        for ax, x, y in ((axes[0][0], m["decode_b1"]["decode_tok_s"], q["perplexity"]),
-                         (axes[0][1], m["offline"]["output_tok_s"], q["mean_kl"])):  # fmt: skip
+        style = (
+            {"color": "C0"}
+            if m["kv_cache_dtype"] == "auto"
+            else {"facecolors": "none", "edgecolors": "C3"}
+        )
+        for ax, x, y in (
+            (axes[0][0], m["decode_b1"]["decode_tok_s"], q["perplexity"]),
+            (axes[0][1], m["offline"]["output_tok_s"], q["mean_kl"]),
+        ):
             ax.scatter([x], [y], s=40, **style)
             ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    axes[0][0].set(xlabel="batch-1 decode tok/s", ylabel="perplexity (lower is better)",
-                   title="decode speed vs perplexity")
-    axes[0][1].set(xlabel="offline output tok/s", ylabel=f"mean KL vs {REFERENCE} (symlog)", title="throughput vs KL")
+    axes[0][0].set(
+        xlabel="batch-1 decode tok/s",
+        ylabel="perplexity (lower is better)",
+        title="decode speed vs perplexity",
+    )
+    axes[0][1].set(
+        xlabel="offline output tok/s",
+        ylabel=f"mean KL vs {REFERENCE} (symlog)",
+        title="throughput vs KL",
+    )
     axes[0][1].set_yscale("symlog", linthresh=1e-4)
     axes[0][0].scatter([], [], color="C0", label="KV cache in the model dtype")
     axes[0][0].scatter([], [], facecolors="none", edgecolors="C3", label="int8 KV cache (+kv8)")
@@ -461,7 +671,10 @@ def llamacpp_decode(args: argparse.Namespace, inputs: dict[str, Any]) -> dict[st
     ok, why = llamacpp_peer.available()
     path = llamacpp_peer.source_gguf(args.model)
     if not ok or path is None:
-        return {"status": "skipped", "reason": why if not ok else f"{args.model} is not a GGUF model"}
+        return {
+            "status": "skipped",
+            "reason": why if not ok else f"{args.model} is not a GGUF model",
+        }
     runs = []
     with llamacpp_peer.LlamaCppPeer(path, 2) as peer:
         for _ in range(args.reps + 1):
@@ -496,7 +709,11 @@ def main(argv: list[str] | None = None) -> int:
                 modes[name] = spec
                 continue
             if name != REFERENCE and modes[REFERENCE]["status"] != "ok":
-                modes[name] = {**spec, "status": "skipped", "reason": f"the reference ({REFERENCE}) failed"}
+                modes[name] = {
+                    **spec,
+                    "status": "skipped",
+                    "reason": f"the reference ({REFERENCE}) failed",
+                }
                 continue
             print(f"{name}: running", flush=True)
             modes[name] = {**spec, **run_child(args, argv, name, workdir)}
@@ -506,9 +723,11 @@ def main(argv: list[str] | None = None) -> int:
                 ref = json.loads((workdir / f"{REFERENCE}.greedy.json").read_text())
                 m["greedy"] = compare_greedy(ref, greedy)
                 q = m["quality"]
-                print(f"{name}: {m['decode_b1']['decode_tok_s']:.1f} tok/s batch-1, {m['offline']['output_tok_s']:.1f} "
-                      f"offline, perplexity {q['perplexity']:.3f}, mean KL {q['mean_kl']:.4f}, {m['wall_s']:.0f} s",
-                      flush=True)  # fmt: skip
+                print(
+                    f"{name}: {m['decode_b1']['decode_tok_s']:.1f} tok/s batch-1, {m['offline']['output_tok_s']:.1f} "
+                    f"offline, perplexity {q['perplexity']:.3f}, mean KL {q['mean_kl']:.4f}, {m['wall_s']:.0f} s",
+                    flush=True,
+                )
             else:
                 print(f"{name}: {m['status']}: {m['reason']}", flush=True)
     finally:

@@ -59,12 +59,25 @@ import numpy as np  # noqa: E402
 
 from benchmarks.bench_interference import git_state  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    RESULTS, add_slo_args, meets_slo, new_figure, percentiles, save_plot, write_result,
-)  # fmt: skip
+    RESULTS,
+    add_slo_args,
+    meets_slo,
+    new_figure,
+    percentiles,
+    save_plot,
+    write_result,
+)
 from benchmarks.load_test import PROMPTS, launched_process, launched_server, one_request  # noqa: E402
 
-PHASES = ["alone", "slow_readers", "oversized_bodies", "tool_bombs", "overflow_values", "disconnect_storm",
-          "sigkill_restart"]  # fmt: skip
+PHASES = [
+    "alone",
+    "slow_readers",
+    "oversized_bodies",
+    "tool_bombs",
+    "overflow_values",
+    "disconnect_storm",
+    "sigkill_restart",
+]
 DEFAULT_SERVER_ARGS = "--max-num-seqs 16 --max-model-len 512 --max-queue 32"
 SLO_TTFT_MS, SLO_TPOT_MS = 2000.0, 100.0  # the issue's goodput SLO (looser TTFT than load_test's)
 MAX_BODY_BYTES = 1 << 20  # the server's default --max-body-bytes
@@ -73,31 +86,73 @@ HEALTH_POLL_S = 0.05
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 # Values that must each be a 400: out of every sane range, or of the int32/int64 arrays they end in.
 OVERFLOW_FIELDS: list[dict[str, Any]] = [
-    {"top_k": 2**32}, {"top_k": 2**63}, {"seed": 2**63}, {"seed": 2**64}, {"n": 2**32}, {"logprobs": 2**32},
-    {"max_tokens": 2**63}, {"stop_token_ids": [2**63]}, {"presence_penalty": 1e308}, {"temperature": 1e308},
-    {"repetition_penalty": 1e308}, {"prompt": [2**32]}, {"prompt": [-1]}, {"logit_bias": {"1": 1e308}},
-]  # fmt: skip
+    {"top_k": 2**32},
+    {"top_k": 2**63},
+    {"seed": 2**63},
+    {"seed": 2**64},
+    {"n": 2**32},
+    {"logprobs": 2**32},
+    {"max_tokens": 2**63},
+    {"stop_token_ids": [2**63]},
+    {"presence_penalty": 1e308},
+    {"temperature": 1e308},
+    {"repetition_penalty": 1e308},
+    {"prompt": [2**32]},
+    {"prompt": [-1]},
+    {"logit_bias": {"1": 1e308}},
+]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m", help="alias, converted dir, HF folder or .gguf")
-    p.add_argument("--phases", nargs="+", choices=PHASES, default=PHASES, help="which phases to run (in order)")
-    p.add_argument("--requests", type=int, default=48, help="good requests per phase (unless --duration)")
-    p.add_argument("--duration", type=float, default=None, help="seconds of good traffic per phase instead")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model", default="smollm2-135m", help="alias, converted dir, HF folder or .gguf"
+    )
+    p.add_argument(
+        "--phases", nargs="+", choices=PHASES, default=PHASES, help="which phases to run (in order)"
+    )
+    p.add_argument(
+        "--requests", type=int, default=48, help="good requests per phase (unless --duration)"
+    )
+    p.add_argument(
+        "--duration", type=float, default=None, help="seconds of good traffic per phase instead"
+    )
     p.add_argument("--concurrency", type=int, default=16, help="good requests in flight")
-    p.add_argument("--max-tokens", type=int, default=32, help="output tokens per good request (EOS ignored)")
-    p.add_argument("--abusers", type=int, default=4, help="abusive client threads per looping phase")
-    p.add_argument("--slow-readers", type=int, default=48, help="most slow readers opened in phase b")
-    p.add_argument("--slow-reader-interval", type=float, default=0.5, help="seconds between slow readers")
-    p.add_argument("--settle", type=float, default=120.0,
-                   help="after phases b and f: most seconds to wait for the engine to finish the abusers' requests")
-    p.add_argument("--server-args", default=DEFAULT_SERVER_ARGS, help="flags for `python -m server`")
-    p.add_argument("--launch-timeout", type=float, default=900.0, help="seconds to wait for a server to be ready")
+    p.add_argument(
+        "--max-tokens", type=int, default=32, help="output tokens per good request (EOS ignored)"
+    )
+    p.add_argument(
+        "--abusers", type=int, default=4, help="abusive client threads per looping phase"
+    )
+    p.add_argument(
+        "--slow-readers", type=int, default=48, help="most slow readers opened in phase b"
+    )
+    p.add_argument(
+        "--slow-reader-interval", type=float, default=0.5, help="seconds between slow readers"
+    )
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=120.0,
+        help="after phases b and f: most seconds to wait for the engine to finish the abusers' requests",
+    )
+    p.add_argument(
+        "--server-args", default=DEFAULT_SERVER_ARGS, help="flags for `python -m server`"
+    )
+    p.add_argument(
+        "--launch-timeout",
+        type=float,
+        default=900.0,
+        help="seconds to wait for a server to be ready",
+    )
     p.add_argument("--request-timeout", type=float, default=120.0, help="seconds per good request")
     add_slo_args(p)
     p.set_defaults(slo_ttft_ms=SLO_TTFT_MS, slo_tpot_ms=SLO_TPOT_MS)
-    p.add_argument("--out", default=str(RESULTS / "resilience.json"), help="JSON path; the PNG goes beside it")
+    p.add_argument(
+        "--out", default=str(RESULTS / "resilience.json"), help="JSON path; the PNG goes beside it"
+    )
     args = p.parse_args(argv)
     if min(args.requests, args.concurrency, args.max_tokens, args.abusers) < 1:
         p.error("--requests, --concurrency, --max-tokens and --abusers must be >= 1")
@@ -108,20 +163,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def good_body(i: int, max_tokens: int, prefix: str = "") -> dict[str, Any]:
-    return {"prompt": prefix + PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens, "temperature": 0.8, "seed": i,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    return {
+        "prompt": prefix + PROMPTS[i % len(PROMPTS)],
+        "max_tokens": max_tokens,
+        "temperature": 0.8,
+        "seed": i,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
 async def good_traffic(
-    url: str, args: argparse.Namespace, on_done: Callable[[list[dict]], None] | None = None, prefix: str = "",
+    url: str,
+    args: argparse.Namespace,
+    on_done: Callable[[list[dict]], None] | None = None,
+    prefix: str = "",
 ) -> dict:
     """`--requests` good streams (or as many as `--duration` allows) at `--concurrency`, each
     prompt after `prefix`; each result is load_test's timings or its error. `on_done(results)`
     runs after each of them."""
     import httpx
 
-    client_args = SimpleNamespace(endpoint="completions", model=args.model, request_timeout=args.request_timeout)
-    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+    client_args = SimpleNamespace(
+        endpoint="completions", model=args.model, request_timeout=args.request_timeout
+    )
+    limits = httpx.Limits(
+        max_connections=args.concurrency, max_keepalive_connections=args.concurrency
+    )
     results: list[dict] = []
     start = time.perf_counter()
     counter = iter(range(10**9))
@@ -136,7 +205,9 @@ async def good_traffic(
 
         async def worker() -> None:
             while (i := more()) is not None:
-                results.append(await one_request(client, client_args, good_body(i, args.max_tokens, prefix)))
+                results.append(
+                    await one_request(client, client_args, good_body(i, args.max_tokens, prefix))
+                )
                 if on_done is not None:
                     on_done(results)
 
@@ -150,17 +221,24 @@ def summarize(results: list[dict], wall_s: float, args: argparse.Namespace) -> d
     good = sum(meets_slo(r, args.slo_ttft_ms, args.slo_tpot_ms) for r in ok)
     ttft = sorted(r["ttft"] for r in ok)
     return {
-        "sent": len(results), "completed": len(ok), "lost": len(errors), "lost_samples": errors[:5],
-        "meeting_slo": good, "goodput": good / len(results) if results else None, "wall_s": wall_s,
+        "sent": len(results),
+        "completed": len(ok),
+        "lost": len(errors),
+        "lost_samples": errors[:5],
+        "meeting_slo": good,
+        "goodput": good / len(results) if results else None,
+        "wall_s": wall_s,
         "ttft_s": {**percentiles(ttft), "p95": nearest_rank(ttft, 95)},
         "tpot_s": percentiles([r["tpot"] for r in ok if r["tpot"] is not None]),
-    }  # fmt: skip
+    }
 
 
 def nearest_rank(sorted_values: list[float], p: float) -> float | None:
     if not sorted_values:
         return None
-    return sorted_values[min(len(sorted_values) - 1, max(0, int(np.ceil(p / 100 * len(sorted_values))) - 1))]
+    return sorted_values[
+        min(len(sorted_values) - 1, max(0, int(np.ceil(p / 100 * len(sorted_values))) - 1))
+    ]
 
 
 # ------------------------------------------------------------------ abusive clients
@@ -173,8 +251,10 @@ def raw_post(url: str, path: str, body: bytes, rcvbuf: int | None = None) -> soc
     if rcvbuf is not None:  # set before connecting, so the advertised window stays small
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     sock.connect((parsed.hostname, parsed.port))
-    head = (f"POST {path} HTTP/1.1\r\nHost: {parsed.netloc}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n")  # fmt: skip
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {parsed.netloc}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
     sock.sendall(head.encode() + body)
     return sock
 
@@ -186,7 +266,9 @@ class Abuse:
         self.answers: collections.Counter[str] = collections.Counter()
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._loop, args=(send, k), daemon=True) for k in range(threads)]
+        self._threads = [
+            threading.Thread(target=self._loop, args=(send, k), daemon=True) for k in range(threads)
+        ]
 
     def _loop(self, send: Callable[[int], str], k: int) -> None:
         i = 0
@@ -199,7 +281,7 @@ class Abuse:
                 self.answers[answer] += 1
             i += 1
 
-    def __enter__(self) -> "Abuse":
+    def __enter__(self) -> Abuse:
         for t in self._threads:
             t.start()
         return self
@@ -226,17 +308,23 @@ def http_sender(url: str, make: Callable[[int], tuple[str, bytes]]) -> Callable[
 def oversized_body(i: int) -> tuple[str, bytes]:
     if i % 2:  # just over the limit
         return COMPLETIONS, json.dumps({"prompt": "a" * (MAX_BODY_BYTES - 12)}).encode()
-    return COMPLETIONS, json.dumps({"prompt": "word " * 160_000, "max_tokens": 4}).encode()  # ~800 KB
+    return COMPLETIONS, json.dumps(
+        {"prompt": "word " * 160_000, "max_tokens": 4}
+    ).encode()  # ~800 KB
 
 
 def tool_bomb_body() -> bytes:
     tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(TOOL_BOMB_TOOLS)]
-    return json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": tools, "max_tokens": 4}).encode()
+    return json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}], "tools": tools, "max_tokens": 4}
+    ).encode()
 
 
 def overflow_body(i: int) -> tuple[str, bytes]:
     fields = OVERFLOW_FIELDS[i % len(OVERFLOW_FIELDS)]
-    return COMPLETIONS, json.dumps({"prompt": "Hello", "max_tokens": 4, "temperature": 0.8, **fields}).encode()
+    return COMPLETIONS, json.dumps(
+        {"prompt": "Hello", "max_tokens": 4, "temperature": 0.8, **fields}
+    ).encode()
 
 
 def disconnect_sender(url: str, max_tokens: int) -> Callable[[int], str]:
@@ -263,12 +351,20 @@ class SlowReaders:
         self._thread = threading.Thread(target=self._open, daemon=True)
 
     def _open(self) -> None:
-        body = {"prompt": PROMPTS[0], "max_tokens": 64, "logprobs": 20, "ignore_eos": True, "stream": True}
+        body = {
+            "prompt": PROMPTS[0],
+            "max_tokens": 64,
+            "logprobs": 20,
+            "ignore_eos": True,
+            "stream": True,
+        }
         while len(self.sockets) < self.most and not self._stop.is_set():
-            self.sockets.append(raw_post(self.url, COMPLETIONS, json.dumps(body).encode(), rcvbuf=4096))
+            self.sockets.append(
+                raw_post(self.url, COMPLETIONS, json.dumps(body).encode(), rcvbuf=4096)
+            )
             self._stop.wait(self.interval)
 
-    def __enter__(self) -> "SlowReaders":
+    def __enter__(self) -> SlowReaders:
         self._thread.start()
         return self
 
@@ -307,7 +403,7 @@ class HealthPoller:
                     self.not_ok[status] += 1
                 self._stop.wait(HEALTH_POLL_S)
 
-    def __enter__(self) -> "HealthPoller":
+    def __enter__(self) -> HealthPoller:
         self._thread.start()
         return self
 
@@ -316,8 +412,12 @@ class HealthPoller:
         self._thread.join(90)
 
     def summary(self) -> dict:
-        return {"polls": len(self.latencies), "worst_s": max(self.latencies, default=None),
-                "p50_s": percentiles(self.latencies)["p50"], "not_200": dict(self.not_ok)}  # fmt: skip
+        return {
+            "polls": len(self.latencies),
+            "worst_s": max(self.latencies, default=None),
+            "p50_s": percentiles(self.latencies)["p50"],
+            "not_200": dict(self.not_ok),
+        }
 
 
 def metric(url: str, name: str) -> float | None:
@@ -339,17 +439,23 @@ def run_phase(url: str, args: argparse.Namespace, name: str) -> dict:
     with HealthPoller(url) as health, contextlib.ExitStack() as stack:
         abuse: Abuse | None = None
         if name == "slow_readers":
-            slow = stack.enter_context(SlowReaders(url, args.slow_readers, args.slow_reader_interval))
+            slow = stack.enter_context(
+                SlowReaders(url, args.slow_readers, args.slow_reader_interval)
+            )
         elif name == "oversized_bodies":
             abuse = stack.enter_context(Abuse(args.abusers, http_sender(url, oversized_body)))
         elif name == "tool_bombs":
             bomb = tool_bomb_body()
             extra["tool_bomb_bytes"] = len(bomb)
-            abuse = stack.enter_context(Abuse(args.abusers, http_sender(url, lambda i: (CHAT, bomb))))
+            abuse = stack.enter_context(
+                Abuse(args.abusers, http_sender(url, lambda i: (CHAT, bomb)))
+            )
         elif name == "overflow_values":
             abuse = stack.enter_context(Abuse(args.abusers, http_sender(url, overflow_body)))
         elif name == "disconnect_storm":
-            abuse = stack.enter_context(Abuse(args.abusers, disconnect_sender(url, args.max_tokens)))
+            abuse = stack.enter_context(
+                Abuse(args.abusers, disconnect_sender(url, args.max_tokens))
+            )
         good = asyncio.run(good_traffic(url, args))
         if name == "slow_readers":
             slow.stop_opening()
@@ -372,8 +478,11 @@ def leftovers(url: str, seconds: float) -> dict:
         if not any(engine_work):
             break
         time.sleep(0.5)
-    return {"engine_idle": not any(engine_work), "in_flight_when_idle": metric(url, "minivllm_requests_in_flight"),
-            "kv_pages_used_when_idle": metric(url, "minivllm_kv_pages_used")}  # fmt: skip
+    return {
+        "engine_idle": not any(engine_work),
+        "in_flight_when_idle": metric(url, "minivllm_requests_in_flight"),
+        "kv_pages_used_when_idle": metric(url, "minivllm_kv_pages_used"),
+    }
 
 
 def _shown_path(path: str) -> str:
@@ -401,8 +510,10 @@ def tear_pages(disk_dir: Path) -> list[str]:
 
 # Phase g's prompts start with this (several KV pages), so the restarted server can serve them
 # from the disk tier the killed one left behind.
-SHARED_PREFIX = ("You are a helpful assistant. Answer briefly and clearly, in plain words, and say so when "
-                 "you do not know. The user asks about geography, history, cooking and programming. ") * 2
+SHARED_PREFIX = (
+    "You are a helpful assistant. Answer briefly and clearly, in plain words, and say so when "
+    "you do not know. The user asks about geography, history, cooking and programming. "
+) * 2
 
 
 def sigkill_restart(args: argparse.Namespace) -> dict:
@@ -410,11 +521,14 @@ def sigkill_restart(args: argparse.Namespace) -> dict:
     disk_dir = Path(tempfile.mkdtemp(prefix="minivllm-resilience-kv-"))
     server_args = f"{args.server_args} --kv-disk-dir {disk_dir}"
     with launched_server(args.model, server_args, args.launch_timeout, None) as url:
-        asyncio.run(good_traffic(url, args, prefix=SHARED_PREFIX))  # cached, then written to disk at SIGTERM
+        asyncio.run(
+            good_traffic(url, args, prefix=SHARED_PREFIX)
+        )  # cached, then written to disk at SIGTERM
     killed: dict[str, Any] = {}
     # Two waves at least: once the first wave is done, the second is killed halfway through.
-    two_waves = argparse.Namespace(**{**vars(args), "requests": max(args.requests, 2 * args.concurrency),
-                                      "duration": None})  # fmt: skip
+    two_waves = argparse.Namespace(
+        **{**vars(args), "requests": max(args.requests, 2 * args.concurrency), "duration": None}
+    )
     with launched_process(args.model, server_args, args.launch_timeout, None) as (url, proc):
 
         def sigkill() -> None:
@@ -422,27 +536,42 @@ def sigkill_restart(args: argparse.Namespace) -> dict:
                 proc.kill()  # SIGKILL: no drain, no clean write of the cache
 
         def kill_mid_second_wave(results: list[dict]) -> None:
-            if len(results) == args.concurrency:  # half a typical request later, the next wave is mid-stream
+            if (
+                len(results) == args.concurrency
+            ):  # half a typical request later, the next wave is mid-stream
                 e2e = sorted(r["e2e"] for r in results if "e2e" in r) or [1.0]
                 killed["after_s"] = e2e[len(e2e) // 2] / 2
                 threading.Timer(killed["after_s"], sigkill).start()
 
-        before_kill = asyncio.run(good_traffic(url, two_waves, on_done=kill_mid_second_wave, prefix=SHARED_PREFIX))
+        before_kill = asyncio.run(
+            good_traffic(url, two_waves, on_done=kill_mid_second_wave, prefix=SHARED_PREFIX)
+        )
     # In flight at the SIGKILL, or sent after it: they die with the process (expected, counted apart).
     killed["completed_before"] = before_kill["completed"]
     killed["failed_at_or_after_sigkill"] = before_kill["lost"]
     pages_before_restart = len(list(disk_dir.rglob("*.kvpage")))
     torn = tear_pages(disk_dir)
     start = time.perf_counter()
-    with launched_process(args.model, server_args, args.launch_timeout, None) as (url, proc), HealthPoller(url) as health:
+    with (
+        launched_process(args.model, server_args, args.launch_timeout, None) as (url, proc),
+        HealthPoller(url) as health,
+    ):
         ready_s = time.perf_counter() - start
         good = asyncio.run(good_traffic(url, args, prefix=SHARED_PREFIX))
         disk_hits = metric(url, 'minivllm_prefix_cache_hit_tokens_total{tier="disk"}')
         alive = proc.poll() is None
     shutil.rmtree(disk_dir, ignore_errors=True)
-    return {"phase": "sigkill_restart", "good": good, "health": health.summary(), "killed": killed,
-            "kv_disk_pages_before_restart": pages_before_restart, "torn_files": torn, "restart_ready_s": ready_s,
-            "served_after_restart": alive, "disk_hit_tokens_after_restart": disk_hits}  # fmt: skip
+    return {
+        "phase": "sigkill_restart",
+        "good": good,
+        "health": health.summary(),
+        "killed": killed,
+        "kv_disk_pages_before_restart": pages_before_restart,
+        "torn_files": torn,
+        "restart_ready_s": ready_s,
+        "served_after_restart": alive,
+        "disk_hit_tokens_after_restart": disk_hits,
+    }
 
 
 # ------------------------------------------------------------------ report
@@ -455,9 +584,12 @@ def ms(x: float | None) -> str:
 def print_phase(r: dict) -> None:
     g, h = r["good"], r["health"]
     goodput = "-" if g["goodput"] is None else f"{100 * g['goodput']:.0f}%"
-    print(f"{r['phase']:<18}{goodput:>9}{ms(g['ttft_s']['p50']):>10}{ms(g['ttft_s']['p95']):>10}"
-          f"{ms(g['tpot_s']['p50']):>10}{g['lost']:>6}{ms(h['worst_s']):>12}  "
-          + ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("phase", "good", "health")), flush=True)  # fmt: skip
+    print(
+        f"{r['phase']:<18}{goodput:>9}{ms(g['ttft_s']['p50']):>10}{ms(g['ttft_s']['p95']):>10}"
+        f"{ms(g['tpot_s']['p50']):>10}{g['lost']:>6}{ms(h['worst_s']):>12}  "
+        + ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("phase", "good", "health")),
+        flush=True,
+    )
     for e in g["lost_samples"]:
         print(f"  lost: {e}", file=sys.stderr)
 
@@ -473,8 +605,14 @@ def plot(result: dict, out: str) -> Path:
     bars = axes[0, 0].bar(x, goodput, color=["tab:red" if n else "tab:blue" for n in lost])
     for b, n in zip(bars, lost):
         if n:
-            axes[0, 0].annotate(f"{n} lost", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center",
-                                va="bottom", fontsize=8, color="tab:red")  # fmt: skip
+            axes[0, 0].annotate(
+                f"{n} lost",
+                (b.get_x() + b.get_width() / 2, b.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+                color="tab:red",
+            )
     axes[0, 0].set_ylim(0, 110)
     axes[0, 0].set_ylabel("good requests meeting the SLO (%)")
     slo = result["slo"]
@@ -490,21 +628,32 @@ def plot(result: dict, out: str) -> Path:
     for ax in axes[0]:
         ax.set_xticks(x, names, fontsize=8)
         ax.grid(alpha=0.3, axis="y")
-    fig.suptitle(f"{result['model']}: {result['flags']['concurrency']} good streams beside each abusive client "
-                 f"(red: good requests lost)", fontsize=10)  # fmt: skip
+    fig.suptitle(
+        f"{result['model']}: {result['flags']['concurrency']} good streams beside each abusive client "
+        f"(red: good requests lost)",
+        fontsize=10,
+    )
     return save_plot(fig, out)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     phases: list[dict] = []
-    header = (f"{'phase':<18}{'goodput':>9}{'TTFT p50':>10}{'TTFT p95':>10}{'TPOT p50':>10}{'lost':>6}"
-              f"{'/health max':>12}  (ms)")  # fmt: skip
+    header = (
+        f"{'phase':<18}{'goodput':>9}{'TTFT p50':>10}{'TTFT p95':>10}{'TPOT p50':>10}{'lost':>6}"
+        f"{'/health max':>12}  (ms)"
+    )
     in_server = [p for p in args.phases if p != "sigkill_restart"]
     if in_server:
         with launched_server(args.model, args.server_args, args.launch_timeout, None) as url:
-            asyncio.run(good_traffic(url, SimpleNamespace(**{**vars(args), "requests": args.concurrency,
-                                                             "duration": None})))  # warm-up, untimed
+            asyncio.run(
+                good_traffic(
+                    url,
+                    SimpleNamespace(
+                        **{**vars(args), "requests": args.concurrency, "duration": None}
+                    ),
+                )
+            )  # warm-up, untimed
             print(header, flush=True)
             for name in in_server:
                 phases.append(run_phase(url, args, name))
@@ -517,14 +666,20 @@ def main(argv: list[str] | None = None) -> int:
     lost = sum(p["good"]["lost"] for p in phases)
     tool_phase = next((p for p in phases if p["phase"] == "tool_bombs"), None)
     result = {
-        "benchmark": "resilience", "model": args.model, "flags": {**vars(args), "out": _shown_path(args.out)}, "server_args": args.server_args,
-        "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}, "git": git_state(),
+        "benchmark": "resilience",
+        "model": args.model,
+        "flags": {**vars(args), "out": _shown_path(args.out)},
+        "server_args": args.server_args,
+        "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
+        "git": git_state(),
         "lost_good_requests": lost,
         "health_worst_s_during_tool_bombs": tool_phase["health"]["worst_s"] if tool_phase else None,
         "phases": phases,
-    }  # fmt: skip
-    print(f"lost good requests: {lost} (must be 0); /health worst during tool bombs: "
-          f"{ms(result['health_worst_s_during_tool_bombs'])} ms")  # fmt: skip
+    }
+    print(
+        f"lost good requests: {lost} (must be 0); /health worst during tool bombs: "
+        f"{ms(result['health_worst_s_during_tool_bombs'])} ms"
+    )
     write_result(result, args.out)
     plot(result, args.out)
     return 1 if lost else 0

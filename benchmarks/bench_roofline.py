@@ -33,15 +33,27 @@ from benchmarks.common import RESULTS, model_vocab_size, new_figure, save_plot, 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m", help="alias, converted dir, HF folder or .gguf")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model", default="smollm2-135m", help="alias, converted dir, HF folder or .gguf"
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens before the decode runs")
+    p.add_argument(
+        "--prompt-len", type=int, default=32, help="prompt tokens before the decode runs"
+    )
     p.add_argument("--tokens", type=int, default=64, help="new tokens per decode run")
-    p.add_argument("--prefill-len", type=int, default=256, help="tokens in the measured prefill step")
+    p.add_argument(
+        "--prefill-len", type=int, default=256, help="tokens in the measured prefill step"
+    )
     p.add_argument("--reps", type=int, default=3, help="timed repetitions (medians reported)")
-    p.add_argument("--array-mb", type=int, default=512, help="array size for the bandwidth test (>> caches)")
-    p.add_argument("--matmul-n", type=int, default=2048, help="square fp32 matmul size for the peak test")
+    p.add_argument(
+        "--array-mb", type=int, default=512, help="array size for the bandwidth test (>> caches)"
+    )
+    p.add_argument(
+        "--matmul-n", type=int, default=2048, help="square fp32 matmul size for the peak test"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="small arrays, few tokens, one rep")
     p.add_argument("--out", default=str(RESULTS / "roofline.json"))
@@ -76,9 +88,7 @@ def measure_bandwidth(array_mb: int, reps: int) -> dict[str, float]:
         "numpy_read_gb_s": a.nbytes / _median_time(lambda: a.sum(), reps) / 1e9,
         "numpy_copy_gb_s": 2 * a.nbytes / _median_time(lambda: np.copyto(b, a), reps) / 1e9,
     }
-    del b
     x = jnp.asarray(a)
-    del a
     total = jax.jit(jnp.sum)
     out["jax_read_gb_s"] = x.nbytes / _median_time(lambda: total(x).block_until_ready(), reps) / 1e9
     return out
@@ -90,13 +100,18 @@ def measure_matmul_peak(n: int, reps: int) -> dict[str, float]:
     import jax.numpy as jnp
 
     rng = np.random.default_rng(0)
-    a, b = rng.standard_normal((n, n), dtype=np.float32), rng.standard_normal((n, n), dtype=np.float32)
+    a, b = (
+        rng.standard_normal((n, n), dtype=np.float32),
+        rng.standard_normal((n, n), dtype=np.float32),
+    )
     flops = 2 * n**3
     mm = jax.jit(jnp.matmul)
     ja, jb = jnp.asarray(a), jnp.asarray(b)
     return {
         "numpy_sgemm_gflop_s": flops / _median_time(lambda: a @ b, reps) / 1e9,
-        "jax_matmul_gflop_s": flops / _median_time(lambda: mm(ja, jb).block_until_ready(), reps) / 1e9,
+        "jax_matmul_gflop_s": flops
+        / _median_time(lambda: mm(ja, jb).block_until_ready(), reps)
+        / 1e9,
     }
 
 
@@ -119,7 +134,9 @@ def param_counts(params: Any, cfg: Any) -> dict[str, int]:
         "param_bytes": int(total_bytes),
         "non_embedding_params": int(non_embedding),
         "lm_head_params": int(head),
-        "decode_bytes_per_token": int(total_bytes - (0 if cfg.tie_word_embeddings else embed.nbytes)),
+        "decode_bytes_per_token": int(
+            total_bytes - (0 if cfg.tie_word_embeddings else embed.nbytes)
+        ),
         "decode_flops_per_token": int(2 * (non_embedding + head)),
     }
 
@@ -129,7 +146,9 @@ def _decode_rate(stamps: list[float]) -> float:
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
-def measure_greedy_stream(params: Any, cfg: Any, prompt: list[int], tokens: int, reps: int) -> dict[str, Any]:
+def measure_greedy_stream(
+    params: Any, cfg: Any, prompt: list[int], tokens: int, reps: int
+) -> dict[str, Any]:
     """Batch-1 decode through the bare model loop (no scheduler, no sampler)."""
     from minivllm_jax.greedy import greedy_stream
 
@@ -142,16 +161,28 @@ def measure_greedy_stream(params: Any, cfg: Any, prompt: list[int], tokens: int,
             ids.append(tok)
         rates.append(_decode_rate(stamps))
         ttfts.append(stamps[0] - start)
-    return {"decode_tok_s": statistics.median(rates), "ttft_s": statistics.median(ttfts), "runs_tok_s": rates,
-            "token_ids": ids}  # fmt: skip
+    return {
+        "decode_tok_s": statistics.median(rates),
+        "ttft_s": statistics.median(ttfts),
+        "runs_tok_s": rates,
+        "token_ids": ids,
+    }
 
 
-def measure_engine(model: str, dtype: str, prompt: list[int], tokens: int, reps: int) -> dict[str, Any]:
+def measure_engine(
+    model: str, dtype: str, prompt: list[int], tokens: int, reps: int
+) -> dict[str, Any]:
     """Batch-1 decode through the full engine (scheduler, bucketed runner, sampler, detokenizer)."""
     from minivllm_jax import LLM, SamplingParams
 
-    llm = LLM(model, dtype=dtype, max_num_seqs=1, max_model_len=len(prompt) + tokens,
-              max_num_batched_tokens=max(16, len(prompt)), use_tqdm=False)  # fmt: skip
+    llm = LLM(
+        model,
+        dtype=dtype,
+        max_num_seqs=1,
+        max_model_len=len(prompt) + tokens,
+        max_num_batched_tokens=max(16, len(prompt)),
+        use_tqdm=False,
+    )
     engine = llm.engine
     sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
 
@@ -171,13 +202,16 @@ def measure_engine(model: str, dtype: str, prompt: list[int], tokens: int, reps:
     for _ in range(reps):
         stamps, ids = one_run()
         rates.append(_decode_rate(stamps))
-    return {"decode_tok_s": statistics.median(rates), "runs_tok_s": rates, "compiled_programs": engine.num_compiles,
-            "token_ids": ids}  # fmt: skip
+    return {
+        "decode_tok_s": statistics.median(rates),
+        "runs_tok_s": rates,
+        "compiled_programs": engine.num_compiles,
+        "token_ids": ids,
+    }
 
 
 def measure_prefill(params: Any, cfg: Any, length: int, reps: int, seed: int) -> float:
     """Seconds for one prefill step of `length` tokens at batch 1 (compiled once, then timed)."""
-    import jax
 
     from minivllm_jax.batch import single_sequence_batch
     from minivllm_jax.kv_cache import init_kv_cache
@@ -192,10 +226,14 @@ def measure_prefill(params: Any, cfg: Any, length: int, reps: int, seed: int) ->
 
     def step() -> None:
         nonlocal cache
-        logits, cache = forward_jit(params, cache, batch, cfg)  # the cache is donated: keep the new one
+        logits, cache = forward_jit(
+            params, cache, batch, cfg
+        )  # the cache is donated: keep the new one
         logits.block_until_ready()
 
-    return _median_time(step, reps, warmup=2)  # the 2nd call sees a committed cache: may compile again
+    return _median_time(
+        step, reps, warmup=2
+    )  # the 2nd call sees a committed cache: may compile again
 
 
 def plot(result: dict[str, Any], out: str | Path) -> Path:
@@ -230,12 +268,18 @@ def main(argv: list[str] | None = None) -> int:
     matmul = measure_matmul_peak(args.matmul_n, args.reps)
     print(f"bandwidth {bandwidth}; matmul {matmul}")
 
-    cfg, _, params = load_converted(resolve_model(args.model, dtype=args.dtype, progress=False), args.dtype)
+    cfg, _, params = load_converted(
+        resolve_model(args.model, dtype=args.dtype, progress=False), args.dtype
+    )
     counts = param_counts(params, cfg)
     params = unstack_layers(params)  # the layout the engine serves from (no per-step weight copies)
 
     vocab = model_vocab_size(args.model) or cfg.vocab_size
-    prompt = np.random.default_rng(args.seed).integers(min(100, vocab - 1), min(10000, vocab), args.prompt_len).tolist()
+    prompt = (
+        np.random.default_rng(args.seed)
+        .integers(min(100, vocab - 1), min(10000, vocab), args.prompt_len)
+        .tolist()
+    )
     stream = measure_greedy_stream(params, cfg, prompt, args.tokens, args.reps)
     prefill_s = measure_prefill(params, cfg, args.prefill_len, args.reps, args.seed)
     del params
@@ -255,11 +299,14 @@ def main(argv: list[str] | None = None) -> int:
         return {
             "tok_s": tok_s,
             "gflop_s": tok_s * counts["decode_flops_per_token"] / 1e9,
-            "intensity_flop_per_byte": counts["decode_flops_per_token"] / counts["decode_bytes_per_token"],
+            "intensity_flop_per_byte": counts["decode_flops_per_token"]
+            / counts["decode_bytes_per_token"],
             "fraction_of_bound": tok_s / decode_bound,
         }
 
-    prefill_flops = 2 * counts["non_embedding_params"] * args.prefill_len + 2 * counts["lm_head_params"]
+    prefill_flops = (
+        2 * counts["non_embedding_params"] * args.prefill_len + 2 * counts["lm_head_params"]
+    )
     prefill_tok_s = args.prefill_len / prefill_s
     points = {
         "decode b=1 (greedy_stream)": decode_point(stream["decode_tok_s"]),
@@ -294,8 +341,10 @@ def main(argv: list[str] | None = None) -> int:
         "points": points,
     }
     for name, p in points.items():
-        print(f"{name}: {p['tok_s']:.1f} tok/s = {p['fraction_of_bound']:.0%} of its bound "
-              f"({decode_bound if 'decode' in name else prefill_bound:.1f} tok/s)")  # fmt: skip
+        print(
+            f"{name}: {p['tok_s']:.1f} tok/s = {p['fraction_of_bound']:.0%} of its bound "
+            f"({decode_bound if 'decode' in name else prefill_bound:.1f} tok/s)"
+        )
     write_result(result, args.out)
     plot(result, args.out)
     return 0

@@ -27,28 +27,50 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):"]
-ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=256, num_pages=64, use_tqdm=False)
-LLAMA_8B = dict(layers=32, hidden=4096, vocab=128256, kv_heads=8, act_bytes=2)  # Llama-3-8B, bf16 activations
+ENGINE = dict(
+    max_num_seqs=4, max_num_batched_tokens=16, max_model_len=256, num_pages=64, use_tqdm=False
+)
+LLAMA_8B = dict(
+    layers=32, hidden=4096, vocab=128256, kv_heads=8, act_bytes=2
+)  # Llama-3-8B, bf16 activations
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--tp", type=int, default=3)
-    p.add_argument("--devices", type=int, default=4, help="virtual CPU devices (XLA_FLAGS), at least --tp")
+    p.add_argument(
+        "--devices", type=int, default=4, help="virtual CPU devices (XLA_FLAGS), at least --tp"
+    )
     p.add_argument("--tokens", type=int, default=32, help="greedy tokens a prompt")
     p.add_argument("--out", default=str(HERE / "results" / "scaling.json"))
     return p.parse_args(argv)
 
 
-def expected(layers: int, hidden: int, vocab: int, tokens: int, seqs: int, act_bytes: int = 4,
-             vocab_split: bool = True) -> dict:  # fmt: skip
+def expected(
+    layers: int,
+    hidden: int,
+    vocab: int,
+    tokens: int,
+    seqs: int,
+    act_bytes: int = 4,
+    vocab_split: bool = True,
+) -> dict:
     """Megatron collectives of one step: payload bytes of each kind (before the ring's 2(N-1)/N)."""
     all_reduces = 2 * layers + (1 if vocab_split else 0)
     return {
-        "all-reduce": {"count": all_reduces, "bytes_each": tokens * hidden * act_bytes,
-                       "bytes": all_reduces * tokens * hidden * act_bytes},  # fmt: skip
-        "all-gather": {"count": 1 if vocab_split else 0, "bytes_each": seqs * vocab * 4, "bytes": seqs * vocab * 4},
+        "all-reduce": {
+            "count": all_reduces,
+            "bytes_each": tokens * hidden * act_bytes,
+            "bytes": all_reduces * tokens * hidden * act_bytes,
+        },
+        "all-gather": {
+            "count": 1 if vocab_split else 0,
+            "bytes_each": seqs * vocab * 4,
+            "bytes": seqs * vocab * 4,
+        },
     }
 
 
@@ -56,7 +78,10 @@ def measured(program) -> dict:
     text = program.as_text()
     out = {}
     for op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"):
-        sizes = [_bytes(dtype, dims) for dtype, dims in re.findall(rf"= (\w+)\[([\d,]*)\][^ ]* {op}\(", text)]
+        sizes = [
+            _bytes(dtype, dims)
+            for dtype, dims in re.findall(rf"= (\w+)\[([\d,]*)\][^ ]* {op}\(", text)
+        ]
         out[op] = {"count": len(sizes), "bytes_each": sorted(set(sizes)), "bytes": sum(sizes)}
     return out
 
@@ -72,12 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.devices < args.tp:
         raise SystemExit("--devices must be at least --tp")
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.devices}"
+    os.environ["XLA_FLAGS"] = (
+        f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.devices}"
+    )
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
-    from minivllm_jax import LLM, SamplingParams
     from benchmarks.common import write_result
+    from minivllm_jax import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     runs = {}
@@ -87,14 +114,23 @@ def main(argv: list[str] | None = None) -> int:
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
         seconds = time.perf_counter() - start
         runner, cfg = llm.engine.runner, llm.engine.model_config
-        run = {"tokens": [o.outputs[0].token_ids for o in outs], "tok_s": len(PROMPTS) * args.tokens / seconds,
-               "compiles_after_warmup": llm.engine.num_compiles - len(runner.config.step_shapes()) - 1}  # fmt: skip
+        run = {
+            "tokens": [o.outputs[0].token_ids for o in outs],
+            "tok_s": len(PROMPTS) * args.tokens / seconds,
+            "compiles_after_warmup": llm.engine.num_compiles - len(runner.config.step_shapes()) - 1,
+        }
         if tp > 1:
             steps = {}
             for tokens, seqs in ((1, 1), (16, 4)):
                 got = measured(runner._step_program(tokens, seqs))
-                want = expected(cfg.num_layers, cfg.hidden_size, cfg.vocab_size, tokens, seqs,
-                                vocab_split=cfg.vocab_size % tp == 0)  # fmt: skip
+                want = expected(
+                    cfg.num_layers,
+                    cfg.hidden_size,
+                    cfg.vocab_size,
+                    tokens,
+                    seqs,
+                    vocab_split=cfg.vocab_size % tp == 0,
+                )
                 steps[f"{tokens} tokens, {seqs} seqs"] = {"measured": got, "expected": want}
             run["collectives"] = steps
         runs[f"tp{tp}"] = run
@@ -107,19 +143,35 @@ def main(argv: list[str] | None = None) -> int:
         "tp": args.tp,
         "greedy_identical": parity,
         "runs": runs,
-        "llama_8b_on_paper": {f"tp decode, batch {b}": expected(LLAMA_8B["layers"], LLAMA_8B["hidden"], LLAMA_8B["vocab"], b,
-                                                                 b, LLAMA_8B["act_bytes"])
-                              for b in (1, 64)},  # fmt: skip
+        "llama_8b_on_paper": {
+            f"tp decode, batch {b}": expected(
+                LLAMA_8B["layers"],
+                LLAMA_8B["hidden"],
+                LLAMA_8B["vocab"],
+                b,
+                b,
+                LLAMA_8B["act_bytes"],
+            )
+            for b in (1, 64)
+        },
     }
     print(f"greedy tokens TP={args.tp} vs one device: {'identical' if parity else 'DIFFERENT'}")
     for tp_name, run in runs.items():
-        print(f"{tp_name}: {run['tok_s']:.1f} tok/s (virtual devices on shared cores), "
-              f"compiles after warm-up: {run['compiles_after_warmup']}")  # fmt: skip
+        print(
+            f"{tp_name}: {run['tok_s']:.1f} tok/s (virtual devices on shared cores), "
+            f"compiles after warm-up: {run['compiles_after_warmup']}"
+        )
     for step, c in runs[f"tp{args.tp}"]["collectives"].items():
         for op in ("all-reduce", "all-gather"):
             m, e = c["measured"][op], c["expected"][op]
-            print(f"  {step}: {op}: {m['count']} x {m['bytes_each']} B measured, {e['count']} x {e['bytes_each']} B expected")
-        others = {op: v["count"] for op, v in c["measured"].items() if op not in ("all-reduce", "all-gather") and v["count"]}
+            print(
+                f"  {step}: {op}: {m['count']} x {m['bytes_each']} B measured, {e['count']} x {e['bytes_each']} B expected"
+            )
+        others = {
+            op: v["count"]
+            for op, v in c["measured"].items()
+            if op not in ("all-reduce", "all-gather") and v["count"]
+        }
         print(f"  {step}: other collectives: {others or 'none'}")
     write_result(result, args.out)
     return 0 if parity else 1

@@ -38,8 +38,14 @@ def timed_start(model: str, server_args: str, cache_dir: Path, timeout: float) -
     import httpx
 
     start = time.perf_counter()
-    with launched_server(model, server_args, timeout, None, env={"MINIVLLM_COMPILE_CACHE": str(cache_dir)},
-                         poll_s=0.05) as url:  # fmt: skip
+    with launched_server(
+        model,
+        server_args,
+        timeout,
+        None,
+        env={"MINIVLLM_COMPILE_CACHE": str(cache_dir)},
+        poll_s=0.05,
+    ) as url:
         ready_s = time.perf_counter() - start
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
     return {"ready_s": ready_s, **_program_counts(metrics)}
@@ -55,12 +61,16 @@ def _program_counts(metrics: str) -> dict:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--server-args", default="", help='extra server flags, e.g. "--max-num-seqs 32"')
     p.add_argument("--repeats", type=int, default=3, help="warm starts (median reported)")
     p.add_argument("--timeout", type=float, default=900.0)
-    p.add_argument("--quick", action="store_true", help="smoke test: a tiny model (--model), 1 repeat")
+    p.add_argument(
+        "--quick", action="store_true", help="smoke test: a tiny model (--model), 1 repeat"
+    )
     p.add_argument("--out", default=str(RESULTS / "startup.json"))
     args = p.parse_args(argv)
     if args.quick:
@@ -96,8 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result = run(args)
     write_result(result, args.out)
-    print(f"cold {result['cold_s']:.1f} s (target <= {COLD_TARGET_S:.0f}), warm {result['warm_s']:.1f} s "
-          f"(target <= {WARM_TARGET_S:.0f}); programs {result['cold'].get('compiles_total')}")  # fmt: skip
+    print(
+        f"cold {result['cold_s']:.1f} s (target <= {COLD_TARGET_S:.0f}), warm {result['warm_s']:.1f} s "
+        f"(target <= {WARM_TARGET_S:.0f}); programs {result['cold'].get('compiles_total')}"
+    )
     return 0
 
 

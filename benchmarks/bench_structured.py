@@ -25,24 +25,67 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import RESULTS, machine_info, new_figure, run_requests, save_plot, write_result  # noqa: E402
+from benchmarks.common import (
+    RESULTS,
+    machine_info,
+    new_figure,
+    run_requests,
+    save_plot,
+    write_result,
+)  # noqa: E402
 
 SCHEMAS = [
-    {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
-     "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0, "maximum": 130},
-                    "city": {"type": "string", "enum": ["Paris", "London", "Tokyo", "Lima"]}}},
-    {"type": "object", "additionalProperties": False, "required": ["title", "author", "year"],
-     "properties": {"title": {"type": "string", "maxLength": 60}, "year": {"type": "integer"},
-                    "author": {"type": "object", "additionalProperties": False, "required": ["first", "last"],
-                               "properties": {"first": {"type": "string", "maxLength": 20},
-                                              "last": {"type": "string", "maxLength": 20}}}}},
-    {"type": "object", "additionalProperties": False, "required": ["items", "total"],
-     "properties": {"items": {"type": "array", "minItems": 1, "maxItems": 5,
-                              "items": {"type": "object", "additionalProperties": False, "required": ["item", "price"],
-                                        "properties": {"item": {"type": "string", "maxLength": 24},
-                                                       "price": {"type": "number"}}}},
-                    "total": {"type": "number"}}},
-]  # fmt: skip
+    {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["name", "age", "city"],
+        "properties": {
+            "name": {"type": "string", "maxLength": 40},
+            "age": {"type": "integer", "minimum": 0, "maximum": 130},
+            "city": {"type": "string", "enum": ["Paris", "London", "Tokyo", "Lima"]},
+        },
+    },
+    {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["title", "author", "year"],
+        "properties": {
+            "title": {"type": "string", "maxLength": 60},
+            "year": {"type": "integer"},
+            "author": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["first", "last"],
+                "properties": {
+                    "first": {"type": "string", "maxLength": 20},
+                    "last": {"type": "string", "maxLength": 20},
+                },
+            },
+        },
+    },
+    {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["items", "total"],
+        "properties": {
+            "items": {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": 5,
+                "items": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["item", "price"],
+                    "properties": {
+                        "item": {"type": "string", "maxLength": 24},
+                        "price": {"type": "number"},
+                    },
+                },
+            },
+            "total": {"type": "number"},
+        },
+    },
+]
 QUESTIONS = [
     "Describe a person who lives in {city}, as JSON.",
     "Name a book you like about {city}, with its author and year, as JSON.",
@@ -52,12 +95,18 @@ CITIES = ["Paris", "London", "Tokyo", "Lima", "Oslo", "Cairo", "Quito", "Delhi"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--prompts", type=int, default=32, help="requests per batch size (at least one round of it)")
+    p.add_argument(
+        "--prompts", type=int, default=32, help="requests per batch size (at least one round of it)"
+    )
     p.add_argument("--max-tokens", type=int, default=200)
-    p.add_argument("--repeats", type=int, default=3, help="timed runs of each kind per batch size (medians)")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed runs of each kind per batch size (medians)"
+    )
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=str(RESULTS / "structured.json"))
     args = p.parse_args(argv)
@@ -77,7 +126,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     engine = llm.engine
     compiler = engine.grammar_compiler
     t0 = time.perf_counter()
-    compiler.compile(StructuredOutputsParams(regex="a"))  # builds llguidance's view of the tokenizer, once
+    compiler.compile(
+        StructuredOutputsParams(regex="a")
+    )  # builds llguidance's view of the tokenizer, once
     tokenizer_ms = 1e3 * (time.perf_counter() - t0)
     compile_ms = []
     for schema in SCHEMAS:  # cold compile, then cached
@@ -105,11 +156,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for batch in args.batch_sizes:
             rounds = max(1, args.prompts // batch)  # `batch` requests at a time: the concurrency
             picks = [(i % len(SCHEMAS), CITIES[i % len(CITIES)]) for i in range(batch * rounds)]
-            prompts = [llm.apply_chat_template([{"role": "user", "content": QUESTIONS[s].format(city=c)}]) for s, c in picks]
-            constrained = [SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
-                                          structured_outputs=StructuredOutputsParams(json=SCHEMAS[s])) for s, _ in picks]
+            prompts = [
+                llm.apply_chat_template([{"role": "user", "content": QUESTIONS[s].format(city=c)}])
+                for s, c in picks
+            ]
+            constrained = [
+                SamplingParams(
+                    temperature=0.0,
+                    max_tokens=args.max_tokens,
+                    structured_outputs=StructuredOutputsParams(json=SCHEMAS[s]),
+                )
+                for s, _ in picks
+            ]
             mask_seconds[:] = [0.0, 0]
-            run_c = _in_rounds(engine, prompts, constrained, batch)  # also a warm-up round for this batch size
+            run_c = _in_rounds(
+                engine, prompts, constrained, batch
+            )  # also a warm-up round for this batch size
             masks = tuple(mask_seconds)
             finished = sum(1 for t in run_c.token_ids if len(t) < args.max_tokens)
             texts = [llm.tokenizer.decode(t, skip_special_tokens=True) for t in run_c.token_ids]
@@ -120,9 +182,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     valid += 1
                 except (ValueError, jsonschema.ValidationError):
                     pass
-            example = example or {"schema": SCHEMAS[picks[0][0]], "prompt": QUESTIONS[picks[0][0]].format(city=picks[0][1]),
-                                  "output": texts[0]}  # fmt: skip
-            plain = [SamplingParams(temperature=0.0, max_tokens=max(1, len(t)), ignore_eos=True) for t in run_c.token_ids]
+            example = example or {
+                "schema": SCHEMAS[picks[0][0]],
+                "prompt": QUESTIONS[picks[0][0]].format(city=picks[0][1]),
+                "output": texts[0],
+            }
+            plain = [
+                SamplingParams(temperature=0.0, max_tokens=max(1, len(t)), ignore_eos=True)
+                for t in run_c.token_ids
+            ]
             speeds: dict[str, list[float]] = {"constrained": [], "unconstrained": []}
             for _ in range(args.repeats):  # alternated, so the machine's drift hits both alike
                 for name, params in (("constrained", constrained), ("unconstrained", plain)):
@@ -130,33 +198,60 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     speeds[name].append(run.output_tokens / run.elapsed_s)
             n = len(prompts)
             row = {
-                "batch_size": batch, "requests": n, "output_tokens": run_c.output_tokens,
+                "batch_size": batch,
+                "requests": n,
+                "output_tokens": run_c.output_tokens,
                 "constrained_tok_s": statistics.median(speeds["constrained"]),
-                "unconstrained_tok_s": statistics.median(speeds["unconstrained"]), "runs_tok_s": speeds,
-                "valid_json": valid, "finished_by_grammar": finished,
+                "unconstrained_tok_s": statistics.median(speeds["unconstrained"]),
+                "runs_tok_s": speeds,
+                "valid_json": valid,
+                "finished_by_grammar": finished,
                 "mask_fill_ms_per_token": 1e3 * masks[0] / max(masks[1], 1),
-            }  # fmt: skip
+            }
             row["ratio"] = row["constrained_tok_s"] / row["unconstrained_tok_s"]
             rows.append(row)
-            print(f"batch {batch:>3}: constrained {row['constrained_tok_s']:.1f} tok/s, unconstrained "
-                  f"{row['unconstrained_tok_s']:.1f} tok/s ({row['ratio']:.2f}x, medians of {args.repeats}), "
-                  f"{valid}/{n} valid JSON, {finished}/{n} completed by the grammar, "
-                  f"mask fill {row['mask_fill_ms_per_token']:.2f} ms/token", flush=True)  # fmt: skip
+            print(
+                f"batch {batch:>3}: constrained {row['constrained_tok_s']:.1f} tok/s, unconstrained "
+                f"{row['unconstrained_tok_s']:.1f} tok/s ({row['ratio']:.2f}x, medians of {args.repeats}), "
+                f"{valid}/{n} valid JSON, {finished}/{n} completed by the grammar, "
+                f"mask fill {row['mask_fill_ms_per_token']:.2f} ms/token",
+                flush=True,
+            )
     finally:
         Grammar.fill_bitmask = fill
-    print(f"llguidance tokenizer view {tokenizer_ms:.0f} ms once; schema compiles (cold/cached, ms): "
-          + ", ".join(f"{c['cold_ms']:.1f}/{c['cached_ms']:.3f}" for c in compile_ms))
+    print(
+        f"llguidance tokenizer view {tokenizer_ms:.0f} ms once; schema compiles (cold/cached, ms): "
+        + ", ".join(f"{c['cold_ms']:.1f}/{c['cached_ms']:.3f}" for c in compile_ms)
+    )
     print("example:", json.dumps(example, indent=1))
-    result = {"benchmark": "structured", "machine": machine_info(), "model": args.model, "rows": rows,
-              "tokenizer_view_ms": tokenizer_ms, "compile": compile_ms, "example": example, "compiles_after_warmup": engine.num_compiles - warm_compiles,
-              "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S")}  # fmt: skip
+    result = {
+        "benchmark": "structured",
+        "machine": machine_info(),
+        "model": args.model,
+        "rows": rows,
+        "tokenizer_view_ms": tokenizer_ms,
+        "compile": compile_ms,
+        "example": example,
+        "compiles_after_warmup": engine.num_compiles - warm_compiles,
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
     out = write_result(result, args.out)
     fig, axes = new_figure()
     ax = axes[0, 0]
     xs = [str(r["batch_size"]) for r in rows]
     width = 0.4
-    ax.bar([i - width / 2 for i in range(len(xs))], [r["unconstrained_tok_s"] for r in rows], width, label="unconstrained")
-    ax.bar([i + width / 2 for i in range(len(xs))], [r["constrained_tok_s"] for r in rows], width, label="JSON schema")
+    ax.bar(
+        [i - width / 2 for i in range(len(xs))],
+        [r["unconstrained_tok_s"] for r in rows],
+        width,
+        label="unconstrained",
+    )
+    ax.bar(
+        [i + width / 2 for i in range(len(xs))],
+        [r["constrained_tok_s"] for r in rows],
+        width,
+        label="JSON schema",
+    )
     ax.set_xticks(range(len(xs)), xs)
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("output tok/s")
@@ -168,12 +263,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def _in_rounds(engine, prompts: list, params: list, batch: int):
     """`run_requests` on `batch` requests at a time; the rounds' times and tokens added up."""
-    runs = [run_requests(engine, prompts[i : i + batch], params[i : i + batch]) for i in range(0, len(prompts), batch)]
+    runs = [
+        run_requests(engine, prompts[i : i + batch], params[i : i + batch])
+        for i in range(0, len(prompts), batch)
+    ]
     total = runs[0]
     for run in runs[1:]:
-        total = dataclasses.replace(total, elapsed_s=total.elapsed_s + run.elapsed_s,
-                                    output_tokens=total.output_tokens + run.output_tokens,
-                                    token_ids=total.token_ids + run.token_ids)  # fmt: skip
+        total = dataclasses.replace(
+            total,
+            elapsed_s=total.elapsed_s + run.elapsed_s,
+            output_tokens=total.output_tokens + run.output_tokens,
+            token_ids=total.token_ids + run.token_ids,
+        )
     return total
 
 

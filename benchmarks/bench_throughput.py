@@ -44,24 +44,55 @@ from benchmarks.energy import EnergyMeter, add_cost_args, cost_fields  # noqa: E
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m", help="alias, converted dir, HF folder or .gguf")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model", default="smollm2-135m", help="alias, converted dir, HF folder or .gguf"
+    )
     add_workload_args(p, default_preset="mixed")
-    p.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
-                   help="one or both; each is measured for both engines in this run")  # fmt: skip
+    p.add_argument(
+        "--dtype",
+        nargs="+",
+        default=["float32"],
+        choices=["float32", "bfloat16"],
+        help="one or both; each is measured for both engines in this run",
+    )
     p.add_argument("--temperature", type=float, default=0.6, help="0 = greedy on both sides")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--hf-batch", type=int, default=8, help="HF generate batch size (0 skips the PyTorch peer)")
-    p.add_argument("--hf-batch-sweep", type=int, nargs="*", default=None, metavar="B",
-                   help="candidate HF batch sizes; the best on a workload prefix is used "
-                        "(overrides --hf-batch)")  # fmt: skip
-    p.add_argument("--hf-sweep-prompts", type=int, default=None,
-                   help="prefix length for the sweep (default: the largest candidate batch)")  # fmt: skip
-    p.add_argument("--threads", type=int, default=2, help="torch and llama.cpp threads (XLA uses the same cores)")
+    p.add_argument(
+        "--hf-batch", type=int, default=8, help="HF generate batch size (0 skips the PyTorch peer)"
+    )
+    p.add_argument(
+        "--hf-batch-sweep",
+        type=int,
+        nargs="*",
+        default=None,
+        metavar="B",
+        help="candidate HF batch sizes; the best on a workload prefix is used "
+        "(overrides --hf-batch)",
+    )
+    p.add_argument(
+        "--hf-sweep-prompts",
+        type=int,
+        default=None,
+        help="prefix length for the sweep (default: the largest candidate batch)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="torch and llama.cpp threads (XLA uses the same cores)",
+    )
     llamacpp_peer.add_peer_args(p)
-    p.add_argument("--llamacpp-parallel", type=int, default=16, help="llama.cpp sequences in flight (n_parallel); on the mixed workload here 8 and 16 "
-                        "tie and 32 is about 25%% slower")  # fmt: skip
+    p.add_argument(
+        "--llamacpp-parallel",
+        type=int,
+        default=16,
+        help="llama.cpp sequences in flight (n_parallel); on the mixed workload here 8 and 16 "
+        "tie and 32 is about 25%% slower",
+    )
     add_cost_args(p)
     p.add_argument("--quick", action="store_true", help="preset tiny, small engine: a smoke test")
     p.add_argument("--out", default=str(RESULTS / "throughput.json"))
@@ -76,11 +107,19 @@ def run_ours(args: argparse.Namespace, dtype: str, wl: Workload) -> dict[str, An
     from minivllm_jax import LLM, SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(args.model, dtype=dtype, max_num_seqs=args.max_num_seqs, max_model_len=wl.max_len,
-              max_num_batched_tokens=args.max_num_batched_tokens, use_tqdm=False)  # fmt: skip
+    llm = LLM(
+        args.model,
+        dtype=dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=wl.max_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        use_tqdm=False,
+    )
     startup = time.perf_counter() - start
-    params = [SamplingParams(temperature=args.temperature, max_tokens=o, ignore_eos=True, seed=i)
-              for i, o in enumerate(wl.output_lens)]  # fmt: skip
+    params = [
+        SamplingParams(temperature=args.temperature, max_tokens=o, ignore_eos=True, seed=i)
+        for i, o in enumerate(wl.output_lens)
+    ]
     compiles = llm.engine.num_compiles
     with EnergyMeter() as meter:
         outs = llm.generate(wl.prompts, params, use_tqdm=False)
@@ -104,12 +143,16 @@ def run_ours(args: argparse.Namespace, dtype: str, wl: Workload) -> dict[str, An
     return result
 
 
-def hf_generate(model: Any, prompts: list[list[int]], out_lens: list[int], batch: int, temperature: float) -> None:
+def hf_generate(
+    model: Any, prompts: list[list[int]], out_lens: list[int], batch: int, temperature: float
+) -> None:
     """HF `generate` over the prompts in input order, `batch` at a time, left padded with id 0."""
     import torch
 
     sampling: dict[str, Any] = {"do_sample": False}
-    if temperature > 0:  # plain temperature sampling, as ours: no top-k/top-p from generation_config
+    if (
+        temperature > 0
+    ):  # plain temperature sampling, as ours: no top-k/top-p from generation_config
         sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
     with torch.no_grad():
         for i in range(0, len(prompts), batch):
@@ -117,8 +160,14 @@ def hf_generate(model: Any, prompts: list[list[int]], out_lens: list[int], batch
             width = max(map(len, chunk))
             ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(lens), eos_token_id=None,
-                           pad_token_id=0, **sampling)  # fmt: skip
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max(lens),
+                eos_token_id=None,
+                pad_token_id=0,
+                **sampling,
+            )
 
 
 def run_hf(args: argparse.Namespace, dtype: str, wl: Workload) -> dict[str, Any]:
@@ -140,7 +189,9 @@ def run_hf(args: argparse.Namespace, dtype: str, wl: Workload) -> dict[str, Any]
             t = time.perf_counter()
             hf_generate(model, prompts, lens, b, args.temperature)
             sweep[str(b)] = sum(lens) / (time.perf_counter() - t)
-            print(f"  HF {dtype} batch {b}: {sweep[str(b)]:.1f} output tok/s on {len(prompts)} prompts")
+            print(
+                f"  HF {dtype} batch {b}: {sweep[str(b)]:.1f} output tok/s on {len(prompts)} prompts"
+            )
         batch = int(max(sweep, key=sweep.get))
 
     with EnergyMeter() as meter:
@@ -193,23 +244,39 @@ def plot(result: dict[str, Any], out: str | Path) -> Path:
     fig, axes = new_figure(ncols=2, width=5.0)
     dtypes = list(result["by_dtype"])
     for ax, metric in zip(axes[0], ["output_tok_s", "total_tok_s"]):
-        for j, (side, label) in enumerate([("ours", "minivllm-jax (XLA)"), ("hf", "HF generate (PyTorch)")]):
+        for j, (side, label) in enumerate(
+            [("ours", "minivllm-jax (XLA)"), ("hf", "HF generate (PyTorch)")]
+        ):
             xs = [i + (j - 0.5) * 0.38 for i in range(len(dtypes))]
             ys = [result["by_dtype"][d].get(side, {}).get(metric, 0.0) for d in dtypes]
             bars = ax.bar(xs, ys, width=0.38, label=label)
             ax.bar_label(bars, fmt="%.0f", fontsize=8)
         for i, d in enumerate(dtypes):
             if "speedup" in result["by_dtype"][d] and metric == "output_tok_s":
-                ax.annotate(f"ours/HF {result['by_dtype'][d]['speedup']:.2f}x", (i, 0), xytext=(0, -28),
-                            textcoords="offset points", ha="center", fontsize=9)  # fmt: skip
+                ax.annotate(
+                    f"ours/HF {result['by_dtype'][d]['speedup']:.2f}x",
+                    (i, 0),
+                    xytext=(0, -28),
+                    textcoords="offset points",
+                    ha="center",
+                    fontsize=9,
+                )
         peer = result.get("llamacpp", {})
         for k, (variant, c) in enumerate(peer.items()):
-            bars = ax.bar([len(dtypes) + k], [c[metric]], width=0.38, color=f"C{2 + k}", label=f"llama.cpp {variant}")
+            bars = ax.bar(
+                [len(dtypes) + k],
+                [c[metric]],
+                width=0.38,
+                color=f"C{2 + k}",
+                label=f"llama.cpp {variant}",
+            )
             ax.bar_label(bars, fmt="%.0f", fontsize=8)
         ax.set_xticks(range(len(dtypes) + len(peer)), dtypes + [f"llama.cpp {v}" for v in peer])
         ax.set_ylabel(metric.replace("_tok_s", " tokens/s"))
         wl = result["workload"]
-        ax.set_title(f"{result['model']}: {wl['preset']} workload, {wl['num_prompts']} requests", fontsize=9)
+        ax.set_title(
+            f"{result['model']}: {wl['preset']} workload, {wl['num_prompts']} requests", fontsize=9
+        )
         ax.legend(fontsize=8)
     return save_plot(fig, out)
 
@@ -238,24 +305,32 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in args.dtype:
         r: dict[str, Any] = {"ours": run_ours(args, dtype, wl)}
         o = r["ours"]
-        print(f"[{dtype}] ours: {o['output_tok_s']:.1f} output tok/s, {o['total_tok_s']:.1f} total tok/s "
-              f"({o['elapsed_s']:.1f} s; warm-up {o['warmup_s']:.1f} s, {o['compiled_programs']} programs; "
-              f"{o['usd_per_1m_output_tokens']:.4f} USD/1M tok, {_energy_text(o)})")  # fmt: skip
+        print(
+            f"[{dtype}] ours: {o['output_tok_s']:.1f} output tok/s, {o['total_tok_s']:.1f} total tok/s "
+            f"({o['elapsed_s']:.1f} s; warm-up {o['warmup_s']:.1f} s, {o['compiled_programs']} programs; "
+            f"{o['usd_per_1m_output_tokens']:.4f} USD/1M tok, {_energy_text(o)})"
+        )
         if args.hf_batch:
             r["hf"] = h = run_hf(args, dtype, wl)
             r["speedup"] = o["output_tok_s"] / h["output_tok_s"]
-            print(f"[{dtype}] HF:   {h['output_tok_s']:.1f} output tok/s, {h['total_tok_s']:.1f} total tok/s "
-                  f"({h['elapsed_s']:.1f} s at batch {h['batch_size']}; "
-                  f"{h['usd_per_1m_output_tokens']:.4f} USD/1M tok, "
-                  f"{_energy_text(h)})\n[{dtype}] ours/HF output tok/s: {r['speedup']:.2f}x")  # fmt: skip
+            print(
+                f"[{dtype}] HF:   {h['output_tok_s']:.1f} output tok/s, {h['total_tok_s']:.1f} total tok/s "
+                f"({h['elapsed_s']:.1f} s at batch {h['batch_size']}; "
+                f"{h['usd_per_1m_output_tokens']:.4f} USD/1M tok, "
+                f"{_energy_text(h)})\n[{dtype}] ours/HF output tok/s: {r['speedup']:.2f}x"
+            )
         result["by_dtype"][dtype] = r
     # The first dtype's sides at the top level too, as in the old single-dtype layout.
     result.update({k: v for k, v in result["by_dtype"][args.dtype[0]].items()})
-    for variant, c in llamacpp_peer.run_variants(args, result, lambda _, path: run_llamacpp(args, path, wl)).items():
+    for variant, c in llamacpp_peer.run_variants(
+        args, result, lambda _, path: run_llamacpp(args, path, wl)
+    ).items():
         c["ours_speedup"] = result["ours"]["output_tok_s"] / c["output_tok_s"]
-        print(f"llama.cpp {variant}: {c['output_tok_s']:.1f} output tok/s, {c['total_tok_s']:.1f} total tok/s "
-              f"({c['elapsed_s']:.1f} s, {c['n_parallel']} in flight; {_energy_text(c)}); "
-              f"ours ({args.dtype[0]})/llama.cpp output tok/s: {c['ours_speedup']:.2f}x")  # fmt: skip
+        print(
+            f"llama.cpp {variant}: {c['output_tok_s']:.1f} output tok/s, {c['total_tok_s']:.1f} total tok/s "
+            f"({c['elapsed_s']:.1f} s, {c['n_parallel']} in flight; {_energy_text(c)}); "
+            f"ours ({args.dtype[0]})/llama.cpp output tok/s: {c['ours_speedup']:.2f}x"
+        )
     write_result(result, args.out)
     plot(result, args.out)
     return 0

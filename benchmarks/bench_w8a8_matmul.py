@@ -29,10 +29,16 @@ SHAPES = ["576x960", "576x3072", "1536x576", "576x49152"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 512])
-    p.add_argument("--shapes", nargs="+", default=SHAPES, help="IN x OUT of the weight, e.g. 576x960")
-    p.add_argument("--reps", type=int, default=9, help="timed repetitions of each (medians reported)")
+    p.add_argument(
+        "--shapes", nargs="+", default=SHAPES, help="IN x OUT of the weight, e.g. 576x960"
+    )
+    p.add_argument(
+        "--reps", type=int, default=9, help="timed repetitions of each (medians reported)"
+    )
     p.add_argument("--out", default=None, help="also write the table as JSON here")
     return p.parse_args(argv)
 
@@ -47,27 +53,45 @@ def main(argv: list[str] | None = None) -> int:
     from minivllm_jax.quantization import quantize_w8a8, to_panels, w8a8_matmul_reference
 
     if not kernels.native_available():
-        print("native kernels not available: run `python -m minivllm_jax.kernels.build`", file=sys.stderr)
+        print(
+            "native kernels not available: run `python -m minivllm_jax.kernels.build`",
+            file=sys.stderr,
+        )
         return 2
     impls = {
         "fp32": jax.jit(lambda x, w, xq, wq, p: x @ w),
-        "int8 XLA": jax.jit(lambda x, w, xq, wq, p: jax.lax.dot_general(
-            xq, wq, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)),  # fmt: skip
+        "int8 XLA": jax.jit(
+            lambda x, w, xq, wq, p: jax.lax.dot_general(
+                xq, wq, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32
+            )
+        ),
         "w8a8 ref": jax.jit(lambda x, w, xq, wq, p: w8a8_matmul_reference(x, p["stored"])),
         "w8a8": jax.jit(lambda x, w, xq, wq, p: w8a8_matmul_native(x, p["served"])),
     }
     rng = np.random.default_rng(0)
     rows_out = []
-    print(f"{'in x out':>12} {'rows':>5} " + " ".join(f"{name:>9}" for name in impls) + "   GOP/s; w8a8 / fp32")
+    print(
+        f"{'in x out':>12} {'rows':>5} "
+        + " ".join(f"{name:>9}" for name in impls)
+        + "   GOP/s; w8a8 / fp32"
+    )
     for shape in args.shapes:
         n_in, n_out = map(int, shape.split("x"))
         w = rng.standard_normal((n_in, n_out)).astype(np.float32)
-        operands = {"w": jnp.asarray(w), "wq": jnp.asarray(rng.integers(-127, 128, (n_in, n_out), dtype=np.int8)),
-                    "p": {"stored": quantize_w8a8(w), "served": to_panels(quantize_w8a8(w))}}  # fmt: skip
+        operands = {
+            "w": jnp.asarray(w),
+            "wq": jnp.asarray(rng.integers(-127, 128, (n_in, n_out), dtype=np.int8)),
+            "p": {"stored": quantize_w8a8(w), "served": to_panels(quantize_w8a8(w))},
+        }
         for rows in args.rows:
             x = rng.standard_normal((rows, n_in)).astype(np.float32)
-            call = (jnp.asarray(x), operands["w"], jnp.asarray(rng.integers(-127, 128, x.shape, dtype=np.int8)),
-                    operands["wq"], operands["p"])  # fmt: skip
+            call = (
+                jnp.asarray(x),
+                operands["w"],
+                jnp.asarray(rng.integers(-127, 128, x.shape, dtype=np.int8)),
+                operands["wq"],
+                operands["p"],
+            )
             times: dict[str, list[float]] = {name: [] for name in impls}
             for name, f in impls.items():
                 # One implementation at a time, each warmed up: interleaved, one's threads could
@@ -79,10 +103,16 @@ def main(argv: list[str] | None = None) -> int:
                     t = time.perf_counter()
                     f(*call).block_until_ready()
                     times[name].append(time.perf_counter() - t)
-            gops = {name: 2 * rows * n_in * n_out / statistics.median(ts) / 1e9 for name, ts in times.items()}
+            gops = {
+                name: 2 * rows * n_in * n_out / statistics.median(ts) / 1e9
+                for name, ts in times.items()
+            }
             rows_out.append({"in": n_in, "out": n_out, "rows": rows, "gops": gops})
-            print(f"{n_in:>5} x {n_out:<6} {rows:>5} " + " ".join(f"{g:>9.0f}" for g in gops.values())
-                  + f"   {gops['w8a8'] / gops['fp32']:.2f}x")  # fmt: skip
+            print(
+                f"{n_in:>5} x {n_out:<6} {rows:>5} "
+                + " ".join(f"{g:>9.0f}" for g in gops.values())
+                + f"   {gops['w8a8'] / gops['fp32']:.2f}x"
+            )
     if args.out:
         from benchmarks.common import write_result
 

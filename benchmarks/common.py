@@ -75,8 +75,15 @@ class Workload:
 def add_workload_args(p: argparse.ArgumentParser, default_preset: str = "mixed") -> None:
     """--preset NAME, or explicit --num-prompts/--input-len/--output-len (which override it)."""
     names = ", ".join(f"{k} ({v.doc})" for k, v in PRESETS.items())
-    p.add_argument("--preset", default=default_preset, choices=sorted(PRESETS), help=f"workload preset: {names}")
-    p.add_argument("--num-prompts", type=int, default=None, help="override the preset's request count")
+    p.add_argument(
+        "--preset",
+        default=default_preset,
+        choices=sorted(PRESETS),
+        help=f"workload preset: {names}",
+    )
+    p.add_argument(
+        "--num-prompts", type=int, default=None, help="override the preset's request count"
+    )
     p.add_argument("--input-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"))
     p.add_argument("--seed", type=int, default=0, help="workload seed (lengths and token ids)")
@@ -112,9 +119,11 @@ def load_hf_model(model: str, dtype: str = "float32", threads: int = 2):
     path = alias_source(model) if model in MODEL_ALIASES else Path(model)
     if path.suffix == ".gguf":
         hf = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch_dtype,
+            str(path.parent),
+            gguf_file=path.name,
+            dtype=torch_dtype,
             quantization_config=transformers.GgufConfig(dequantize=True),
-        )  # fmt: skip
+        )
     else:
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
     # Benchmarks force output lengths; `generate` fills an unset eos_token_id from the model's
@@ -132,13 +141,35 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
     def q(p: float) -> float:
         return xs[min(len(xs) - 1, max(0, int(np.ceil(p / 100 * len(xs))) - 1))]
 
-    return {"p50": q(50), "p90": q(90), "p99": q(99), "mean": statistics.fmean(xs), "count": len(xs)}
+    return {
+        "p50": q(50),
+        "p90": q(90),
+        "p99": q(99),
+        "mean": statistics.fmean(xs),
+        "count": len(xs),
+    }
 
 
 # The CPU features a kernel's speed depends on (recorded with every result: the same code runs at
 # different speeds on CPUs with and without them).
-KERNEL_CPU_FLAGS = frozenset({"avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
-                              "avx512_bf16", "avx512vbmi", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8"})  # fmt: skip
+KERNEL_CPU_FLAGS = frozenset(
+    {
+        "avx",
+        "avx2",
+        "fma",
+        "f16c",
+        "avx512f",
+        "avx512bw",
+        "avx512vl",
+        "avx512_vnni",
+        "avx512_bf16",
+        "avx512vbmi",
+        "avx_vnni",
+        "amx_tile",
+        "amx_bf16",
+        "amx_int8",
+    }
+)
 
 
 def machine_info() -> dict[str, Any]:
@@ -177,7 +208,11 @@ def write_result(result: dict[str, Any], out: str | Path) -> Path:
     """Write `result` plus timestamp and machine facts as JSON at `out`; returns the path."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    full = {**result, "timestamp": dt.datetime.now().isoformat(timespec="seconds"), "machine": machine_info()}
+    full = {
+        **result,
+        "timestamp": dt.datetime.now().isoformat(timespec="seconds"),
+        "machine": machine_info(),
+    }
     out.write_text(json.dumps(full, indent=2) + "\n")
     print(f"wrote {out}")
     return out
@@ -323,7 +358,9 @@ class EngineRun:
         }
 
 
-def run_requests(engine, prompts: list[list[int]], params: list, on_step=None, t0: float | None = None) -> EngineRun:
+def run_requests(
+    engine, prompts: list[list[int]], params: list, on_step=None, t0: float | None = None
+) -> EngineRun:
     """Queue every request at once and step `engine` (an LLMEngine) until all finish.
 
     Offline semantics: all requests arrive at `t0` (default: now), so TTFT includes queueing.
@@ -413,14 +450,29 @@ class PaddingCounter:
 
 def add_engine_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
     """--model/--dtype and the EngineConfig knobs, with per-script defaults."""
-    d = {"model": "smollm2-135m", "dtype": "float32", "max_num_seqs": 64, "max_model_len": None,
-         "page_size": 16, "num_pages": None, "max_num_batched_tokens": 512, **defaults}  # fmt: skip
+    d = {
+        "model": "smollm2-135m",
+        "dtype": "float32",
+        "max_num_seqs": 64,
+        "max_model_len": None,
+        "page_size": 16,
+        "num_pages": None,
+        "max_num_batched_tokens": 512,
+        **defaults,
+    }
     p.add_argument("--model", default=d["model"], help="alias, converted dir, HF folder or .gguf")
     p.add_argument("--dtype", default=d["dtype"], choices=["float32", "bfloat16"])
     p.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"])
-    p.add_argument("--max-model-len", type=int, default=d["max_model_len"], help="None: the script decides (see its --help)")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=d["max_model_len"],
+        help="None: the script decides (see its --help)",
+    )
     p.add_argument("--page-size", type=int, default=d["page_size"])
-    p.add_argument("--num-pages", type=int, default=d["num_pages"], help="default: the engine's auto sizing")
+    p.add_argument(
+        "--num-pages", type=int, default=d["num_pages"], help="default: the engine's auto sizing"
+    )
     p.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"])
 
 
@@ -428,8 +480,14 @@ def build_llm(args: argparse.Namespace, **overrides: Any):
     """An LLM from add_engine_args' options (overrides win), warmed up, without progress bars."""
     from minivllm_jax import LLM
 
-    kw = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-              page_size=args.page_size, num_pages=args.num_pages,
-              max_num_batched_tokens=args.max_num_batched_tokens, use_tqdm=False)  # fmt: skip
+    kw = dict(
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        use_tqdm=False,
+    )
     kw.update(overrides)
     return LLM(args.model, **kw)

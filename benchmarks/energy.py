@@ -37,9 +37,13 @@ POWERCAP = Path("/sys/class/powercap")
 
 def add_cost_args(p: argparse.ArgumentParser) -> None:
     """--usd-per-hour, shared by every script that reports cost."""
-    p.add_argument("--usd-per-hour", type=float, default=DEFAULT_USD_PER_HOUR,
-                   help=f"machine price for the cost figures (default {DEFAULT_USD_PER_HOUR} USD/h: an assumed "
-                        "on-demand price of a 2-vCPU cloud VM; pass your own)")  # fmt: skip
+    p.add_argument(
+        "--usd-per-hour",
+        type=float,
+        default=DEFAULT_USD_PER_HOUR,
+        help=f"machine price for the cost figures (default {DEFAULT_USD_PER_HOUR} USD/h: an assumed "
+        "on-demand price of a 2-vCPU cloud VM; pass your own)",
+    )
 
 
 def usd_per_million_tokens(elapsed_s: float, tokens: int, usd_per_hour: float) -> float | None:
@@ -62,7 +66,11 @@ def rapl_zones(root: Path = POWERCAP) -> list[Path]:
         return []
     zones = []
     for zone in sorted(root.iterdir()):
-        if zone.name.startswith("intel-rapl:") and zone.name.count(":") == 1 and "mmio" not in zone.name:
+        if (
+            zone.name.startswith("intel-rapl:")
+            and zone.name.count(":") == 1
+            and "mmio" not in zone.name
+        ):
             try:
                 int((zone / "energy_uj").read_text())
                 zones.append(zone)
@@ -99,7 +107,8 @@ class _Rapl:
 
     def joules(self, before: list[int], after: list[int]) -> dict[str, float]:
         return {
-            z.name: rapl_delta_uj(b, a, r) / 1e6 for z, b, a, r in zip(self.zones, before, after, self.ranges)
+            z.name: rapl_delta_uj(b, a, r) / 1e6
+            for z, b, a, r in zip(self.zones, before, after, self.ranges)
         }
 
 
@@ -111,8 +120,13 @@ def _nvidia_power_w() -> list[float] | None:
     if shutil.which("nvidia-smi") is None:
         return None
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=power.draw", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=5, check=True).stdout  # fmt: skip
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=power.draw", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout
         return [float(x) for x in out.split()]
     except (OSError, subprocess.SubprocessError, ValueError):
         return None
@@ -194,7 +208,9 @@ class EnergyMeter:
         total = sum(self._joules.values())
         out: dict[str, Any] = {
             "source": self.source,
-            "scope": "whole CPU package(s), other processes included" if self.source == "rapl" else "GPU board power",
+            "scope": "whole CPU package(s), other processes included"
+            if self.source == "rapl"
+            else "GPU board power",
             "joules": total,
             "by_zone_j": self._joules,
             "avg_watts": total / self.elapsed_s if self.elapsed_s > 0 else None,
@@ -204,17 +220,23 @@ class EnergyMeter:
         return out
 
 
-def cost_fields(elapsed_s: float, output_tokens: int, usd_per_hour: float, meter: EnergyMeter | None) -> dict[str, Any]:
+def cost_fields(
+    elapsed_s: float, output_tokens: int, usd_per_hour: float, meter: EnergyMeter | None
+) -> dict[str, Any]:
     """The cost and energy fields one benchmark side adds to its result."""
     return {
         "usd_per_hour": usd_per_hour,
         "usd_per_1m_output_tokens": usd_per_million_tokens(elapsed_s, output_tokens, usd_per_hour),
-        "energy": meter.result(output_tokens) if meter is not None else "not available (not measured)",
+        "energy": meter.result(output_tokens)
+        if meter is not None
+        else "not available (not measured)",
     }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--seconds", type=float, default=5.0, help="length of the numpy load to measure")
     p.add_argument("--quick", action="store_true", help="a 0.5 s load")
     add_cost_args(p)

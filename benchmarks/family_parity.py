@@ -34,9 +34,20 @@ GREEDY_TOKENS = 32
 LOGIT_TOLERANCE = 1e-4
 
 # initializer_range 5x HF's default: attention scores big enough for soft-capping and windows to matter.
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
-            pad_token_id=0, initializer_range=0.1)  # fmt: skip
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    initializer_range=0.1,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,26 +59,48 @@ class FamilySpec:
     controls: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
 
-GEMMA = dict(sliding_window=8, query_pre_attn_scalar=32, attn_implementation="eager")  # eager: HF's soft-capping path
+GEMMA = dict(
+    sliding_window=8, query_pre_attn_scalar=32, attn_implementation="eager"
+)  # eager: HF's soft-capping path
 
 FAMILIES: dict[str, FamilySpec] = {
     "llama": FamilySpec("LlamaConfig", {}),
     "qwen2": FamilySpec("Qwen2Config", {}),
-    "qwen2-sliding": FamilySpec("Qwen2Config", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
-                                {"sliding window": dict(use_sliding_window=False)}),  # fmt: skip
+    "qwen2-sliding": FamilySpec(
+        "Qwen2Config",
+        dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
+        {"sliding window": dict(use_sliding_window=False)},
+    ),
     "qwen3": FamilySpec("Qwen3Config", {}),
-    "mistral": FamilySpec("MistralConfig", dict(sliding_window=8), {"sliding window": dict(sliding_window=4096)}),
-    "gemma2": FamilySpec("Gemma2Config", dict(**GEMMA, attn_logit_softcapping=1.0, final_logit_softcapping=2.0), {
-        "sliding window": dict(sliding_window=4096), "attention soft-capping": dict(attn_logit_softcapping=None),
-        "final soft-capping": dict(final_logit_softcapping=None),
-        "query_pre_attn_scalar": dict(query_pre_attn_scalar=16),
-    }),  # fmt: skip
+    "mistral": FamilySpec(
+        "MistralConfig", dict(sliding_window=8), {"sliding window": dict(sliding_window=4096)}
+    ),
+    "gemma2": FamilySpec(
+        "Gemma2Config",
+        dict(**GEMMA, attn_logit_softcapping=1.0, final_logit_softcapping=2.0),
+        {
+            "sliding window": dict(sliding_window=4096),
+            "attention soft-capping": dict(attn_logit_softcapping=None),
+            "final soft-capping": dict(final_logit_softcapping=None),
+            "query_pre_attn_scalar": dict(query_pre_attn_scalar=16),
+        },
+    ),
     # Six layers: Gemma 3's five local layers and one global; the global layer's RoPE scaled.
-    "gemma3": FamilySpec("Gemma3TextConfig", dict(**GEMMA, num_hidden_layers=6, rope_local_base_freq=100.0,
-                                                  rope_scaling={"rope_type": "linear", "factor": 4.0}), {
-        "sliding window": dict(sliding_window=4096), "query_pre_attn_scalar": dict(query_pre_attn_scalar=16),
-        "local RoPE base": dict(rope_local_base_freq=1e6), "global RoPE scaling": dict(rope_scaling=None),
-    }),  # fmt: skip
+    "gemma3": FamilySpec(
+        "Gemma3TextConfig",
+        dict(
+            **GEMMA,
+            num_hidden_layers=6,
+            rope_local_base_freq=100.0,
+            rope_scaling={"rope_type": "linear", "factor": 4.0},
+        ),
+        {
+            "sliding window": dict(sliding_window=4096),
+            "query_pre_attn_scalar": dict(query_pre_attn_scalar=16),
+            "local RoPE base": dict(rope_local_base_freq=1e6),
+            "global RoPE scaling": dict(rope_scaling=None),
+        },
+    ),
 }
 
 
@@ -103,7 +136,13 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     import torch
 
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
     return out[0, len(ids) :].tolist()
 
 
@@ -116,9 +155,13 @@ def our_logits(params, cfg, ids: np.ndarray) -> np.ndarray:
     from minivllm_jax.step import forward_jit
 
     num_pages = -(-len(ids) // PAGE_SIZE)
-    pages = list(np.random.default_rng(0).permutation(np.arange(1, num_pages + 1)))  # the block table decides
+    pages = list(
+        np.random.default_rng(0).permutation(np.arange(1, num_pages + 1))
+    )  # the block table decides
     cache = init_kv_cache(cfg, num_pages + 1, PAGE_SIZE, jnp.float32)
-    logits, _ = forward_jit(params, cache, single_sequence_batch(ids, 0, pages, PAGE_SIZE), cfg, all_logits=True)
+    logits, _ = forward_jit(
+        params, cache, single_sequence_batch(ids, 0, pages, PAGE_SIZE), cfg, all_logits=True
+    )
     return np.asarray(logits)
 
 
@@ -161,7 +204,9 @@ def parity(name: str, workdir: str | Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--families", nargs="+", choices=sorted(FAMILIES), default=list(FAMILIES))
-    p.add_argument("--quick", action="store_true", help="Gemma 3 only (the family with the most extras)")
+    p.add_argument(
+        "--quick", action="store_true", help="Gemma 3 only (the family with the most extras)"
+    )
     p.add_argument("--out", default=str(RESULTS / "family_parity.json"))
     args = p.parse_args(argv)
     if args.quick:
@@ -171,12 +216,26 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.families:
             rows.append(parity(name, workdir))
             r = rows[-1]
-            print(f"{name:14s} {r['architecture']:20s} max |logit diff| {r['max_abs_logit_diff']:.2e}  "
-                  f"greedy {r['greedy_tokens_matching']}/{GREEDY_TOKENS} identical  "
-                  f"attention {r['engine_attention']}  ({r['seconds']} s)", flush=True)  # fmt: skip
-    write_result({"benchmark": "family_parity", "prompt_len": PROMPT_LEN, "greedy_tokens": GREEDY_TOKENS,
-                  "page_size": PAGE_SIZE, "tiny_config": TINY, "rows": rows}, args.out)  # fmt: skip
-    return 0 if all(r["logits_within_tolerance"] and r["greedy_tokens_identical"] for r in rows) else 1
+            print(
+                f"{name:14s} {r['architecture']:20s} max |logit diff| {r['max_abs_logit_diff']:.2e}  "
+                f"greedy {r['greedy_tokens_matching']}/{GREEDY_TOKENS} identical  "
+                f"attention {r['engine_attention']}  ({r['seconds']} s)",
+                flush=True,
+            )
+    write_result(
+        {
+            "benchmark": "family_parity",
+            "prompt_len": PROMPT_LEN,
+            "greedy_tokens": GREEDY_TOKENS,
+            "page_size": PAGE_SIZE,
+            "tiny_config": TINY,
+            "rows": rows,
+        },
+        args.out,
+    )
+    return (
+        0 if all(r["logits_within_tolerance"] and r["greedy_tokens_identical"] for r in rows) else 1
+    )
 
 
 if __name__ == "__main__":

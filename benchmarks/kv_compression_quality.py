@@ -28,7 +28,12 @@ import numpy as np
 from minivllm_jax.batch import Chunk, build_step_batch
 from minivllm_jax.config import ModelConfig
 from minivllm_jax.kv_cache import init_kv_cache, kv_bytes_per_page
-from minivllm_jax.kv_compression import KVCompressionConfig, kept_pages, needs_scores, wants_compression
+from minivllm_jax.kv_compression import (
+    KVCompressionConfig,
+    kept_pages,
+    needs_scores,
+    wants_compression,
+)
 from minivllm_jax.models.llama import Params, init_params, model_dtype, unstack_layers
 from minivllm_jax.step import forward_jit, page_attention_scores_jit
 
@@ -41,9 +46,18 @@ def _nll_and_argmax(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, j
     return -jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0], jnp.argmax(logits, axis=-1)
 
 
-def evaluate(params: Params, cfg: ModelConfig, token_ids: Sequence[int], config: KVCompressionConfig | None,
-             page_size: int = 16, chunk: int = 16, attention: str = "reference", matmul: str = "reference",
-             kv_cache_dtype: str = "auto", reference_argmax: Sequence[int] | None = None) -> dict[str, Any]:  # fmt: skip
+def evaluate(
+    params: Params,
+    cfg: ModelConfig,
+    token_ids: Sequence[int],
+    config: KVCompressionConfig | None,
+    page_size: int = 16,
+    chunk: int = 16,
+    attention: str = "reference",
+    matmul: str = "reference",
+    kv_cache_dtype: str = "auto",
+    reference_argmax: Sequence[int] | None = None,
+) -> dict[str, Any]:
     """Teacher-force `token_ids` in `chunk`-token steps, compressing the sequence's pages by
     `config` after each step (None: full attention). Returns:
 
@@ -67,7 +81,9 @@ def evaluate(params: Params, cfg: ModelConfig, token_ids: Sequence[int], config:
     dtype = model_dtype(params)
     total_pages = -(-n // page_size)
     cache = init_kv_cache(cfg, total_pages + 1, page_size, dtype, kv_cache_dtype)
-    fresh = iter(range(1, total_pages + 1))  # every page the text can need, each used once: dropped ones are not reused
+    fresh = iter(
+        range(1, total_pages + 1)
+    )  # every page the text can need, each used once: dropped ones are not reused
     ids = np.asarray(token_ids, np.int32)
     pages: list[int] = []
     cached = dropped = 0  # tokens in the cache (= the next cache index), tokens dropped from it
@@ -77,7 +93,9 @@ def evaluate(params: Params, cfg: ModelConfig, token_ids: Sequence[int], config:
         tokens = ids[start : start + chunk]
         while len(pages) * page_size < cached + len(tokens):
             pages.append(next(fresh))
-        batch = build_step_batch([Chunk(tokens, cached, pages, dropped)], page_size, chunk, 1, total_pages)
+        batch = build_step_batch(
+            [Chunk(tokens, cached, pages, dropped)], page_size, chunk, 1, total_pages
+        )
         logits, cache = forward_jit(params, cache, batch, cfg, attention, True, matmul)
         targets = np.zeros(chunk, np.int32)
         scored = min(len(tokens), n - 1 - start)  # positions that have a next token
@@ -93,21 +111,32 @@ def evaluate(params: Params, cfg: ModelConfig, token_ids: Sequence[int], config:
             continue
         scores = None
         if needs_scores(config):  # the last computed token, re-fed at its own cache index
-            last = Chunk(ids[start + len(tokens) - 1 : start + len(tokens)], cached - 1, pages, dropped)
+            last = Chunk(
+                ids[start + len(tokens) - 1 : start + len(tokens)], cached - 1, pages, dropped
+            )
             score_batch = build_step_batch([last], page_size, 1, 1, total_pages)
-            scores = np.asarray(page_attention_scores_jit(params, cache, score_batch, cfg, attention, matmul))
+            scores = np.asarray(
+                page_attention_scores_jit(params, cache, score_batch, cfg, attention, matmul)
+            )
         keep = kept_pages(config, num_full, page_size, scores)
         gone = (num_full - len(keep)) * page_size
         pages = [pages[i] for i in keep] + pages[num_full:]
         cached, dropped, compressions = cached - gone, dropped + gone, compressions + 1
 
     if reference_argmax is None:
-        reference_argmax = argmax if config is None else evaluate(
-            params, cfg, token_ids, None, page_size, chunk, attention, matmul, kv_cache_dtype)["argmax"]  # fmt: skip
+        reference_argmax = (
+            argmax
+            if config is None
+            else evaluate(
+                params, cfg, token_ids, None, page_size, chunk, attention, matmul, kv_cache_dtype
+            )["argmax"]
+        )
     if len(reference_argmax) != n - 1:
         raise ValueError(f"reference_argmax has {len(reference_argmax)} entries, expected {n - 1}")
     return {
-        "policy": None if config is None else {k: v for k, v in vars(config).items() if v is not None},
+        "policy": None
+        if config is None
+        else {k: v for k, v in vars(config).items() if v is not None},
         "tokens": n,
         "perplexity": math.exp(float(np.mean(nll))),
         "greedy_agreement": float(np.mean(np.asarray(argmax) == np.asarray(reference_argmax))),
@@ -125,11 +154,24 @@ def _load(args: argparse.Namespace) -> tuple[Params, ModelConfig, list[int], dic
     """A real model (`--model`: an alias or folder, converted on first use) and its tokens of
     `--text`, or without `--model` a tiny random model and random tokens (smoke run)."""
     if args.model is None:
-        cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                          num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4,
-                          max_position_embeddings=4096)  # fmt: skip
+        cfg = ModelConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            rms_norm_eps=1e-5,
+            rope_theta=1e4,
+            max_position_embeddings=4096,
+        )
         params = init_params(cfg, jax.random.PRNGKey(args.seed), scale=0.3)
-        ids = np.random.default_rng(args.seed).integers(3, cfg.vocab_size, args.tokens or 512).tolist()
+        ids = (
+            np.random.default_rng(args.seed)
+            .integers(3, cfg.vocab_size, args.tokens or 512)
+            .tolist()
+        )
         return params, cfg, ids, {"model": "tiny-random"}
     from transformers import AutoTokenizer
 
@@ -148,28 +190,50 @@ def _load(args: argparse.Namespace) -> tuple[Params, ModelConfig, list[int], dic
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="alias or model folder (default: a tiny random model)")
+    p.add_argument(
+        "--model", default=None, help="alias or model folder (default: a tiny random model)"
+    )
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--text", nargs="*", default=None, help="text files (default: quant_quality's licence texts)")
+    p.add_argument(
+        "--text",
+        nargs="*",
+        default=None,
+        help="text files (default: quant_quality's licence texts)",
+    )
     p.add_argument("--tokens", type=int, default=None, help="score only the first N tokens")
-    p.add_argument("--config", action="append", default=None, help="a KVCompressionConfig as JSON (repeatable)")
+    p.add_argument(
+        "--config", action="append", default=None, help="a KVCompressionConfig as JSON (repeatable)"
+    )
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--chunk", type=int, default=None, help="tokens per step (default: the page size)")
+    p.add_argument(
+        "--chunk", type=int, default=None, help="tokens per step (default: the page size)"
+    )
     p.add_argument("--attention", default="reference")
     p.add_argument("--matmul", default="reference")
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
-    configs = [KVCompressionConfig.from_dict(json.loads(c)) for c in args.config] if args.config else [
-        KVCompressionConfig("sink_window", sink_tokens=16, window_tokens=64),
-        KVCompressionConfig("page_scores", sink_tokens=16, window_tokens=32, budget_tokens=96),
-    ]  # fmt: skip
+    configs = (
+        [KVCompressionConfig.from_dict(json.loads(c)) for c in args.config]
+        if args.config
+        else [
+            KVCompressionConfig("sink_window", sink_tokens=16, window_tokens=64),
+            KVCompressionConfig("page_scores", sink_tokens=16, window_tokens=32, budget_tokens=96),
+        ]
+    )
     params, cfg, ids, info = _load(args)
-    common = dict(page_size=args.page_size, chunk=args.chunk or args.page_size, attention=args.attention,
-                  matmul=args.matmul, kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
+    common = dict(
+        page_size=args.page_size,
+        chunk=args.chunk or args.page_size,
+        attention=args.attention,
+        matmul=args.matmul,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
     full = evaluate(params, cfg, ids, None, **common)
-    results = [full] + [evaluate(params, cfg, ids, c, reference_argmax=full["argmax"], **common) for c in configs]
+    results = [full] + [
+        evaluate(params, cfg, ids, c, reference_argmax=full["argmax"], **common) for c in configs
+    ]
     for r in results:
         r.pop("argmax")
         print(json.dumps(r))

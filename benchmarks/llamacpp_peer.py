@@ -21,8 +21,9 @@ import dataclasses
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -51,9 +52,14 @@ def _llama_cpp():
 def add_peer_args(p: argparse.ArgumentParser) -> None:
     """--no-llamacpp and --llamacpp-variants, shared by the scripts that run the peer."""
     p.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp peer")
-    p.add_argument("--llamacpp-variants", nargs="+", default=["q4_1", "f32"], choices=VARIANTS,
-                   help="GGUF weights for llama.cpp: q4_1 (the shipped file), f16/f32 (dequantized "
-                        "from it; written once into the model cache)")  # fmt: skip
+    p.add_argument(
+        "--llamacpp-variants",
+        nargs="+",
+        default=["q4_1", "f32"],
+        choices=VARIANTS,
+        help="GGUF weights for llama.cpp: q4_1 (the shipped file), f16/f32 (dequantized "
+        "from it; written once into the model cache)",
+    )
 
 
 def peer_models(args: argparse.Namespace) -> tuple[dict[str, Path], str | None]:
@@ -66,10 +72,14 @@ def peer_models(args: argparse.Namespace) -> tuple[dict[str, Path], str | None]:
     src = source_gguf(args.model)
     if src is None:
         return {}, f"{args.model} is not a GGUF model (llama.cpp needs one)"
-    return {v: src if v == "q4_1" else dequantized_gguf(src, v) for v in args.llamacpp_variants}, None
+    return {
+        v: src if v == "q4_1" else dequantized_gguf(src, v) for v in args.llamacpp_variants
+    }, None
 
 
-def run_variants(args: argparse.Namespace, result: dict[str, Any], measure: Callable[[str, Path], dict]) -> dict:
+def run_variants(
+    args: argparse.Namespace, result: dict[str, Any], measure: Callable[[str, Path], dict]
+) -> dict:
     """`measure(variant, gguf_path)` for each requested variant, into `result["llamacpp"]`; or
     why the peer was skipped, printed and kept in `result["llamacpp_skipped"]`."""
     paths, why = peer_models(args)
@@ -103,7 +113,11 @@ def write_dequantized_gguf(src: str | Path, dst: str | Path, variant: str = "f32
     reader = gguf.GGUFReader(str(src))
     arch = str(reader.fields["general.architecture"].contents())
     writer = gguf.GGUFWriter(str(dst), arch)
-    skip = {"general.architecture", "general.alignment", "general.file_type"}  # the writer sets these
+    skip = {
+        "general.architecture",
+        "general.alignment",
+        "general.file_type",
+    }  # the writer sets these
     for field in reader.fields.values():
         if field.name in skip or field.name.startswith("GGUF."):
             continue
@@ -112,8 +126,12 @@ def write_dequantized_gguf(src: str | Path, dst: str | Path, variant: str = "f32
     ftype = gguf.LlamaFileType.MOSTLY_F16 if variant == "f16" else gguf.LlamaFileType.ALL_F32
     writer.add_file_type(int(ftype))
     for t in reader.tensors:
-        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(int(n) for n in reversed(t.shape)))
-        writer.add_tensor(t.name, w.astype(np.float16 if variant == "f16" and w.ndim > 1 else np.float32))
+        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(
+            tuple(int(n) for n in reversed(t.shape))
+        )
+        writer.add_tensor(
+            t.name, w.astype(np.float16 if variant == "f16" and w.ndim > 1 else np.float32)
+        )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -164,8 +182,15 @@ class LlamaCppPeer:
     def __init__(self, model_path: str | Path, threads: int = THREADS, n_batch: int = 512) -> None:
         self.lib = _llama_cpp()
         self.threads, self.n_batch = threads, n_batch
-        self.llm = self.lib.Llama(str(model_path), n_threads=threads, n_threads_batch=threads, n_ctx=256,
-                                  n_batch=n_batch, logits_all=False, verbose=False)  # fmt: skip
+        self.llm = self.lib.Llama(
+            str(model_path),
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_ctx=256,
+            n_batch=n_batch,
+            logits_all=False,
+            verbose=False,
+        )
         self.n_vocab = self.lib.llama_vocab_n_tokens(self.lib.llama_model_get_vocab(self.llm.model))
 
     def __enter__(self) -> LlamaCppPeer:
@@ -187,11 +212,19 @@ class LlamaCppPeer:
         params.no_perf = True
         ctx = self.lib.llama_init_from_model(self.llm.model, params)
         if not ctx:
-            raise RuntimeError(f"llama.cpp could not create a context for {n_parallel} x {seq_ctx} tokens")
+            raise RuntimeError(
+                f"llama.cpp could not create a context for {n_parallel} x {seq_ctx} tokens"
+            )
         return ctx
 
-    def run(self, prompts: list[list[int]], output_lens: list[int], n_parallel: int, closed_loop: bool = False,
-            warmup: bool = True) -> PeerRun:  # fmt: skip
+    def run(
+        self,
+        prompts: list[list[int]],
+        output_lens: list[int],
+        n_parallel: int,
+        closed_loop: bool = False,
+        warmup: bool = True,
+    ) -> PeerRun:
         """Serve the requests in order, `n_parallel` at a time (continuous batching); greedy,
         exactly `output_lens[i]` tokens each. Offline, every request arrives at the start; with
         `closed_loop`, a request arrives when the one before it in its slot finishes (C users)."""
@@ -200,7 +233,9 @@ class LlamaCppPeer:
         batch = self.lib.llama_batch_init(self.n_batch, 0, 1)
         try:
             if warmup:  # first-call costs (thread pool, buffers), as the other engines warm up
-                self._serve(ctx, batch, [prompts[0][:8]] * n_parallel, [2] * n_parallel, n_parallel, False)
+                self._serve(
+                    ctx, batch, [prompts[0][:8]] * n_parallel, [2] * n_parallel, n_parallel, False
+                )
             return self._serve(ctx, batch, prompts, output_lens, n_parallel, closed_loop)
         finally:
             self.lib.llama_batch_free(batch)
@@ -235,7 +270,10 @@ class LlamaCppPeer:
                     rows.append(s)
             for s, slot in enumerate(slots):
                 if slot is not None and slot.pending and k < self.n_batch:
-                    chunk, slot.pending = slot.pending[: self.n_batch - k], slot.pending[self.n_batch - k :]
+                    chunk, slot.pending = (
+                        slot.pending[: self.n_batch - k],
+                        slot.pending[self.n_batch - k :],
+                    )
                     for j, tok in enumerate(chunk):
                         done = not slot.pending and j == len(chunk) - 1
                         k = self._put(batch, k, tok, slot.pos, s, done)
@@ -245,10 +283,14 @@ class LlamaCppPeer:
             batch.n_tokens = k
             rc = lib.llama_decode(ctx, batch)
             if rc != 0:
-                raise RuntimeError(f"llama_decode failed with {rc} ({k} tokens, {len(rows)} outputs)")
+                raise RuntimeError(
+                    f"llama_decode failed with {rc} ({k} tokens, {len(rows)} outputs)"
+                )
             if not rows:
                 continue
-            logits = np.ctypeslib.as_array(lib.llama_get_logits(ctx), shape=(len(rows), self.n_vocab))
+            logits = np.ctypeslib.as_array(
+                lib.llama_get_logits(ctx), shape=(len(rows), self.n_vocab)
+            )
             nxt = logits.argmax(axis=1).tolist()
             now = time.perf_counter()
             for s, tok in zip(rows, nxt):

@@ -77,41 +77,96 @@ DEFAULT_REQUESTS, DEFAULT_CONCURRENCY = 100, 16
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (loopback only)")
-    p.add_argument("--api-key", default=os.environ.get("MINIVLLM_API_KEY"), help="default: $MINIVLLM_API_KEY")
-    p.add_argument("--model", default=None,
-                   help="default: the first model /v1/models lists (with --launch: smollm2-135m)")  # fmt: skip
+    p.add_argument(
+        "--api-key", default=os.environ.get("MINIVLLM_API_KEY"), help="default: $MINIVLLM_API_KEY"
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="default: the first model /v1/models lists (with --launch: smollm2-135m)",
+    )
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    p.add_argument("--requests", type=int, default=None,
-                   help=f"requests per run (default {DEFAULT_REQUESTS}, or the preset's count)")  # fmt: skip
-    p.add_argument("--concurrency", type=int, default=None,
-                   help=f"requests in flight (default {DEFAULT_CONCURRENCY}; with --request-rate: a cap)")  # fmt: skip
-    p.add_argument("--request-rate", type=float, default=None,
-                   help="Poisson arrivals at R requests/s (seeded by --seed); inf sends all at once")  # fmt: skip
-    p.add_argument("--concurrency-sweep", type=int, nargs="+", default=None, metavar="C",
-                   help="one run per concurrency level (e.g. 1 2 4 8 16 32), plus a PNG")  # fmt: skip
-    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per fixed-prompt request (EOS ignored)")
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help=f"requests per run (default {DEFAULT_REQUESTS}, or the preset's count)",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help=f"requests in flight (default {DEFAULT_CONCURRENCY}; with --request-rate: a cap)",
+    )
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=None,
+        help="Poisson arrivals at R requests/s (seeded by --seed); inf sends all at once",
+    )
+    p.add_argument(
+        "--concurrency-sweep",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="C",
+        help="one run per concurrency level (e.g. 1 2 4 8 16 32), plus a PNG",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=64,
+        help="output tokens per fixed-prompt request (EOS ignored)",
+    )
     p.add_argument("--temperature", type=float, default=0.8)
     add_workload_args(p, default_preset=None)
-    p.add_argument("--prompt-format", choices=["ids", "text"], default="ids",
-                   help="random prompts as token-id lists or decoded text (chat always uses text)")  # fmt: skip
+    p.add_argument(
+        "--prompt-format",
+        choices=["ids", "text"],
+        default="ids",
+        help="random prompts as token-id lists or decoded text (chat always uses text)",
+    )
     add_slo_args(p)
-    p.add_argument("--warmup-requests", type=int, default=1, help="untimed short requests sent first")
+    p.add_argument(
+        "--warmup-requests", type=int, default=1, help="untimed short requests sent first"
+    )
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
     p.add_argument("--deadline", type=float, default=1800.0, help="seconds for each run")
-    p.add_argument("--launch", action="store_true", help="start `python -m server` on a free loopback port for the run")
-    p.add_argument("--server-args", default="", help='extra server flags for --launch, e.g. "--max-num-seqs 32"')
-    p.add_argument("--launch-timeout", type=float, default=900.0, help="seconds to wait for the launched server")
-    p.add_argument("--quick", action="store_true", help="smoke test: tiny preset, 8 requests, concurrency 4")
-    p.add_argument("--out", default=str(RESULTS / "load_test.json"), help="JSON path; the PNG goes beside it")
+    p.add_argument(
+        "--launch",
+        action="store_true",
+        help="start `python -m server` on a free loopback port for the run",
+    )
+    p.add_argument(
+        "--server-args",
+        default="",
+        help='extra server flags for --launch, e.g. "--max-num-seqs 32"',
+    )
+    p.add_argument(
+        "--launch-timeout",
+        type=float,
+        default=900.0,
+        help="seconds to wait for the launched server",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="smoke test: tiny preset, 8 requests, concurrency 4"
+    )
+    p.add_argument(
+        "--out", default=str(RESULTS / "load_test.json"), help="JSON path; the PNG goes beside it"
+    )
     args = p.parse_args(argv)
     if urlparse(args.url).hostname not in LOOPBACK:
         p.error(f"--url must be a loopback address ({', '.join(sorted(LOOPBACK))}); got {args.url}")
     if args.quick:
         args.preset = args.preset or "tiny"
         args.concurrency = args.concurrency or (None if args.request_rate else 4)
-    args.random = args.preset is not None or args.input_len is not None or args.output_len is not None
+    args.random = (
+        args.preset is not None or args.input_len is not None or args.output_len is not None
+    )
     if args.random:
         args.preset = args.preset or "chat"
     if args.request_rate is not None and args.concurrency_sweep:
@@ -139,7 +194,11 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def launched_server(
-    model: str, server_args: str, timeout: float, api_key: str | None, env: dict[str, str] | None = None,
+    model: str,
+    server_args: str,
+    timeout: float,
+    api_key: str | None,
+    env: dict[str, str] | None = None,
     poll_s: float = 0.5,
 ) -> Iterator[str]:
     """Run `python -m server` on a free loopback port until the block ends (then SIGTERM);
@@ -151,7 +210,11 @@ def launched_server(
 
 @contextlib.contextmanager
 def launched_process(
-    model: str, server_args: str, timeout: float, api_key: str | None, env: dict[str, str] | None = None,
+    model: str,
+    server_args: str,
+    timeout: float,
+    api_key: str | None,
+    env: dict[str, str] | None = None,
     poll_s: float = 0.5,
 ) -> Iterator[tuple[str, subprocess.Popen]]:
     """`launched_server` that yields the process too (for a caller that kills it); a server the
@@ -161,8 +224,20 @@ def launched_process(
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     log = Path(tempfile.mkdtemp(prefix="minivllm-load-test-")) / "server.log"
-    cmd = [sys.executable, "-m", "server", "--model", model, "--host", "127.0.0.1", "--port", str(port),
-           "--log-level", "warning", *shlex.split(server_args)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "server",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        *shlex.split(server_args),
+    ]
     env = {**os.environ, **(env or {}), **({"MINIVLLM_API_KEY": api_key} if api_key else {})}
     print(f"launching: {shlex.join(cmd)} (log: {log})", flush=True)
     start = time.perf_counter()
@@ -171,9 +246,13 @@ def launched_process(
     try:
         while True:
             if proc.poll() is not None:
-                raise SystemExit(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+                raise SystemExit(
+                    f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+                )
             if time.perf_counter() - start > timeout:
-                raise SystemExit(f"server not ready after {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+                raise SystemExit(
+                    f"server not ready after {timeout:.0f} s:\n{log.read_text()[-3000:]}"
+                )
             with contextlib.suppress(httpx.TransportError):
                 if httpx.get(f"{url}/health", timeout=5).status_code == 200:
                     break
@@ -190,7 +269,10 @@ def launched_process(
                 proc.kill()
                 proc.wait(30)
     if proc.returncode != 0 and not ended_by_caller:
-        print(f"warning: the server exited with {proc.returncode} after SIGTERM (log: {log})", file=sys.stderr)
+        print(
+            f"warning: the server exited with {proc.returncode} after SIGTERM (log: {log})",
+            file=sys.stderr,
+        )
     else:
         shutil.rmtree(log.parent, ignore_errors=True)
 
@@ -200,13 +282,19 @@ def launched_process(
 
 def build_requests(args: argparse.Namespace) -> tuple[list[dict], dict[str, Any]]:
     """Request bodies (without `model`) and a description of the workload."""
-    base = {"temperature": args.temperature, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    base = {
+        "temperature": args.temperature,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if not args.random:
         n = args.requests or DEFAULT_REQUESTS
         texts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
-        bodies = [_with_prompt(args, {**base, "max_tokens": args.max_tokens, "seed": i}, t)
-                  for i, t in enumerate(texts)]  # fmt: skip
+        bodies = [
+            _with_prompt(args, {**base, "max_tokens": args.max_tokens, "seed": i}, t)
+            for i, t in enumerate(texts)
+        ]
         return bodies, {"kind": "fixed prompts", "num_prompts": n, "max_tokens": args.max_tokens}
     args.num_prompts = args.requests or args.num_prompts
     vocab = model_vocab_size(args.model) if args.model else None
@@ -220,11 +308,15 @@ def build_requests(args: argparse.Namespace) -> tuple[list[dict], dict[str, Any]
 
         folder = local_model_dir(args.model) if args.model else None
         if folder is None:
-            raise SystemExit("text prompts need the model's tokenizer on this machine (pass --model)")
+            raise SystemExit(
+                "text prompts need the model's tokenizer on this machine (pass --model)"
+            )
         tok = AutoTokenizer.from_pretrained(str(folder))
         prompts = [tok.decode(p) for p in work.prompts]
-    bodies = [_with_prompt(args, {**base, "max_tokens": o, "seed": i}, p)
-              for i, (p, o) in enumerate(zip(prompts, work.output_lens))]  # fmt: skip
+    bodies = [
+        _with_prompt(args, {**base, "max_tokens": o, "seed": i}, p)
+        for i, (p, o) in enumerate(zip(prompts, work.output_lens))
+    ]
     return bodies, {"kind": "random", "prompt_format": fmt, **work.describe()}
 
 
@@ -283,7 +375,9 @@ def arrival_offsets(n: int, rate: float | None, seed: int) -> list[float]:
     return [0.0] + np.cumsum(gaps[:-1]).tolist()
 
 
-async def run_level(client: Any, args: argparse.Namespace, bodies: list[dict], concurrency: int | None) -> dict:
+async def run_level(
+    client: Any, args: argparse.Namespace, bodies: list[dict], concurrency: int | None
+) -> dict:
     """One timed run: all `bodies` at the given concurrency limit and --request-rate."""
     gate = asyncio.Semaphore(concurrency) if concurrency else contextlib.nullcontext()
     offsets = arrival_offsets(len(bodies), args.request_rate, args.seed)
@@ -294,7 +388,9 @@ async def run_level(client: Any, args: argparse.Namespace, bodies: list[dict], c
         async with gate:
             return await one_request(client, args, bodies[i])
 
-    results = await asyncio.wait_for(asyncio.gather(*(send(i) for i in range(len(bodies)))), args.deadline)
+    results = await asyncio.wait_for(
+        asyncio.gather(*(send(i) for i in range(len(bodies)))), args.deadline
+    )
     wall = time.perf_counter() - start
     ok = [r for r in results if "error" not in r]
     errors = [r["error"] for r in results if "error" in r]
@@ -309,7 +405,10 @@ async def run_level(client: Any, args: argparse.Namespace, bodies: list[dict], c
         "errors": len(errors),
         "error_samples": errors[:5],
         **latency_summary(ok, wall, args.slo_ttft_ms, args.slo_tpot_ms),
-        "samples": {"ttft_s": [r["ttft"] for r in ok], "tpot_s": [r["tpot"] for r in ok if r["tpot"] is not None]},
+        "samples": {
+            "ttft_s": [r["ttft"] for r in ok],
+            "tpot_s": [r["tpot"] for r in ok if r["tpot"] is not None],
+        },
     }
 
 
@@ -319,9 +418,13 @@ async def run(args: argparse.Namespace) -> dict:
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     levels = args.concurrency_sweep or [args.concurrency]
-    width = max(c or 0 for c in levels) or 1000  # connections: rate mode without a cap may open many
+    width = (
+        max(c or 0 for c in levels) or 1000
+    )  # connections: rate mode without a cap may open many
     limits = httpx.Limits(max_connections=width, max_keepalive_connections=width)
-    async with httpx.AsyncClient(base_url=args.url, headers=headers, limits=limits, timeout=30.0) as client:
+    async with httpx.AsyncClient(
+        base_url=args.url, headers=headers, limits=limits, timeout=30.0
+    ) as client:
         if args.model is None:
             models = (await client.get("/v1/models")).raise_for_status().json()
             args.model = models["data"][0]["id"]
@@ -357,13 +460,21 @@ def _ms(v: float | None) -> str:
 
 
 def _print_run(r: dict) -> None:
-    load = f"concurrency {r['concurrency']}" if r["request_rate"] is None else f"rate {r['request_rate']}/s"
+    load = (
+        f"concurrency {r['concurrency']}"
+        if r["request_rate"] is None
+        else f"rate {r['request_rate']}/s"
+    )
     tps = r["output_tokens_per_s"] or 0.0
-    print(f"{r['requests']} requests at {load}: {r['completed']} ok, {r['errors']} errors, {r['wall_s']:.1f} s, "
-          f"{tps:.1f} output tok/s, goodput {r['goodput']['requests_per_s'] or 0:.2f} req/s")  # fmt: skip
+    print(
+        f"{r['requests']} requests at {load}: {r['completed']} ok, {r['errors']} errors, {r['wall_s']:.1f} s, "
+        f"{tps:.1f} output tok/s, goodput {r['goodput']['requests_per_s'] or 0:.2f} req/s"
+    )
     for name in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):
         s = r[name]
-        print(f"  {name[:-2]:5s} p50 {_ms(s['p50']):>9s}  p90 {_ms(s['p90']):>9s}  p99 {_ms(s['p99']):>9s}")
+        print(
+            f"  {name[:-2]:5s} p50 {_ms(s['p50']):>9s}  p90 {_ms(s['p90']):>9s}  p99 {_ms(s['p99']):>9s}"
+        )
     for e in r["error_samples"]:
         print(f"  error: {e}", file=sys.stderr)
 
@@ -378,8 +489,12 @@ def plot_sweep(report: dict, out: str) -> Path:
     axes[0, 0].plot(cs, ms("ttft_s", "p99"), "s--", label="p99")
     axes[0, 1].plot(cs, ms("tpot_s", "p50"), "o-", label="p50")
     axes[0, 1].plot(cs, ms("tpot_s", "p99"), "s--", label="p99")
-    axes[0, 2].plot(cs, [lv["output_tokens_per_s"] or 0 for lv in levels], "o-", label="output tok/s")
-    axes[0, 2].plot(cs, [lv["goodput"]["requests_per_s"] or 0 for lv in levels], "s--", label="goodput req/s")
+    axes[0, 2].plot(
+        cs, [lv["output_tokens_per_s"] or 0 for lv in levels], "o-", label="output tok/s"
+    )
+    axes[0, 2].plot(
+        cs, [lv["goodput"]["requests_per_s"] or 0 for lv in levels], "s--", label="goodput req/s"
+    )
     for ax, title in zip(axes[0], ["TTFT (ms)", "TPOT (ms)", "throughput"]):
         ax.set_xscale("log", base=2)
         ax.set_xticks(cs, [str(c) for c in cs])
@@ -387,7 +502,9 @@ def plot_sweep(report: dict, out: str) -> Path:
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"HTTP serving: {report['model']}, {report['workload']['num_prompts']} requests per level")
+    fig.suptitle(
+        f"HTTP serving: {report['model']}, {report['workload']['num_prompts']} requests per level"
+    )
     return save_plot(fig, out)
 
 
@@ -410,16 +527,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with contextlib.ExitStack() as stack:
         if args.launch:
-            server = launched_server(args.model, args.server_args, args.launch_timeout, args.api_key)
+            server = launched_server(
+                args.model, args.server_args, args.launch_timeout, args.api_key
+            )
             args.url = stack.enter_context(server)
         report = asyncio.run(run(args))
     write_result(report, args.out)
     if args.concurrency_sweep:
-        print(f"{'C':>4}{'TTFT p50':>11}{'TTFT p99':>11}{'TPOT p50':>11}{'ITL p99':>11}{'tok/s':>9}{'goodput':>9}")
+        print(
+            f"{'C':>4}{'TTFT p50':>11}{'TTFT p99':>11}{'TPOT p50':>11}{'ITL p99':>11}{'tok/s':>9}{'goodput':>9}"
+        )
         for lv in report["levels"]:
-            print(f"{lv['concurrency']:>4}{_ms(lv['ttft_s']['p50']):>11}{_ms(lv['ttft_s']['p99']):>11}"
-                  f"{_ms(lv['tpot_s']['p50']):>11}{_ms(lv['itl_s']['p99']):>11}"
-                  f"{lv['output_tokens_per_s'] or 0:>9.1f}{lv['goodput']['requests_per_s'] or 0:>9.2f}")  # fmt: skip
+            print(
+                f"{lv['concurrency']:>4}{_ms(lv['ttft_s']['p50']):>11}{_ms(lv['ttft_s']['p99']):>11}"
+                f"{_ms(lv['tpot_s']['p50']):>11}{_ms(lv['itl_s']['p99']):>11}"
+                f"{lv['output_tokens_per_s'] or 0:>9.1f}{lv['goodput']['requests_per_s'] or 0:>9.2f}"
+            )
         plot_sweep(report, args.out)
     elif report["completed"]:
         plot_run(report, args.out)

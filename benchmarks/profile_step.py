@@ -25,29 +25,61 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, as the other scripts
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1])
+)  # this checkout's package, as the other scripts
 
-DEFAULT_SHAPES = ["1:1:512", "8:1:1500", "64:1:64", "64:1:375", "64:1:1500", "1:512:0", "1:512:1024",
-                  "8:1:1500+1:40:0", "8:1:1500+1:120:1000"]  # fmt: skip
+DEFAULT_SHAPES = [
+    "1:1:512",
+    "8:1:1500",
+    "64:1:64",
+    "64:1:375",
+    "64:1:1500",
+    "1:512:0",
+    "1:512:1024",
+    "8:1:1500+1:40:0",
+    "8:1:1500+1:120:1000",
+]
 QUICK_SHAPES = ["1:1:8", "4:1:8+1:6:0", "1:16:8"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", nargs="+", default=None, help="B:T:C groups joined by + (default: a sweep)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--shapes", nargs="+", default=None, help="B:T:C groups joined by + (default: a sweep)"
+    )
     p.add_argument("--quick", action="store_true", help="tiny model and tiny shapes (smoke test)")
     p.add_argument("--reps", type=int, default=5, help="timed steps per shape (median reported)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8"],
-                   help="weight-only quantization of the random weights (native matmul where built)")  # fmt: skip
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"], help="int8 KV pages with scales")
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8", "int4", "w8a8"],
+        help="weight-only quantization of the random weights (native matmul where built)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "int8"],
+        help="int8 KV pages with scales",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--attention", default="auto", choices=["auto", "native", "reference"],
-                   help="attention implementation (auto: native where built)")  # fmt: skip
-    p.add_argument("--matmul", default="auto", choices=["auto", "native", "reference"],
-                   help="projection matmuls (auto: native where built, as the runner)")  # fmt: skip
+    p.add_argument(
+        "--attention",
+        default="auto",
+        choices=["auto", "native", "reference"],
+        help="attention implementation (auto: native where built)",
+    )
+    p.add_argument(
+        "--matmul",
+        default="auto",
+        choices=["auto", "native", "reference"],
+        help="projection matmuls (auto: native where built, as the runner)",
+    )
     return p.parse_args(argv)
 
 
@@ -55,20 +87,36 @@ def smollm2_config():
     from minivllm_jax.config import ModelConfig
 
     return ModelConfig(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-        num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e5,
-        max_position_embeddings=8192, tie_word_embeddings=True,
-    )  # fmt: skip
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_theta=1e5,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    )
 
 
 def tiny_config():
     from minivllm_jax.config import ModelConfig
 
     return ModelConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-        num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4,
-        max_position_embeddings=512, tie_word_embeddings=True,
-    )  # fmt: skip
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=1e4,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
 
 
 def random_like(a, dtype):
@@ -127,12 +175,21 @@ def main(argv=None) -> None:
     shapes = args.shapes or (QUICK_SHAPES if args.quick else DEFAULT_SHAPES)
     groups = [parse_shape(s) for s in shapes]
     max_ctx = max(C + T for g in groups for _, T, C in g)
-    engine = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=max_ctx + 1, page_size=args.page_size)
+    engine = EngineConfig(
+        max_num_seqs=args.max_num_seqs, max_model_len=max_ctx + 1, page_size=args.page_size
+    )
     dtype = jnp.dtype(args.dtype)
     params = init_params(cfg, jax.random.PRNGKey(args.seed), dtype=dtype)
     params = unstack_layers(quantize_params(params, args.quantization))  # as the runner holds them
-    matmul = ("native" if kernels.native_available() else "reference") if args.matmul == "auto" else args.matmul
-    num_pages = max(2, min(4096, max(sum(B * -(-(C + T) // args.page_size) for B, T, C in g) for g in groups) + 1))
+    matmul = (
+        ("native" if kernels.native_available() else "reference")
+        if args.matmul == "auto"
+        else args.matmul
+    )
+    num_pages = max(
+        2,
+        min(4096, max(sum(B * -(-(C + T) // args.page_size) for B, T, C in g) for g in groups) + 1),
+    )
     cache = init_kv_cache(cfg, num_pages, args.page_size, dtype, args.kv_cache_dtype)
     cache = jax.tree.map(lambda a: random_like(a, dtype), cache)
     penalty_state = init_penalty_state(args.max_num_seqs, cfg.vocab_size)
@@ -141,23 +198,38 @@ def main(argv=None) -> None:
     attention.ATTENTION["none"] = lambda q, k, v, cache, layer, batch: jnp.zeros_like(q)
     impl = attention.resolve_attention(args.attention)
 
-    step_fn = jax.jit(engine_step, static_argnames=("cfg", "attention", "matmul"),
-                      donate_argnames=("cache", "penalty_state"))  # fmt: skip
-    fwd = jax.jit(forward, static_argnames=("cfg", "attention", "all_logits", "matmul"), donate_argnames=("cache",))
+    step_fn = jax.jit(
+        engine_step,
+        static_argnames=("cfg", "attention", "matmul"),
+        donate_argnames=("cache", "penalty_state"),
+    )
+    fwd = jax.jit(
+        forward,
+        static_argnames=("cfg", "attention", "all_logits", "matmul"),
+        donate_argnames=("cache",),
+    )
     write = jax.jit(write_kv, donate_argnames=("cache",))
 
-    print(f"model {'tiny' if args.quick else 'SmolLM2-135M'} {args.dtype}, quantization {args.quantization}, "
-          f"page_size {args.page_size}, {num_pages} pages ({args.kv_cache_dtype}), attention {impl}")  # fmt: skip
-    print(f"{'shape':>22} {'T':>4} {'S':>3} {'compile s':>9} {'step ms':>8} {'forward':>8} {'no attn':>8} "
-          f"{'attention':>9} {'sampler':>8} {'kv write':>8} {'tok/s':>8}")  # fmt: skip
+    print(
+        f"model {'tiny' if args.quick else 'SmolLM2-135M'} {args.dtype}, quantization {args.quantization}, "
+        f"page_size {args.page_size}, {num_pages} pages ({args.kv_cache_dtype}), attention {impl}"
+    )
+    print(
+        f"{'shape':>22} {'T':>4} {'S':>3} {'compile s':>9} {'step ms':>8} {'forward':>8} {'no attn':>8} "
+        f"{'attention':>9} {'sampler':>8} {'kv write':>8} {'tok/s':>8}"
+    )
     for text, group in zip(shapes, groups):
         chunks = make_chunks(rng, group, args.page_size, num_pages)
         tokens = sum(len(c.token_ids) for c in chunks)
         T = bucket_for(tokens, engine.token_buckets)
         S = bucket_for(len(chunks), engine.seq_buckets(T))
         batch = build_step_batch(chunks, args.page_size, T, S, engine.num_listed_pages(S))
-        sampling = make_sampling_arrays([(SamplingParams(temperature=0.8, top_p=0.9), 1, 0, 0)] * len(chunks), S, cfg.vocab_size)
-        rows = PenaltyRows(np.full(S, args.max_num_seqs, np.int32), np.zeros(S, np.int32), np.bool_(False))
+        sampling = make_sampling_arrays(
+            [(SamplingParams(temperature=0.8, top_p=0.9), 1, 0, 0)] * len(chunks), S, cfg.vocab_size
+        )
+        rows = PenaltyRows(
+            np.full(S, args.max_num_seqs, np.int32), np.zeros(S, np.int32), np.bool_(False)
+        )
 
         def timed(run) -> float:
             run()
@@ -169,13 +241,25 @@ def main(argv=None) -> None:
             return 1e3 * float(np.median(times))
 
         t0 = time.perf_counter()
-        program = step_fn.lower(params, cache, penalty_state, fed_back, batch, sampling, rows, cfg=cfg,
-                                attention=impl, matmul=matmul).compile()  # fmt: skip
+        program = step_fn.lower(
+            params,
+            cache,
+            penalty_state,
+            fed_back,
+            batch,
+            sampling,
+            rows,
+            cfg=cfg,
+            attention=impl,
+            matmul=matmul,
+        ).compile()
         compile_s = time.perf_counter() - t0
 
         def run_step() -> None:
             nonlocal cache, penalty_state
-            result, cache, penalty_state, _ = program(params, cache, penalty_state, fed_back, batch, sampling, rows)
+            result, cache, penalty_state, _ = program(
+                params, cache, penalty_state, fed_back, batch, sampling, rows
+            )
             result.tokens.block_until_ready()
 
         def run_forward(impl: str) -> None:
@@ -194,9 +278,11 @@ def main(argv=None) -> None:
         fwd_ms = timed(lambda: run_forward(impl))
         bare_ms = timed(lambda: run_forward("none"))
         write_ms = timed(run_write)
-        print(f"{text:>22} {T:>4} {S:>3} {compile_s:>9.2f} {step_ms:>8.1f} {fwd_ms:>8.1f} {bare_ms:>8.1f} "
-              f"{fwd_ms - bare_ms:>9.1f} {step_ms - fwd_ms:>8.1f} {write_ms:>8.1f} {tokens / step_ms * 1e3:>8.1f}",
-              flush=True)  # fmt: skip
+        print(
+            f"{text:>22} {T:>4} {S:>3} {compile_s:>9.2f} {step_ms:>8.1f} {fwd_ms:>8.1f} {bare_ms:>8.1f} "
+            f"{fwd_ms - bare_ms:>9.1f} {step_ms - fwd_ms:>8.1f} {write_ms:>8.1f} {tokens / step_ms * 1e3:>8.1f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -22,10 +22,19 @@ def default_text_files() -> list[tuple[Path, dict[str, Any]]]:
     found = []
     for dist_name, file_name in DEFAULT_TEXTS:
         dist = md.distribution(dist_name)
-        files = sorted((f for f in dist.files or [] if f.name == file_name and ".dist-info" in str(f)), key=str)
+        files = sorted(
+            (f for f in dist.files or [] if f.name == file_name and ".dist-info" in str(f)), key=str
+        )
         if not files:
-            raise SystemExit(f"{dist_name} {dist.version} has no {file_name} in its dist-info; pass --text FILE")
-        found.append((Path(files[0].locate()), {"package": dist_name, "version": dist.version, "file": str(files[0])}))
+            raise SystemExit(
+                f"{dist_name} {dist.version} has no {file_name} in its dist-info; pass --text FILE"
+            )
+        found.append(
+            (
+                Path(files[0].locate()),
+                {"package": dist_name, "version": dist.version, "file": str(files[0])},
+            )
+        )
     return found
 
 
@@ -37,11 +46,15 @@ def read_text(files: list[str] | None) -> tuple[str, list[dict[str, Any]]]:
     for path, info in found:
         body = path.read_text(encoding="utf-8")
         parts.append(body)
-        sources.append({**info, "chars": len(body), "sha256": hashlib.sha256(body.encode()).hexdigest()})
+        sources.append(
+            {**info, "chars": len(body), "sha256": hashlib.sha256(body.encode()).hexdigest()}
+        )
     return "\n\n".join(parts), sources
 
 
-def score_text(runner, ids: list[int], window: int, chunk: int, ref_dir: Path, is_reference: bool) -> dict[str, Any]:
+def score_text(
+    runner, ids: list[int], window: int, chunk: int, ref_dir: Path, is_reference: bool
+) -> dict[str, Any]:
     """Perplexity, and KL / top-1 agreement against the reference's saved logprobs, of `ids` in
     non-overlapping windows, each fed in `chunk`-token steps through the runner's own params,
     matmul, attention and KV cache (pages 1.. of the idle engine's cache): every chunk after
@@ -55,7 +68,12 @@ def score_text(runner, ids: list[int], window: int, chunk: int, ref_dir: Path, i
 
     cfg, ps = runner.model_config, runner.config.page_size
     pages = list(range(1, -(-window // ps) + 1))
-    static = {"cfg": cfg, "attention": runner.attention, "matmul": runner.matmul, "all_logits": True}
+    static = {
+        "cfg": cfg,
+        "attention": runner.attention,
+        "matmul": runner.matmul,
+        "all_logits": True,
+    }
     log_softmax = jax.jit(lambda x: jax.nn.log_softmax(x.astype(jax.numpy.float32), axis=-1))
     nll, kl, agree = [], [], []
     start = time.perf_counter()
@@ -77,8 +95,11 @@ def score_text(runner, ids: list[int], window: int, chunk: int, ref_dir: Path, i
         kl.append(np.sum(np.exp(ref) * (ref - lp), axis=-1))
         agree.append(ref.argmax(-1) == lp.argmax(-1))
     nll_all = np.concatenate(nll)
-    out = {"perplexity": float(np.exp(nll_all.mean())), "scored_predictions": int(nll_all.size),
-           "scoring_s": time.perf_counter() - start}  # fmt: skip
+    out = {
+        "perplexity": float(np.exp(nll_all.mean())),
+        "scored_predictions": int(nll_all.size),
+        "scoring_s": time.perf_counter() - start,
+    }
     if is_reference:  # against itself, by definition
         out.update(mean_kl=0.0, max_kl=0.0, top1_agreement=1.0)
     else:
@@ -94,8 +115,10 @@ def greedy_outputs(llm, prompts: list[list[int]], max_tokens: int) -> dict[str, 
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=TOP_K)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    return {"token_ids": [o.outputs[0].token_ids for o in outs],
-            "top_ids": [[sorted(map(int, step)) for step in o.outputs[0].logprobs] for o in outs]}  # fmt: skip
+    return {
+        "token_ids": [o.outputs[0].token_ids for o in outs],
+        "top_ids": [[sorted(map(int, step)) for step in o.outputs[0].logprobs] for o in outs],
+    }
 
 
 def compare_greedy(ref: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
@@ -105,7 +128,9 @@ def compare_greedy(ref: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]
     the other run's top-k there; outputs that never differ pass."""
     positions = matches = identical = passed = 0
     first_diff: list[int | None] = []
-    for ref_ids, ids, ref_top, top in zip(ref["token_ids"], other["token_ids"], ref["top_ids"], other["top_ids"]):
+    for ref_ids, ids, ref_top, top in zip(
+        ref["token_ids"], other["token_ids"], ref["top_ids"], other["top_ids"]
+    ):
         positions += len(ref_ids)
         matches += sum(a == b for a, b in zip(ref_ids, ids))
         d = next((i for i, (a, b) in enumerate(zip(ref_ids, ids)) if a != b), None)

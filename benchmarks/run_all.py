@@ -30,14 +30,54 @@ QUANT_START, QUANT_END = "<!-- quant:start -->", "<!-- quant:end -->"  # bench_q
 # name -> script arguments. Sizes are chosen so the whole suite fits in about 70 minutes here.
 SUITE: dict[str, list[str]] = {
     "throughput": ["bench_throughput.py", "--preset", "mixed", "--hf-batch", "8"],
-    "throughput_bf16": ["bench_throughput.py", "--preset", "chat", "--num-prompts", "16", "--dtype", "bfloat16",
-                        "--hf-batch", "8", "--out", str(RESULTS / "throughput_bf16.json")],  # fmt: skip
+    "throughput_bf16": [
+        "bench_throughput.py",
+        "--preset",
+        "chat",
+        "--num-prompts",
+        "16",
+        "--dtype",
+        "bfloat16",
+        "--hf-batch",
+        "8",
+        "--out",
+        str(RESULTS / "throughput_bf16.json"),
+    ],
     "decode": ["bench_decode.py", "--tokens", "128", "--reps", "3"],
     "roofline": ["bench_roofline.py"],
-    "latency": ["bench_latency.py", "--preset", "chat", "--num-prompts", "16", "--concurrency", "1", "2", "4", "8",
-                "16", "32"],  # fmt: skip
-    "serving": ["load_test.py", "--launch", "--preset", "chat", "--requests", "48", "--concurrency-sweep", "1", "2", "4",
-                "8", "16", "32", "--server-args", "--max-num-seqs 16", "--out", str(RESULTS / "serving.json")],  # fmt: skip
+    "latency": [
+        "bench_latency.py",
+        "--preset",
+        "chat",
+        "--num-prompts",
+        "16",
+        "--concurrency",
+        "1",
+        "2",
+        "4",
+        "8",
+        "16",
+        "32",
+    ],
+    "serving": [
+        "load_test.py",
+        "--launch",
+        "--preset",
+        "chat",
+        "--requests",
+        "48",
+        "--concurrency-sweep",
+        "1",
+        "2",
+        "4",
+        "8",
+        "16",
+        "32",
+        "--server-args",
+        "--max-num-seqs 16",
+        "--out",
+        str(RESULTS / "serving.json"),
+    ],
     "memory": ["bench_memory.py", "--preset", "mixed", "--num-prompts", "32"],
     "ablations": ["bench_ablations.py", "--preset", "mixed", "--num-prompts", "24"],
     "interference": ["bench_interference.py"],
@@ -77,65 +117,156 @@ def summary() -> str:
     rows: list[tuple[str, ...]] = []
     tp = _load("throughput") or {}
     ours, hf = tp.get("ours", {}), tp.get("hf", {})
-    rows.append(("offline throughput, output tok/s (mixed, fp32)", _fmt(ours.get("output_tok_s")),
-                 _fmt(hf.get("output_tok_s")), _fmt(tp.get("speedup"), 2) + "x",
-                 *_peer_cells(tp, ours.get("output_tok_s"), lambda c: c.get("output_tok_s"))))  # fmt: skip
-    rows.append(("offline throughput, total tok/s", _fmt(ours.get("total_tok_s")), _fmt(hf.get("total_tok_s")), "",
-                 *_peer_cells(tp, ours.get("total_tok_s"), lambda c: c.get("total_tok_s"))))  # fmt: skip
+    rows.append(
+        (
+            "offline throughput, output tok/s (mixed, fp32)",
+            _fmt(ours.get("output_tok_s")),
+            _fmt(hf.get("output_tok_s")),
+            _fmt(tp.get("speedup"), 2) + "x",
+            *_peer_cells(tp, ours.get("output_tok_s"), lambda c: c.get("output_tok_s")),
+        )
+    )
+    rows.append(
+        (
+            "offline throughput, total tok/s",
+            _fmt(ours.get("total_tok_s")),
+            _fmt(hf.get("total_tok_s")),
+            "",
+            *_peer_cells(tp, ours.get("total_tok_s"), lambda c: c.get("total_tok_s")),
+        )
+    )
     bf = _load("throughput_bf16") or {}
-    rows.append(("offline throughput, output tok/s (chat, bf16)", _fmt(bf.get("ours", {}).get("output_tok_s")),
-                 _fmt(bf.get("hf", {}).get("output_tok_s")), _fmt(bf.get("speedup"), 2) + "x"))  # fmt: skip
+    rows.append(
+        (
+            "offline throughput, output tok/s (chat, bf16)",
+            _fmt(bf.get("ours", {}).get("output_tok_s")),
+            _fmt(bf.get("hf", {}).get("output_tok_s")),
+            _fmt(bf.get("speedup"), 2) + "x",
+        )
+    )
     dec = _load("decode") or {}
     ours_dec = dec.get("ours", {}).get("decode_tok_s")
-    rows.append(("batch-1 greedy decode, tok/s", _fmt(ours_dec), _fmt(dec.get("hf", {}).get("decode_tok_s")),
-                 _fmt(dec.get("speedup"), 2) + "x",
-                 *_peer_cells(dec, ours_dec, lambda c: c.get("decode_tok_s"))))  # fmt: skip
+    rows.append(
+        (
+            "batch-1 greedy decode, tok/s",
+            _fmt(ours_dec),
+            _fmt(dec.get("hf", {}).get("decode_tok_s")),
+            _fmt(dec.get("speedup"), 2) + "x",
+            *_peer_cells(dec, ours_dec, lambda c: c.get("decode_tok_s")),
+        )
+    )
     lat = _load("latency") or {}
     ms = lambda d, k: None if d is None or d.get(k) is None else 1e3 * d[k]  # noqa: E731
 
     def ttft8(side: dict | None) -> str:
-        t = next((lv["ttft_s"] for lv in (side or {}).get("levels", []) if lv["concurrency"] == 8), None)
+        t = next(
+            (lv["ttft_s"] for lv in (side or {}).get("levels", []) if lv["concurrency"] == 8), None
+        )
         return f"{_fmt(ms(t, 'p50'), 0)} / {_fmt(ms(t, 'p99'), 0)}"
 
-    peer8 = "; ".join(f"{v.upper()}: {ttft8(side)}" for v, side in sorted((lat.get("llamacpp") or {}).items()))
-    rows.append(("TTFT p50 / p99 at concurrency 8, ms (chat)", ttft8(lat.get("ours")), ttft8(lat.get("hf")), "",
-                 peer8, ""))  # fmt: skip
+    peer8 = "; ".join(
+        f"{v.upper()}: {ttft8(side)}" for v, side in sorted((lat.get("llamacpp") or {}).items())
+    )
+    rows.append(
+        (
+            "TTFT p50 / p99 at concurrency 8, ms (chat)",
+            ttft8(lat.get("ours")),
+            ttft8(lat.get("hf")),
+            "",
+            peer8,
+            "",
+        )
+    )
     mem = _load("memory") or {}
     gib = lambda b: None if b is None else b / 2**30  # noqa: E731
-    rows.append(("params + KV pool, GiB", _fmt(gib((mem.get("params") or {}).get("bytes")), 2) + " + "
-                 + _fmt(gib((mem.get("kv_pool") or {}).get("bytes")), 2), "", ""))  # fmt: skip
-    rows.append(("peak host RSS, GiB", _fmt(gib((mem.get("host_rss") or {}).get("peak_rss_bytes")), 2),
-                 _fmt(gib((mem.get("hf") or {}).get("peak_rss_bytes")), 2), ""))  # fmt: skip
+    rows.append(
+        (
+            "params + KV pool, GiB",
+            _fmt(gib((mem.get("params") or {}).get("bytes")), 2)
+            + " + "
+            + _fmt(gib((mem.get("kv_pool") or {}).get("bytes")), 2),
+            "",
+            "",
+        )
+    )
+    rows.append(
+        (
+            "peak host RSS, GiB",
+            _fmt(gib((mem.get("host_rss") or {}).get("peak_rss_bytes")), 2),
+            _fmt(gib((mem.get("hf") or {}).get("peak_rss_bytes")), 2),
+            "",
+        )
+    )
     roof = _load("roofline") or {}
     point = (roof.get("points") or {}).get("decode b=1 (LLM engine)") or {}
     frac = point.get("fraction_of_bound")
-    rows.append(("batch-1 engine decode, share of the bandwidth bound",
-                 _fmt(None if frac is None else 100 * frac, 0) + "%", "", ""))  # fmt: skip
+    rows.append(
+        (
+            "batch-1 engine decode, share of the bandwidth bound",
+            _fmt(None if frac is None else 100 * frac, 0) + "%",
+            "",
+            "",
+        )
+    )
     inter = _load("interference") or {}
     med = inter.get("median") or {}
     ratio = med.get("ratio_worst_gap_to_itl_p50")
     gap = "n/a" if not med else f"{_fmt(ms(med, 'worst_gap_s'), 0)} ({_fmt(ratio)}x ITL p50)"
-    rows.append(("worst stream gap while a 1,500-token prompt prefills, ms (target <= 2x ITL p50)", gap, "", ""))
+    rows.append(
+        (
+            "worst stream gap while a 1,500-token prompt prefills, ms (target <= 2x ITL p50)",
+            gap,
+            "",
+            "",
+        )
+    )
     start = _load("startup") or {}
-    rows.append(("server start-up to /health 200, cold / warm caches, s (targets <= 60 / 15)",
-                 f"{_fmt(start.get('cold_s'))} / {_fmt(start.get('warm_s'))}", "", ""))  # fmt: skip
+    rows.append(
+        (
+            "server start-up to /health 200, cold / warm caches, s (targets <= 60 / 15)",
+            f"{_fmt(start.get('cold_s'))} / {_fmt(start.get('warm_s'))}",
+            "",
+            "",
+        )
+    )
     dcd = _load("decoding") or {}
     beam = (dcd.get("beam_search") or {}).get("batch_1") or {}
-    rows.append(("beam search (k = 4), batch 1, tok/s", _fmt(beam.get("ours_tok_s")), _fmt(beam.get("hf_tok_s")),
-                 _fmt(beam["ours_tok_s"] / beam["hf_tok_s"], 2) + "x" if beam else "n/a"))  # fmt: skip
+    rows.append(
+        (
+            "beam search (k = 4), batch 1, tok/s",
+            _fmt(beam.get("ours_tok_s")),
+            _fmt(beam.get("hf_tok_s")),
+            _fmt(beam["ours_tok_s"] / beam["hf_tok_s"], 2) + "x" if beam else "n/a",
+        )
+    )
     spec = (dcd.get("speculative") or {}).get("grounded_batch_1") or {}
-    rows.append(("n-gram speculation, batch-1 decode, input-grounded, tok/s with / without",
-                 f"{_fmt(spec.get('ngram', {}).get('decode_tok_s'))} / {_fmt(spec.get('off', {}).get('decode_tok_s'))}",
-                 "", _fmt(spec.get("decode_speedup"), 2) + "x"))  # fmt: skip
+    rows.append(
+        (
+            "n-gram speculation, batch-1 decode, input-grounded, tok/s with / without",
+            f"{_fmt(spec.get('ngram', {}).get('decode_tok_s'))} / {_fmt(spec.get('off', {}).get('decode_tok_s'))}",
+            "",
+            _fmt(spec.get("decode_speedup"), 2) + "x",
+        )
+    )
     kv = _load("kv_tiers") or {}
     modes = {r["mode"]: r["elapsed_s"] for r in (kv.get("preemption") or {}).get("rows", [])}
-    rows.append(("preemption-heavy workload, completion s: recompute / swap / auto",
-                 " / ".join(_fmt(modes.get(m)) for m in ("recompute", "swap", "auto")), "",
-                 _fmt(modes["recompute"] / modes["swap"], 2) + "x" if modes else "n/a"))  # fmt: skip
+    rows.append(
+        (
+            "preemption-heavy workload, completion s: recompute / swap / auto",
+            " / ".join(_fmt(modes.get(m)) for m in ("recompute", "swap", "auto")),
+            "",
+            _fmt(modes["recompute"] / modes["swap"], 2) + "x" if modes else "n/a",
+        )
+    )
     tiers = {r["tier"]: r["ttft_s"]["p50"] for r in (kv.get("restart") or {}).get("rows", [])}
-    rows.append(("TTFT p50 of the first requests after a server restart, ms: disk tier / none",
-                 f"{_fmt(ms(tiers, 'disk'), 0)} / {_fmt(ms(tiers, 'none'), 0)}", "",
-                 _fmt(tiers["none"] / tiers["disk"], 2) + "x" if len(tiers) == 2 else "n/a"))  # fmt: skip
+    rows.append(
+        (
+            "TTFT p50 of the first requests after a server restart, ms: disk tier / none",
+            f"{_fmt(ms(tiers, 'disk'), 0)} / {_fmt(ms(tiers, 'none'), 0)}",
+            "",
+            _fmt(tiers["none"] / tiers["disk"], 2) + "x" if len(tiers) == 2 else "n/a",
+        )
+    )
     res = _load("resilience") or {}
     rows += _resilience_rows(res)
     header = ["metric", "minivllm-jax (XLA)", "HF transformers (PyTorch)", "ratio"]
@@ -145,11 +276,24 @@ def summary() -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     machine = tp.get("machine") or dec.get("machine") or {}
-    stamps = sorted(r["timestamp"] for r in (tp, bf, dec, lat, mem, roof, inter, start, dcd, kv, res) if r.get("timestamp"))
-    when = "not run yet" if not stamps else stamps[0] if stamps[0] == stamps[-1] else (
-        f"from {stamps[0]} to {stamps[-1]} (rows rerun with `--only` keep their own timestamps)")
-    lines.append(f"\nMeasured {when} on {machine.get('cpu', '?')}, {machine.get('cpu_count', '?')} cores, "
-                 f"{machine.get('mem_gib', '?')} GiB (`python benchmarks/run_all.py`).")  # fmt: skip
+    stamps = sorted(
+        r["timestamp"]
+        for r in (tp, bf, dec, lat, mem, roof, inter, start, dcd, kv, res)
+        if r.get("timestamp")
+    )
+    when = (
+        "not run yet"
+        if not stamps
+        else stamps[0]
+        if stamps[0] == stamps[-1]
+        else (
+            f"from {stamps[0]} to {stamps[-1]} (rows rerun with `--only` keep their own timestamps)"
+        )
+    )
+    lines.append(
+        f"\nMeasured {when} on {machine.get('cpu', '?')}, {machine.get('cpu_count', '?')} cores, "
+        f"{machine.get('mem_gib', '?')} GiB (`python benchmarks/run_all.py`)."
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -164,13 +308,30 @@ def _resilience_rows(res: dict) -> list[tuple[str, ...]]:
 
     abused = [p for name, p in phases.items() if name != "alone"]
     worst = min(abused, key=lambda p: p["good"]["goodput"] or 0) if abused else None
-    goodput = "n/a" if not phases else (f"{pct(phases['alone']) if 'alone' in phases else 'n/a'} / "
-                                        f"{pct(worst) if worst else 'n/a'}; {res.get('lost_good_requests')} lost")  # fmt: skip
+    goodput = (
+        "n/a"
+        if not phases
+        else (
+            f"{pct(phases['alone']) if 'alone' in phases else 'n/a'} / "
+            f"{pct(worst) if worst else 'n/a'}; {res.get('lost_good_requests')} lost"
+        )
+    )
     health = res.get("health_worst_s_during_tool_bombs")
-    return [("good-traffic goodput at concurrency 16 (TTFT <= 2 s, TPOT <= 100 ms): alone / worst beside abuse; "
-             "good requests lost", goodput, "", ""),
-            ("/health worst latency while 800 KB tool-bomb requests arrive, ms",
-             _fmt(None if health is None else 1e3 * health, 0), "", "")]  # fmt: skip
+    return [
+        (
+            "good-traffic goodput at concurrency 16 (TTFT <= 2 s, TPOT <= 100 ms): alone / worst beside abuse; "
+            "good requests lost",
+            goodput,
+            "",
+            "",
+        ),
+        (
+            "/health worst latency while 800 KB tool-bomb requests arrive, ms",
+            _fmt(None if health is None else 1e3 * health, 0),
+            "",
+            "",
+        ),
+    ]
 
 
 def _write_between(path: Path, start: str, end: str, table: str) -> None:
@@ -197,7 +358,9 @@ def quant_report(readmes: list[Path]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--only", nargs="+", choices=sorted(SUITE), help="run just these entries")
     p.add_argument("--report", action="store_true", help="skip the runs; rebuild the summary only")
     args = p.parse_args(argv)

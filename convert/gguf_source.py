@@ -7,8 +7,9 @@ rotate-half RoPE (and ours) expects the original order, so that permutation is u
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -17,11 +18,16 @@ from convert.source import Source, TensorEntry
 
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}  # fmt: skip
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
 SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
 # GGML block types whose values are our int4 layout exactly (`minivllm_jax.quantization`):
 # 32 values a block with a float16 scale and minimum (Q4_0: minimum = -8 * scale).
@@ -60,9 +66,13 @@ def gguf_hf_config(path: Path) -> dict[str, Any]:
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        config = AutoConfig.from_pretrained(
+            str(path.parent), gguf_file=path.name, local_files_only=True
+        )
     except Exception as e:  # transformers raises assorted types for bad metadata
-        raise ConversionError(f"{path}: transformers could not read the config from the GGUF metadata: {e}") from e
+        raise ConversionError(
+            f"{path}: transformers could not read the config from the GGUF metadata: {e}"
+        ) from e
     hf = config.to_dict()
     hf.pop("_name_or_path", None)
     if not hf.get("architectures") and hf.get("model_type") == "llama":
@@ -76,7 +86,9 @@ def open_gguf(path: Path) -> Iterator[Source]:
 
     try:
         reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # truncated or foreign files surface as ValueError/IndexError/struct errors
+    except (
+        Exception
+    ) as e:  # truncated or foreign files surface as ValueError/IndexError/struct errors
         raise CorruptCheckpointError(f"{path} is not a readable GGUF file (truncated?): {e}") from e
     arch = gguf_architecture(reader)
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
@@ -86,14 +98,19 @@ def open_gguf(path: Path) -> Iterator[Source]:
     hf_config = gguf_hf_config(path)
     heads = {
         ".self_attn.q_proj.": hf_config["num_attention_heads"],
-        ".self_attn.k_proj.": hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"],
+        ".self_attn.k_proj.": hf_config.get("num_key_value_heads")
+        or hf_config["num_attention_heads"],
     }
     entries = []
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims fastest-first
         n_heads = next((h for key, h in heads.items() if key in name), None)
-        entries.append(TensorEntry(name, shape, _loader(tensor, shape, n_heads, path), f"{path.name}:{tensor.name}"))
+        entries.append(
+            TensorEntry(
+                name, shape, _loader(tensor, shape, n_heads, path), f"{path.name}:{tensor.name}"
+            )
+        )
     yield Source(hf_config, entries)
 
 
@@ -104,21 +121,29 @@ def _loader(tensor, shape: tuple[int, ...], n_heads: int | None, path: Path):
         try:
             w = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
         except NotImplementedError as e:
-            raise ConversionError(f"{path.name}: {tensor.name} has GGUF type {tensor.tensor_type.name}: {e}") from e
+            raise ConversionError(
+                f"{path.name}: {tensor.name} has GGUF type {tensor.tensor_type.name}: {e}"
+            ) from e
         except ValueError as e:
-            raise CorruptCheckpointError(f"{path.name}: cannot decode {tensor.name} (truncated?): {e}") from e
+            raise CorruptCheckpointError(
+                f"{path.name}: cannot decode {tensor.name} (truncated?): {e}"
+            ) from e
         return unpermute_rotary(w, n_heads) if n_heads else w
 
     return load
 
 
-def int4_blocks(data: np.ndarray, type_name: str, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def int4_blocks(
+    data: np.ndarray, type_name: str, rows: int, cols: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A Q4_0/Q4_1 tensor's raw bytes (`[rows, blocks * block_bytes]`, blocks along `cols`) as
     `q` uint8 `[rows, cols]` in 0..15 and float32 `scales`, `mins` `[rows, cols / 32]`, with
     `w = q * scale + min` the value GGML's dequantizer gives. A block is a float16 scale `d`,
     for Q4_1 a float16 minimum `m`, then 16 bytes: byte j holds value j (low nibble) and j + 16."""
     if type_name not in INT4_BLOCK_TYPES:
-        raise ValueError(f"not an int4 block type: {type_name} (supported: {', '.join(INT4_BLOCK_TYPES)})")
+        raise ValueError(
+            f"not an int4 block type: {type_name} (supported: {', '.join(INT4_BLOCK_TYPES)})"
+        )
     head = 4 if type_name == "Q4_1" else 2
     blocks = np.ascontiguousarray(data, np.uint8).reshape(rows, cols // _BLOCK_VALUES, head + 16)
     scales = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
@@ -143,24 +168,44 @@ def read_int4_projections(path: Path, num_layers: int) -> dict[str, dict[str, np
 
     reader = gguf.GGUFReader(str(path))
     hf_config = gguf_hf_config(path)
-    heads = {"q_proj": hf_config["num_attention_heads"],
-             "k_proj": hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"]}  # fmt: skip
+    heads = {
+        "q_proj": hf_config["num_attention_heads"],
+        "k_proj": hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"],
+    }
     per_layer: dict[str, list] = {}
     for tensor in reader.tensors:
         parts = hf_name(tensor.name).split(".")
-        if len(parts) != 6 or parts[:2] != ["model", "layers"] or parts[4] not in _PROJECTIONS or parts[5] != "weight":
+        if (
+            len(parts) != 6
+            or parts[:2] != ["model", "layers"]
+            or parts[4] not in _PROJECTIONS
+            or parts[5] != "weight"
+        ):
             continue  # norms, embedding and head (and biases) keep the float path
         layer, name = int(parts[2]), parts[4]
         if tensor.tensor_type.name not in INT4_BLOCK_TYPES:
-            raise ConversionError(f"{path.name}: {tensor.name} is {tensor.tensor_type.name}, not one of "
-                                  f"{', '.join(INT4_BLOCK_TYPES)}; use quantization='int4' or 'int8' for this file")  # fmt: skip
+            raise ConversionError(
+                f"{path.name}: {tensor.name} is {tensor.tensor_type.name}, not one of "
+                f"{', '.join(INT4_BLOCK_TYPES)}; use quantization='int4' or 'int8' for this file"
+            )
         cols, rows = (int(n) for n in tensor.shape)  # GGUF lists dims fastest-first: [in, out]
         q, scales, mins = int4_blocks(tensor.data, tensor.tensor_type.name, rows, cols)
         if name in heads:
             q, scales, mins = (unpermute_rotary(a, heads[name]) for a in (q, scales, mins))
         per_layer.setdefault(name, [None] * num_layers)[layer] = {
-            "qweight4": pack_int4(q.T), "scales": np.ascontiguousarray(scales.T), "mins": np.ascontiguousarray(mins.T)}
-    missing = [f"{name}[{i}]" for name, layers in per_layer.items() for i, x in enumerate(layers) if x is None]
+            "qweight4": pack_int4(q.T),
+            "scales": np.ascontiguousarray(scales.T),
+            "mins": np.ascontiguousarray(mins.T),
+        }
+    missing = [
+        f"{name}[{i}]"
+        for name, layers in per_layer.items()
+        for i, x in enumerate(layers)
+        if x is None
+    ]
     if missing:
         raise ConversionError(f"{path.name}: projections missing: {', '.join(missing[:8])}")
-    return {name: {key: np.stack([x[key] for x in layers]) for key in layers[0]} for name, layers in per_layer.items()}
+    return {
+        name: {key: np.stack([x[key] for x in layers]) for key in layers[0]}
+        for name, layers in per_layer.items()
+    }

@@ -8,7 +8,12 @@ from typing import Any
 
 from convert.gguf_source import read_int4_projections
 from convert.resolve import MODEL_ALIASES, alias_source
-from minivllm_jax.quantization import LLM_QUANTIZATIONS, quantize_head, quantize_params, with_int4_projections
+from minivllm_jax.quantization import (
+    LLM_QUANTIZATIONS,
+    quantize_head,
+    quantize_params,
+    with_int4_projections,
+)
 
 
 def gguf_source_of(model: str | Path) -> Path:
@@ -16,17 +21,26 @@ def gguf_source_of(model: str | Path) -> Path:
     quantization='gguf'; anything else is a ValueError saying what to use."""
     path = alias_source(str(model)) if str(model) in MODEL_ALIASES else Path(model).expanduser()
     if path.suffix != ".gguf" or not path.is_file():
-        raise ValueError(f"quantization='gguf' serves a GGUF file's own 4-bit blocks; {str(model)!r} is not a GGUF "
-                         "model (an alias of one or a .gguf path): use quantization='int4' or 'int8'")  # fmt: skip
+        raise ValueError(
+            f"quantization='gguf' serves a GGUF file's own 4-bit blocks; {str(model)!r} is not a GGUF "
+            "model (an alias of one or a .gguf path): use quantization='int4' or 'int8'"
+        )
     return path
 
 
-def quantize_model_params(params: dict[str, Any], scheme: str | None, source: str | Path, num_layers: int,
-                          group_size: int = 32) -> dict[str, Any]:  # fmt: skip
+def quantize_model_params(
+    params: dict[str, Any],
+    scheme: str | None,
+    source: str | Path,
+    num_layers: int,
+    group_size: int = 32,
+) -> dict[str, Any]:
     """Stacked float params of the model read from `source` with its projections quantized by
     `scheme` (one of `LLM_QUANTIZATIONS`, or None: unchanged)."""
     if scheme is not None and scheme not in LLM_QUANTIZATIONS:
         raise ValueError(f"unknown quantization {scheme!r}; use one of {LLM_QUANTIZATIONS} or None")
     if scheme == "gguf":
-        return quantize_head(with_int4_projections(params, read_int4_projections(gguf_source_of(source), num_layers)))
+        return quantize_head(
+            with_int4_projections(params, read_int4_projections(gguf_source_of(source), num_layers))
+        )
     return quantize_params(params, scheme, group_size)

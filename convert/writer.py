@@ -27,7 +27,9 @@ def _check_out(out: Path, overwrite: bool) -> None:
     if out.is_file():
         raise OutputExistsError(f"output {out} is a file; expected a new or empty directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise OutputExistsError(f"output directory {out} exists and is not empty (use --overwrite to replace it)")
+        raise OutputExistsError(
+            f"output directory {out} exists and is not empty (use --overwrite to replace it)"
+        )
 
 
 def _save_tokenizer(src: Path, dst: Path) -> None:
@@ -36,7 +38,10 @@ def _save_tokenizer(src: Path, dst: Path) -> None:
 
     if src.is_dir():
         if not any((src / name).is_file() for name in _TOKENIZER_FILES):
-            warnings.warn(f"{src} has no tokenizer files; the converted model will accept token ids only")
+            warnings.warn(
+                f"{src} has no tokenizer files; the converted model will accept token ids only",
+                stacklevel=2,
+            )
             return
         folder, kwargs = src, {}
     else:
@@ -45,7 +50,9 @@ def _save_tokenizer(src: Path, dst: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, **kwargs)
         tokenizer.save_pretrained(str(dst))
     except Exception as e:  # transformers raises many types; the cause matters more than the type
-        raise ConversionError(f"could not convert the tokenizer of {src}: {type(e).__name__}: {e}") from e
+        raise ConversionError(
+            f"could not convert the tokenizer of {src}: {type(e).__name__}: {e}"
+        ) from e
     if src.is_dir() and (src / "generation_config.json").is_file():
         shutil.copy2(src / "generation_config.json", dst / "generation_config.json")
 
@@ -62,7 +69,9 @@ def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
         os.rename(tmp, out)
     except OSError as e:
         if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
-            raise OutputExistsError(f"output directory {out} appeared while converting; left it untouched") from e
+            raise OutputExistsError(
+                f"output directory {out} appeared while converting; left it untouched"
+            ) from e
         raise
 
 
@@ -88,8 +97,13 @@ def convert_checkpoint(
         tmp.chmod(0o755)  # mkdtemp makes it private; OUT should be readable like any model dir
         hf_config, params = read_checkpoint(src, dtype=dtype, progress=progress)
         if quantize is not None:
-            params = quantize_model_params(params, quantize, src, hf_config["num_hidden_layers"], group_size)
-            hf_config[CHECKPOINT_KEY] = {"scheme": quantize, "group_size": 32 if quantize == "gguf" else group_size}
+            params = quantize_model_params(
+                params, quantize, src, hf_config["num_hidden_layers"], group_size
+            )
+            hf_config[CHECKPOINT_KEY] = {
+                "scheme": quantize,
+                "group_size": 32 if quantize == "gguf" else group_size,
+            }
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
         _save_tokenizer(src, tmp)
         save_params(tmp / "params", params)

@@ -7,5 +7,14 @@ from minivllm_jax.outputs import CompletionOutput, RequestOutput
 from minivllm_jax.sampling_params import SamplingParams
 from minivllm_jax.structured_output import StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "generate",
-           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "generate",
+    "BeamSearchParams",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
+]

@@ -9,7 +9,9 @@ import time
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minivllm_jax", description=__doc__)
-    parser.add_argument("--model", default="smollm2-135m", help="alias, converted dir, HF folder or .gguf")
+    parser.add_argument(
+        "--model", default="smollm2-135m", help="alias, converted dir, HF folder or .gguf"
+    )
     parser.add_argument("--prompt", default="Write a haiku about the sea.")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--raw", action="store_true", help="do not apply the chat template")
@@ -31,7 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.raw:
         ids = tokenizer.encode(args.prompt)
     else:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": args.prompt}], add_generation_prompt=True
+        )
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     stop = set(cfg.eos_token_ids) | ({tokenizer.eos_token_id} - {None})
 

@@ -38,7 +38,13 @@ from jax import lax
 
 from minivllm_jax.batch import StepBatch, token_sequences
 from minivllm_jax.config import ModelConfig
-from minivllm_jax.kv_cache import KVCache, as_stored, from_bits, dequantize_k_blocks, dequantize_v_blocks
+from minivllm_jax.kv_cache import (
+    KVCache,
+    as_stored,
+    dequantize_k_blocks,
+    dequantize_v_blocks,
+    from_bits,
+)
 
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, KVCache, jax.Array, StepBatch], jax.Array]
 
@@ -88,8 +94,16 @@ def _capped(scores: jax.Array, softcap: float | None) -> jax.Array:
     return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
 
 
-def _new_tokens(qf: jax.Array, k_new: jax.Array, v_new: jax.Array, seq: jax.Array, valid: jax.Array,
-                index: jax.Array, softcap: float | None, floor: jax.Array | None) -> Partial:  # fmt: skip
+def _new_tokens(
+    qf: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    seq: jax.Array,
+    valid: jax.Array,
+    index: jax.Array,
+    softcap: float | None,
+    floor: jax.Array | None,
+) -> Partial:
     """Every token against the step's new keys: dense `[T, T]`, masked to its own sequence and
     causally (a sequence's tokens are contiguous and in position order), and to its window."""
     T, KVH, G, hd = qf.shape
@@ -97,7 +111,10 @@ def _new_tokens(qf: jax.Array, k_new: jax.Array, v_new: jax.Array, seq: jax.Arra
     q = qf.transpose(1, 0, 2, 3).reshape(KVH, T * G, hd)
     k = k_new.transpose(1, 0, 2).astype(dtype)  # [KVH, T, hd]
     v = v_new.transpose(1, 0, 2).astype(dtype)
-    scores = _capped(lax.dot_general(q, k, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32), softcap)
+    scores = _capped(
+        lax.dot_general(q, k, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32),
+        softcap,
+    )
     t = jnp.arange(T)
     ok = (seq[:, None] == seq[None, :]) & (t[None, :] <= t[:, None]) & valid[None, :]  # [T, T]
     if floor is not None:
@@ -105,13 +122,21 @@ def _new_tokens(qf: jax.Array, k_new: jax.Array, v_new: jax.Array, seq: jax.Arra
     scores = jnp.where(jnp.repeat(ok, G, axis=0)[None], scores, -jnp.inf)  # rows r = t * G + g
     m = scores.max(-1)
     p = jnp.exp(scores - _safe(m)[..., None])
-    acc = lax.dot_general(p.astype(dtype), v, (((2,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32)
+    acc = lax.dot_general(
+        p.astype(dtype), v, (((2,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32
+    )
     to_tokens = lambda x: x.reshape(KVH, T, G, *x.shape[2:]).swapaxes(0, 1)  # noqa: E731
     return to_tokens(m), to_tokens(p.sum(-1)), to_tokens(acc)
 
 
-def _decode_pages(qf: jax.Array, cache: KVCache, layer: jax.Array, batch: StepBatch, softcap: float | None,
-                  floor: jax.Array | None) -> Partial:  # fmt: skip
+def _decode_pages(
+    qf: jax.Array,
+    cache: KVCache,
+    layer: jax.Array,
+    batch: StepBatch,
+    softcap: float | None,
+    floor: jax.Array | None,
+) -> Partial:
     """Single-token sequences (decodes) against their cached pages, all sequences' pages in one
     flat list walked in chunks: each entry is scored against its owner's one query and the
     softmax parts are summed per token with segment reductions. Work follows the real number of
@@ -123,11 +148,15 @@ def _decode_pages(qf: jax.Array, cache: KVCache, layer: jax.Array, batch: StepBa
     padded = -(-N // chunk) * chunk
     page_ids = jnp.pad(batch.page_ids, (0, padded - N))
     entry = jnp.arange(padded)
-    owner = jnp.clip(jnp.searchsorted(batch.page_start, entry, side="right", method="compare_all") - 1, 0, S - 1)
+    owner = jnp.clip(
+        jnp.searchsorted(batch.page_start, entry, side="right", method="compare_all") - 1, 0, S - 1
+    )
     npages = -(-batch.context_len // ps)
     is_decode = batch.query_len == 1
     live = is_decode[owner] & (entry - batch.page_start[owner] < npages[owner])
-    page_len = jnp.where(live, jnp.clip(batch.context_len[owner] - (entry - batch.page_start[owner]) * ps, 0, ps), 0)
+    page_len = jnp.where(
+        live, jnp.clip(batch.context_len[owner] - (entry - batch.page_start[owner]) * ps, 0, ps), 0
+    )
     token = jnp.clip(batch.query_start[owner], 0, T - 1)
     end = jnp.max(jnp.where(is_decode, batch.page_start + npages, 0))
     dims = ((0, 1), (0, 1))
@@ -138,16 +167,23 @@ def _decode_pages(qf: jax.Array, cache: KVCache, layer: jax.Array, batch: StepBa
         tok, plen = take(token), take(page_len)
         blocks = _block_index(cache.k, layer, take(page_ids))  # [C, KVH]
         k_pages, v_pages = _gather_kv(cache, blocks, qf.dtype)  # [C, KVH, hd, ps], [C, KVH, ps, hd]
-        scores = lax.dot_general(qf[tok], k_pages, (((3,), (2,)), dims), preferred_element_type=jnp.float32)
+        scores = lax.dot_general(
+            qf[tok], k_pages, (((3,), (2,)), dims), preferred_element_type=jnp.float32
+        )
         scores = _capped(scores, softcap)
         ok = jnp.arange(ps) < plen[:, None]  # [C, ps]
         if floor is not None:  # the keys' cache indices against the decode's window
-            ok &= take(entry - batch.page_start[owner])[:, None] * ps + jnp.arange(ps) > floor[tok][:, None]
+            ok &= (
+                take(entry - batch.page_start[owner])[:, None] * ps + jnp.arange(ps)
+                > floor[tok][:, None]
+            )
         scores = jnp.where(ok[:, None, None, :], scores, -jnp.inf)  # [C, KVH, G, ps]
         m_new = jnp.maximum(m, jax.ops.segment_max(scores.max(-1), tok, T, indices_are_sorted=True))
         p = jnp.exp(scores - _safe(m_new)[tok][..., None])
         scale = jnp.exp(m - _safe(m_new))
-        pv = lax.dot_general(p.astype(qf.dtype), v_pages, (((3,), (2,)), dims), preferred_element_type=jnp.float32)
+        pv = lax.dot_general(
+            p.astype(qf.dtype), v_pages, (((3,), (2,)), dims), preferred_element_type=jnp.float32
+        )
         l = l * scale + jax.ops.segment_sum(p.sum(-1), tok, T, indices_are_sorted=True)
         acc = acc * scale[..., None] + jax.ops.segment_sum(pv, tok, T, indices_are_sorted=True)
         return m_new, l, acc
@@ -155,8 +191,14 @@ def _decode_pages(qf: jax.Array, cache: KVCache, layer: jax.Array, batch: StepBa
     return lax.fori_loop(0, -(-end // chunk), body, _empty(T, KVH, G, hd))
 
 
-def _chunk_pages(qf: jax.Array, cache: KVCache, layer: jax.Array, batch: StepBatch, softcap: float | None,
-                 floor: jax.Array | None) -> Partial:  # fmt: skip
+def _chunk_pages(
+    qf: jax.Array,
+    cache: KVCache,
+    layer: jax.Array,
+    batch: StepBatch,
+    softcap: float | None,
+    floor: jax.Array | None,
+) -> Partial:
     """Prompt chunks that have cached context (a chunk continuation, a prefix-cache hit) against
     those pages: tiles of `QUERY_TILE` queries of one sequence, each scored against the
     sequence's pages `TILE_PAGES` at a time with an online softmax. The loops run over real
@@ -169,22 +211,40 @@ def _chunk_pages(qf: jax.Array, cache: KVCache, layer: jax.Array, batch: StepBat
     q_padded = jnp.pad(qf, ((0, tile), (0, 0), (0, 0), (0, 0)))
     floor_padded = None if floor is None else jnp.pad(floor, (0, tile))
     npages = -(-batch.context_len // ps)
-    tiles = jnp.where((batch.query_len > 1) & (batch.context_len > 0), -(-batch.query_len // tile), 0)
+    tiles = jnp.where(
+        (batch.query_len > 1) & (batch.context_len > 0), -(-batch.query_len // tile), 0
+    )
     first_tile = jnp.cumsum(tiles) - tiles
     dims = ((0,), (1,))
 
     def tile_body(i: jax.Array, part: Partial) -> Partial:
-        s = jnp.clip(jnp.searchsorted(first_tile + tiles, i, side="right", method="compare_all"), 0, S - 1)
+        s = jnp.clip(
+            jnp.searchsorted(first_tile + tiles, i, side="right", method="compare_all"), 0, S - 1
+        )
         start = batch.query_start[s] + (i - first_tile[s]) * tile
-        q = lax.dynamic_slice_in_dim(q_padded, start, tile).transpose(1, 0, 2, 3).reshape(KVH, tile * G, hd)
+        q = (
+            lax.dynamic_slice_in_dim(q_padded, start, tile)
+            .transpose(1, 0, 2, 3)
+            .reshape(KVH, tile * G, hd)
+        )
         if floor is not None:  # per row r = t * G + g
-            row_floor = jnp.repeat(lax.dynamic_slice_in_dim(floor_padded, start, tile), G)[:, None, None]
+            row_floor = jnp.repeat(lax.dynamic_slice_in_dim(floor_padded, start, tile), G)[
+                :, None, None
+            ]
 
         def page_body(c: jax.Array, run: Partial) -> Partial:
             m, l, acc = run
-            blocks = _block_index(cache.k, layer, lax.dynamic_slice_in_dim(page_ids, batch.page_start[s] + c * span, span))
-            k_pages, v_pages = _gather_kv(cache, blocks, qf.dtype)  # [span, KVH, hd, ps], [span, KVH, ps, hd]
-            scores = lax.dot_general(q, k_pages, (((2,), (2,)), dims), preferred_element_type=jnp.float32)
+            blocks = _block_index(
+                cache.k,
+                layer,
+                lax.dynamic_slice_in_dim(page_ids, batch.page_start[s] + c * span, span),
+            )
+            k_pages, v_pages = _gather_kv(
+                cache, blocks, qf.dtype
+            )  # [span, KVH, hd, ps], [span, KVH, ps, hd]
+            scores = lax.dot_general(
+                q, k_pages, (((2,), (2,)), dims), preferred_element_type=jnp.float32
+            )
             scores = _capped(scores, softcap)
             key_pos = (c * span + jnp.arange(span))[:, None] * ps + jnp.arange(ps)  # [span, ps]
             ok = key_pos < batch.context_len[s]
@@ -194,13 +254,23 @@ def _chunk_pages(qf: jax.Array, cache: KVCache, layer: jax.Array, batch: StepBat
             m_new = jnp.maximum(m, scores.max((2, 3)))
             p = jnp.exp(scores - _safe(m_new)[..., None, None])
             scale = jnp.exp(m - _safe(m_new))
-            pv = lax.dot_general(p.astype(qf.dtype), v_pages, (((2, 3), (0, 2)), dims),
-                                 preferred_element_type=jnp.float32)  # fmt: skip
+            pv = lax.dot_general(
+                p.astype(qf.dtype),
+                v_pages,
+                (((2, 3), (0, 2)), dims),
+                preferred_element_type=jnp.float32,
+            )
             return m_new, l * scale + p.sum((2, 3)), acc * scale[..., None] + pv
 
-        init = (jnp.full((KVH, tile * G), -jnp.inf), jnp.zeros((KVH, tile * G)), jnp.zeros((KVH, tile * G, hd)))
+        init = (
+            jnp.full((KVH, tile * G), -jnp.inf),
+            jnp.zeros((KVH, tile * G)),
+            jnp.zeros((KVH, tile * G, hd)),
+        )
         run = lax.fori_loop(0, -(-npages[s] // span), page_body, init)
-        rows = start + jnp.arange(tile) < batch.query_start[s] + batch.query_len[s]  # tokens of sequence s
+        rows = (
+            start + jnp.arange(tile) < batch.query_start[s] + batch.query_len[s]
+        )  # tokens of sequence s
         out = []
         for total, new in zip(part, run):
             new = new.reshape(KVH, tile, G, *new.shape[2:]).swapaxes(0, 1)
@@ -223,9 +293,17 @@ def _merge(parts: list[Partial], valid: jax.Array) -> jax.Array:
 
 
 def ragged_paged_attention(
-    q: jax.Array, k_new: jax.Array, v_new: jax.Array, cache: KVCache, layer: jax.Array, batch: StepBatch, *,
-    scale: float | None = None, softcap: float | None = None, window: jax.Array | int | None = None,
-) -> jax.Array:  # fmt: skip
+    q: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    cache: KVCache,
+    layer: jax.Array,
+    batch: StepBatch,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+    window: jax.Array | int | None = None,
+) -> jax.Array:
     """The pure-JAX reference of the contract in the module docstring: three softmax parts
     merged exactly, each doing only real work under static shapes (loop trip counts are
     values): the new tokens among themselves, decodes against their pages, and prompt chunks
@@ -233,17 +311,25 @@ def ragged_paged_attention(
     T, H, hd = q.shape
     KVH = k_new.shape[1]
     G = H // KVH
-    float_pages = jnp.issubdtype(cache.k.dtype, jnp.floating)  # else int8 values or 16-bit float bits
+    float_pages = jnp.issubdtype(
+        cache.k.dtype, jnp.floating
+    )  # else int8 values or 16-bit float bits
     scale = hd**-0.5 if scale is None else scale
     qf = (q.reshape(T, KVH, G, hd) * scale).astype(cache.k.dtype if float_pages else q.dtype)
     seq, valid = token_sequences(batch)
     index = floor = None
     if window is not None:
-        index = batch.context_len[seq] + jnp.arange(T) - batch.query_start[seq]  # each token's cache index
-        floor = jnp.where(window > 0, index - window, -1)  # the highest cache index out of its window
+        index = (
+            batch.context_len[seq] + jnp.arange(T) - batch.query_start[seq]
+        )  # each token's cache index
+        floor = jnp.where(
+            window > 0, index - window, -1
+        )  # the highest cache index out of its window
     k_new, v_new = as_stored(cache, k_new), as_stored(cache, v_new)
-    parts = [_new_tokens(qf, k_new, v_new, seq, valid, index, softcap, floor),
-             _decode_pages(qf, cache, layer, batch, softcap, floor)]  # fmt: skip
+    parts = [
+        _new_tokens(qf, k_new, v_new, seq, valid, index, softcap, floor),
+        _decode_pages(qf, cache, layer, batch, softcap, floor),
+    ]
     if T > 1:  # a one-token step has no prompt chunk
         parts.append(_chunk_pages(qf, cache, layer, batch, softcap, floor))
     return _merge(parts, valid).astype(q.dtype).reshape(T, H, hd)
@@ -263,7 +349,9 @@ ATTENTION_WITH_EXTRAS = ("reference",)
 
 def get_attention(name: str) -> AttentionFn:
     if name not in ATTENTION:
-        raise ValueError(f"unknown attention implementation {name!r}; available: {', '.join(sorted(ATTENTION))}")
+        raise ValueError(
+            f"unknown attention implementation {name!r}; available: {', '.join(sorted(ATTENTION))}"
+        )
     return ATTENTION[name]
 
 
@@ -282,12 +370,18 @@ def resolve_attention(name: str, cfg: ModelConfig | None = None) -> str:
     if name == "auto":
         return "native" if kernels.native_available() and not extras else "reference"
     get_attention(name)  # unknown names fail here, before any tracing
-    if extras and name not in ATTENTION_WITH_EXTRAS:  # an error whatever the switch says, as without it
-        raise ValueError(f"attention={name!r} does not implement {', '.join(extras)}, which this model uses; "
-                         f"use 'auto' or 'reference'")  # fmt: skip
+    if (
+        extras and name not in ATTENTION_WITH_EXTRAS
+    ):  # an error whatever the switch says, as without it
+        raise ValueError(
+            f"attention={name!r} does not implement {', '.join(extras)}, which this model uses; "
+            f"use 'auto' or 'reference'"
+        )
     if kernels.reference_forced():
         return "reference"
     if name == "native" and not kernels.native_available():
-        raise ValueError("attention='native' needs the native kernels, which are not available here (not built "
-                         "or not a CPU backend: python -m minivllm_jax.kernels.build); use 'auto' or 'reference'")
+        raise ValueError(
+            "attention='native' needs the native kernels, which are not available here (not built "
+            "or not a CPU backend: python -m minivllm_jax.kernels.build); use 'auto' or 'reference'"
+        )
     return name

@@ -47,7 +47,11 @@ class StepBatch:
 def token_sequences(batch: StepBatch) -> tuple[jax.Array, jax.Array]:
     """(traced) The sequence each token belongs to, `int32[T]`, and whether it is a real token."""
     t = jnp.arange(batch.num_tokens)
-    seq = jnp.clip(jnp.searchsorted(batch.query_start, t, side="right", method="compare_all") - 1, 0, batch.num_seqs - 1)
+    seq = jnp.clip(
+        jnp.searchsorted(batch.query_start, t, side="right", method="compare_all") - 1,
+        0,
+        batch.num_seqs - 1,
+    )
     return seq, t < (batch.query_start + batch.query_len)[seq]
 
 
@@ -64,8 +68,14 @@ class Chunk:
     position_offset: int = 0
 
 
-def build_step_batch(chunks: Sequence[Chunk], page_size: int, num_tokens: int, num_seqs: int, num_listed: int,
-                     lookahead: int = 0) -> StepBatch:  # fmt: skip
+def build_step_batch(
+    chunks: Sequence[Chunk],
+    page_size: int,
+    num_tokens: int,
+    num_seqs: int,
+    num_listed: int,
+    lookahead: int = 0,
+) -> StepBatch:
     """Host (numpy) arrays of a ragged step, padded to the bucket `(num_tokens, num_seqs,
     num_listed)`. Raises ValueError if the chunks do not fit it. `lookahead`: list each
     sequence's pages for that many tokens more than its context (a multi-step decode's later
@@ -75,11 +85,15 @@ def build_step_batch(chunks: Sequence[Chunk], page_size: int, num_tokens: int, n
     cached_pages = -(-(context + lookahead) // page_size)
     total, listed = int(lens.sum()), int(cached_pages.sum())
     if len(chunks) > num_seqs or total > num_tokens or listed > num_listed:
-        raise ValueError(f"{len(chunks)} sequences, {total} tokens, {listed} pages do not fit the bucket "
-                         f"({num_seqs}, {num_tokens}, {num_listed})")  # fmt: skip
+        raise ValueError(
+            f"{len(chunks)} sequences, {total} tokens, {listed} pages do not fit the bucket "
+            f"({num_seqs}, {num_tokens}, {num_listed})"
+        )
     tokens = np.zeros(num_tokens, np.int32)
     positions = np.zeros(num_tokens, np.int32)
-    slots = np.full(num_tokens, SCRATCH_PAGE * page_size, np.int32)  # padding writes the scratch page
+    slots = np.full(
+        num_tokens, SCRATCH_PAGE * page_size, np.int32
+    )  # padding writes the scratch page
     page_ids = np.full(num_listed, SCRATCH_PAGE, np.int32)
     query_start = np.full(num_seqs, total, np.int32)
     page_start = np.full(num_seqs, listed, np.int32)
@@ -96,12 +110,18 @@ def build_step_batch(chunks: Sequence[Chunk], page_size: int, num_tokens: int, n
         page_ids[p : p + k] = pages[:k]
         query_start[s], query_len[s], context_len[s], page_start[s] = t, q, c, p
         t, p = t + q, p + k
-    return StepBatch(tokens, positions, slots, query_start, query_len, context_len, page_start, page_ids)
+    return StepBatch(
+        tokens, positions, slots, query_start, query_len, context_len, page_start, page_ids
+    )
 
 
-def single_sequence_batch(tokens: Sequence[int], context_len: int, pages: Sequence[int], page_size: int) -> StepBatch:
+def single_sequence_batch(
+    tokens: Sequence[int], context_len: int, pages: Sequence[int], page_size: int
+) -> StepBatch:
     """A step of one sequence feeding `tokens` after `context_len` cached ones (tests and the
     simple greedy loop). The page list has room for all of `pages`, so that every decode step
     of a sequence has one shape."""
     tokens = np.asarray(tokens, np.int32).reshape(-1)
-    return build_step_batch([Chunk(tokens, context_len, pages)], page_size, len(tokens), 1, max(1, len(pages)))
+    return build_step_batch(
+        [Chunk(tokens, context_len, pages)], page_size, len(tokens), 1, max(1, len(pages))
+    )

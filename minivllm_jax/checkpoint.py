@@ -52,7 +52,9 @@ def _saved_leaves(ckptr: ocp.StandardCheckpointer, path: Path) -> dict[str, Any]
     return {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def load_params(path: str | Path, cfg: ModelConfig, dtype: Any = None, quantization: dict | None = None) -> Params:
+def load_params(
+    path: str | Path, cfg: ModelConfig, dtype: Any = None, quantization: dict | None = None
+) -> Params:
     """Restore params as jax arrays in `dtype` (default: as saved), checking tree and shapes first;
     `quantization` (a checkpoint's recorded scheme) gives the projections their quantized tree.
 
@@ -66,20 +68,34 @@ def load_params(path: str | Path, cfg: ModelConfig, dtype: Any = None, quantizat
             dtype = next(iter(saved.values())).dtype
         target = param_shapes(cfg, dtype)
         if quantization is not None:
-            target = quantized_shapes(target, quantization["scheme"], quantization.get("group_size", 32))
-        wanted = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(target)[0]}
+            target = quantized_shapes(
+                target, quantization["scheme"], quantization.get("group_size", 32)
+            )
+        wanted = {
+            jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(target)[0]
+        }
         if saved.keys() != wanted.keys():
             diff = sorted(saved.keys() ^ wanted.keys())
-            raise CheckpointError(f"{path}: params tree does not match the config; differing leaves: {diff[:5]}")
+            raise CheckpointError(
+                f"{path}: params tree does not match the config; differing leaves: {diff[:5]}"
+            )
         for key, want in wanted.items():
             if tuple(saved[key].shape) != want.shape:
-                raise CheckpointError(f"{path}: {key} has shape {saved[key].shape}, config implies {want.shape}")
-        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # this process's (several may load)
-        abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), target)
+                raise CheckpointError(
+                    f"{path}: {key} has shape {saved[key].shape}, config implies {want.shape}"
+                )
+        device = jax.sharding.SingleDeviceSharding(
+            jax.local_devices()[0]
+        )  # this process's (several may load)
+        abstract = jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), target
+        )
         return ckptr.restore(path, abstract)
 
 
-def load_converted(path: str | Path, dtype: Any = None) -> tuple[ModelConfig, dict[str, Any], Params]:
+def load_converted(
+    path: str | Path, dtype: Any = None
+) -> tuple[ModelConfig, dict[str, Any], Params]:
     """Load a `minivllm-convert` output dir: `(ModelConfig, hf_config_dict, params)`; a quantized
     one comes back quantized (its scheme is `hf_config_dict[quantization.CHECKPOINT_KEY]`)."""
     path = Path(path)

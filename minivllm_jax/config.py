@@ -51,19 +51,29 @@ class ModelConfig:
     # What other families change in the one decoder (`models/llama.py`). The defaults are Llama's,
     # and the decoder branches on them in Python: a feature that is off adds nothing to the program.
     family: str = "llama"  # the family's name in `models/registry.py`
-    qkv_bias: bool = False  # bias on q/k/v but not o_proj (Qwen2); `attention_bias` puts one on all four
+    qkv_bias: bool = (
+        False  # bias on q/k/v but not o_proj (Qwen2); `attention_bias` puts one on all four
+    )
     qk_norm: bool = False  # RMSNorm over head_dim on each q and k head before RoPE (Qwen3, Gemma 3)
     norm_weight_offset: float = 0.0  # RMSNorm scales by (offset + w) in float32 (Gemma: 1.0)
-    embedding_scale: float | None = None  # embeddings times this, in the model dtype (Gemma: sqrt(hidden))
+    embedding_scale: float | None = (
+        None  # embeddings times this, in the model dtype (Gemma: sqrt(hidden))
+    )
     hidden_act: str = "silu"  # the MLP's gate activation: "silu" or "gelu_pytorch_tanh"
-    sandwich_norms: bool = False  # attention and MLP outputs normed too, and the MLP input by its own norm (Gemma)
+    sandwich_norms: bool = (
+        False  # attention and MLP outputs normed too, and the MLP input by its own norm (Gemma)
+    )
     attn_logit_softcap: float | None = None  # attention scores -> c * tanh(scores / c) (Gemma 2)
     final_logit_softcap: float | None = None  # logits -> c * tanh(logits / c) (Gemma 2)
-    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (Gemma); None: head_dim's
+    query_pre_attn_scalar: float | None = (
+        None  # attention scale is its -1/2 power (Gemma); None: head_dim's
+    )
     # Per layer: the sliding window w (a token at position p sees keys at positions > p - w) or 0 for
     # full attention; () when every layer is full.
     layer_windows: tuple[int, ...] = ()
-    local_rope_theta: float | None = None  # RoPE base of the sliding-window layers, unscaled (Gemma 3)
+    local_rope_theta: float | None = (
+        None  # RoPE base of the sliding-window layers, unscaled (Gemma 3)
+    )
 
     @property
     def rope_scaling_dict(self) -> dict[str, float]:
@@ -84,10 +94,14 @@ class ModelConfig:
         (empty for Llama): only the reference attention implements these."""
         extras = ("a sliding window",) if self.has_sliding_window else ()
         extras += ("attention logit soft-capping",) if self.attn_logit_softcap is not None else ()
-        return extras + (("a non-default attention scale",) if self.attention_scale != self.head_dim**-0.5 else ())
+        return extras + (
+            ("a non-default attention scale",)
+            if self.attention_scale != self.head_dim**-0.5
+            else ()
+        )
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """Build from a `config.json` dict (transformers 4.x or 5.x layout) by the family that its
         architecture names (`minivllm_jax.models.registry`); `UnsupportedModelError` otherwise."""
         from minivllm_jax.models.registry import config_from_hf
@@ -109,24 +123,33 @@ def parse_rope(rope: dict[str, Any], default_theta: float) -> tuple[float, RopeS
         )
     if rope_type == "default":
         return theta, None
-    return theta, (rope_type, tuple(sorted((k, float(v)) for k, v in rope.items() if isinstance(v, (int, float)))))
+    return theta, (
+        rope_type,
+        tuple(sorted((k, float(v)) for k, v in rope.items() if isinstance(v, (int, float)))),
+    )
 
 
 def check_activation(hf: dict[str, Any], allowed: tuple[str, ...]) -> str:
     """The MLP activation (`hidden_activation` in Gemma configs, else `hidden_act`), if implemented."""
     act = hf.get("hidden_activation") or hf.get("hidden_act") or allowed[0]
     if act not in allowed:
-        raise UnsupportedModelError(f"unsupported hidden_act {act!r}; supported here: {', '.join(allowed)}")
+        raise UnsupportedModelError(
+            f"unsupported hidden_act {act!r}; supported here: {', '.join(allowed)}"
+        )
     return act
 
 
-def layer_windows(hf: dict[str, Any], window: int | None, default_types: list[str]) -> tuple[int, ...]:
+def layer_windows(
+    hf: dict[str, Any], window: int | None, default_types: list[str]
+) -> tuple[int, ...]:
     """Per-layer windows from HF `layer_types` (`default_types`, the family's own rule, when the
     config has none): `window` on "sliding_attention" layers, 0 on the others; () if none slides."""
     types = hf.get("layer_types") or default_types
     if len(types) != hf["num_hidden_layers"] or not set(types) <= set(LAYER_TYPES):
-        raise UnsupportedModelError(f"layer_types must name one of {LAYER_TYPES} per layer "
-                                    f"({hf['num_hidden_layers']}), got {types}")  # fmt: skip
+        raise UnsupportedModelError(
+            f"layer_types must name one of {LAYER_TYPES} per layer "
+            f"({hf['num_hidden_layers']}), got {types}"
+        )
     if not window or "sliding_attention" not in types:
         return ()
     if int(window) < 1:
@@ -179,7 +202,9 @@ def _ladder(start: int, stop: int) -> tuple[int, ...]:
     return tuple(sorted({x for o in octaves for x in (o, o * 3 // 2) if x <= stop}))
 
 
-SMALL_SEQ_BUCKET = 16  # steps of many tokens but few sequences (one long prompt chunk and a few decodes)
+SMALL_SEQ_BUCKET = (
+    16  # steps of many tokens but few sequences (one long prompt chunk and a few decodes)
+)
 
 
 KV_CACHE_DTYPES = ("auto", "int8")  # "auto": the model's dtype; "int8": see kv_cache.py
@@ -242,24 +267,40 @@ class EngineConfig:
     max_batch_wait_ms: float = 0.0
     attention: str = "auto"  # "native" where the kernels are built, else "reference"
     async_scheduling: bool = True
-    kv_cache_dtype: str = "auto"  # "auto": pages in the model's dtype; "int8": int8 with scales (kv_cache.py)
+    kv_cache_dtype: str = (
+        "auto"  # "auto": pages in the model's dtype; "int8": int8 with scales (kv_cache.py)
+    )
     num_scheduler_steps: int = 1  # decode steps per program when only decodes run (1: off)
     speculative: SpeculativeConfig | None = None  # n-gram speculative decoding (None: off)
     preemption_mode: str = "recompute"  # "recompute" | "swap" | "auto"
     swap_space_gb: float = 4.0  # host pool for swapped-out pages (preemption_mode swap/auto)
     kv_disk_dir: str | None = None  # disk tier of the prefix cache (None: off)
     kv_disk_gb: float = 10.0
-    kv_compression: KVCompressionConfig | dict | None = None  # engine-wide KV drop policy (None: off)
-    allow_request_kv_compression: bool = False  # requests may ask for their own policy (compiled at warm-up)
+    kv_compression: KVCompressionConfig | dict | None = (
+        None  # engine-wide KV drop policy (None: off)
+    )
+    allow_request_kv_compression: bool = (
+        False  # requests may ask for their own policy (compiled at warm-up)
+    )
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_model_len", "page_size", "max_num_batched_tokens", "num_scheduler_steps"):
+        for name in (
+            "max_num_seqs",
+            "max_model_len",
+            "page_size",
+            "max_num_batched_tokens",
+            "num_scheduler_steps",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_pages < 2:
-            raise ValueError(f"num_pages must be >= 2 (page 0 is the scratch page), got {self.num_pages}")
+            raise ValueError(
+                f"num_pages must be >= 2 (page 0 is the scratch page), got {self.num_pages}"
+            )
         if self.max_num_batched_tokens < 16:
-            raise ValueError(f"max_num_batched_tokens must be >= 16, got {self.max_num_batched_tokens}")
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 16, got {self.max_num_batched_tokens}"
+            )
         for name in ("target_tpot_ms", "target_ttft_ms"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -268,18 +309,26 @@ class EngineConfig:
             raise ValueError(f"max_batch_wait_ms must be >= 0, got {self.max_batch_wait_ms}")
         check_kv_cache_dtype(self.kv_cache_dtype)
         if isinstance(self.kv_compression, dict):  # as a flag or a JSON body gives it
-            object.__setattr__(self, "kv_compression", KVCompressionConfig.from_dict(self.kv_compression))
+            object.__setattr__(
+                self, "kv_compression", KVCompressionConfig.from_dict(self.kv_compression)
+            )
         if self.kv_compression is not None:
             self.kv_compression.check_page_size(self.page_size)
         if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
+            )
         if self.preemption_mode != "recompute" and not self.swap_space_gb > 0:
-            raise ValueError(f"preemption_mode={self.preemption_mode!r} needs swap_space_gb > 0, got {self.swap_space_gb}")
+            raise ValueError(
+                f"preemption_mode={self.preemption_mode!r} needs swap_space_gb > 0, got {self.swap_space_gb}"
+            )
         if self.kv_disk_dir is not None:
             if not self.kv_disk_gb > 0:
                 raise ValueError(f"kv_disk_gb must be > 0, got {self.kv_disk_gb}")
             if not self.enable_prefix_caching:
-                raise ValueError("kv_disk_dir is a tier of the prefix cache: it needs enable_prefix_caching=True")
+                raise ValueError(
+                    "kv_disk_dir is a tier of the prefix cache: it needs enable_prefix_caching=True"
+                )
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -293,7 +342,11 @@ class EngineConfig:
         compiled program, so fewer is a faster start-up."""
         decode_cap = min(self.max_num_seqs, self.max_num_batched_tokens)
         small = _doubling(1, min(4, decode_cap))  # 3 rows cost what 4 do: matvecs are memory bound
-        buckets = set(small) | set(_ladder(small[-1], decode_cap)) | set(_doubling(decode_cap, self.max_num_batched_tokens))
+        buckets = (
+            set(small)
+            | set(_ladder(small[-1], decode_cap))
+            | set(_doubling(decode_cap, self.max_num_batched_tokens))
+        )
         return tuple(sorted(b for b in buckets if b <= self.max_num_batched_tokens))
 
     def seq_buckets(self, num_tokens: int) -> tuple[int, ...]:
@@ -324,7 +377,11 @@ class EngineConfig:
         """(tokens, sequences) of the multi-step decode programs: the decode-only buckets."""
         if self.num_scheduler_steps == 1:
             return []
-        return [(t, s) for t, s in self.step_shapes() if t <= min(self.max_num_seqs, self.max_num_batched_tokens)]
+        return [
+            (t, s)
+            for t, s in self.step_shapes()
+            if t <= min(self.max_num_seqs, self.max_num_batched_tokens)
+        ]
 
 
 # Auto TPOT target: 2x a decode-only step is the ceiling; aim lower, since step times are

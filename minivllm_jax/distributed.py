@@ -34,11 +34,18 @@ ENV_PROCESS_ID = "MINIVLLM_PROCESS_ID"
 
 # Header ops: what the leader runs next.
 STOP, STEP, LOAD_PENALTY_ROW, MULTI_STEP, VERIFY = 0, 1, 2, 3, 4
-STEP_OPS = {"step": STEP, "multi_step": MULTI_STEP, "verify": VERIFY}  # the runner's kinds of step program
+STEP_OPS = {
+    "step": STEP,
+    "multi_step": MULTI_STEP,
+    "verify": VERIFY,
+}  # the runner's kinds of step program
 
 
-def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None) -> bool:  # fmt: skip
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> bool:
     """Join the multi-process runtime (call before anything else uses JAX). Unset values come
     from the environment; with one process (or none given) this does nothing and returns False."""
     coordinator_address = coordinator_address or os.environ.get(ENV_COORDINATOR)
@@ -49,13 +56,17 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     if num_processes is None or num_processes == 1:
         return False
     if not coordinator_address or process_id is None:
-        raise ValueError(f"a run of {num_processes} processes needs the coordinator address (host:port of process 0) "
-                         f"and this process's id ({ENV_COORDINATOR}, {ENV_PROCESS_ID})")  # fmt: skip
+        raise ValueError(
+            f"a run of {num_processes} processes needs the coordinator address (host:port of process 0) "
+            f"and this process's id ({ENV_COORDINATOR}, {ENV_PROCESS_ID})"
+        )
     if not 0 <= process_id < num_processes:
         raise ValueError(f"process_id must be in [0, {num_processes}), got {process_id}")
     # CPU devices of several processes talk through gloo (GPUs and TPUs bring their own).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address, num_processes=num_processes, process_id=process_id)
+    jax.distributed.initialize(
+        coordinator_address, num_processes=num_processes, process_id=process_id
+    )
     return True
 
 

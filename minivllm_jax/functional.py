@@ -28,7 +28,13 @@ from minivllm_jax.batch import StepBatch
 from minivllm_jax.config import ModelConfig
 from minivllm_jax.kv_cache import KVCache, init_kv_cache
 from minivllm_jax.models.llama import Params, forward, model_dtype, unstack_layers
-from minivllm_jax.sampler import Penalties, SamplingArrays, apply_penalties, make_sampling_arrays, sample_penalized
+from minivllm_jax.sampler import (
+    Penalties,
+    SamplingArrays,
+    apply_penalties,
+    make_sampling_arrays,
+    sample_penalized,
+)
 from minivllm_jax.sampling_params import SamplingParams
 
 
@@ -50,10 +56,21 @@ class _Loop(NamedTuple):
     seen: jax.Array  # bool[B, V]  token in the prompt or the output (repetition penalty)
 
 
-def generate_tokens(params: Params, prompt_tokens: jax.Array, prompt_lens: jax.Array, max_tokens: jax.Array,
-                    stop_ids: jax.Array, sampling: SamplingArrays, *, cfg: ModelConfig, max_new_tokens: int,
-                    page_size: int = 16, attention: str = "reference", matmul: str = "reference",
-                    kv_cache_dtype: str = "auto") -> Generated:  # fmt: skip
+def generate_tokens(
+    params: Params,
+    prompt_tokens: jax.Array,
+    prompt_lens: jax.Array,
+    max_tokens: jax.Array,
+    stop_ids: jax.Array,
+    sampling: SamplingArrays,
+    *,
+    cfg: ModelConfig,
+    max_new_tokens: int,
+    page_size: int = 16,
+    attention: str = "reference",
+    matmul: str = "reference",
+    kv_cache_dtype: str = "auto",
+) -> Generated:
     """The jitted core. `prompt_tokens` `i32[T]`: the prompts back to back, row r's being the
     next `prompt_lens[r]` ids (`i32[B]`; rows of length 0 are padding), as a `StepBatch`
     packs them; `max_tokens` `i32[B]` (each row's limit, at most `max_new_tokens`); `stop_ids`
@@ -72,21 +89,36 @@ def generate_tokens(params: Params, prompt_tokens: jax.Array, prompt_lens: jax.A
     rows = jnp.arange(B, dtype=jnp.int32)
     row_pages = -(-(prompt_lens + M) // ps)
     page_start = jnp.cumsum(row_pages) - row_pages
-    page_ids = jnp.arange(1, num_pages, dtype=jnp.int32)  # row r's: page_ids[page_start[r]:][:row_pages[r]]
+    page_ids = jnp.arange(
+        1, num_pages, dtype=jnp.int32
+    )  # row r's: page_ids[page_start[r]:][:row_pages[r]]
     slot = lambda r, pos: (1 + page_start[r] + pos // ps) * ps + pos % ps  # noqa: E731
     cache = init_kv_cache(cfg, num_pages, ps, model_dtype(params), kv_cache_dtype)
 
     # Prefill: all prompts in one ragged step; tokens past the prompts are padding (scratch page).
     start = jnp.cumsum(prompt_lens) - prompt_lens
     t = jnp.arange(T, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(start + prompt_lens, t, side="right", method="compare_all"), 0, B - 1)
+    seq = jnp.clip(
+        jnp.searchsorted(start + prompt_lens, t, side="right", method="compare_all"), 0, B - 1
+    )
     in_prompt = t < jnp.sum(prompt_lens)
     pos = jnp.where(in_prompt, t - start[seq], 0)
-    prefill = StepBatch(prompt_tokens, pos, jnp.where(in_prompt, slot(seq, pos), 0), start, prompt_lens,
-                        jnp.zeros_like(prompt_lens), page_start, page_ids)  # fmt: skip
+    prefill = StepBatch(
+        prompt_tokens,
+        pos,
+        jnp.where(in_prompt, slot(seq, pos), 0),
+        start,
+        prompt_lens,
+        jnp.zeros_like(prompt_lens),
+        page_start,
+        page_ids,
+    )
 
-    penalized = jnp.any((sampling.repetition_penalty != 1) | (sampling.presence_penalty != 0)
-                        | (sampling.frequency_penalty != 0))  # fmt: skip
+    penalized = jnp.any(
+        (sampling.repetition_penalty != 1)
+        | (sampling.presence_penalty != 0)
+        | (sampling.frequency_penalty != 0)
+    )
 
     def emit(s: _Loop, logits: jax.Array) -> _Loop:
         """Sample every row's next token as the engine's step does, record it, apply the stops."""
@@ -99,27 +131,40 @@ def generate_tokens(params: Params, prompt_tokens: jax.Array, prompt_lens: jax.A
         stop = live & jnp.any(tok[:, None] == stop_ids, axis=1)  # checked first, as the engine does
         done = s.done | stop | (n >= jnp.minimum(max_tokens, M))
         counts = s.counts.at[rows, tok].add(live.astype(jnp.float32))
-        return _Loop(s.cache, out, n, done, s.stopped | stop, counts, s.seen.at[rows, tok].max(live))
+        return _Loop(
+            s.cache, out, n, done, s.stopped | stop, counts, s.seen.at[rows, tok].max(live)
+        )
 
     def decode(s: _Loop) -> _Loop:
         # A finished row keeps re-feeding its last token at one position: it rewrites one slot of
         # its own pages, and its samples are not recorded. Static shapes make that work free.
         pos = jnp.maximum(prompt_lens + s.n - 1, 0)  # where the last token goes
         last = s.out[rows, jnp.maximum(s.n - 1, 0)]
-        batch = StepBatch(last, pos, slot(rows, pos), rows, jnp.ones_like(rows), pos, page_start, page_ids)
+        batch = StepBatch(
+            last, pos, slot(rows, pos), rows, jnp.ones_like(rows), pos, page_start, page_ids
+        )
         logits, cache = forward(params, s.cache, batch, cfg, attention, False, matmul)
         return emit(s._replace(cache=cache), logits)
 
     logits, cache = forward(params, cache, prefill, cfg, attention, False, matmul)
     seen = jnp.zeros((B, cfg.vocab_size), jnp.bool_).at[seq, prompt_tokens].max(in_prompt)
-    state = _Loop(cache, jnp.zeros((B, M), jnp.int32), jnp.zeros(B, jnp.int32), prompt_lens == 0,
-                  jnp.zeros(B, jnp.bool_), jnp.zeros((B, cfg.vocab_size), jnp.float32), seen)  # fmt: skip
+    state = _Loop(
+        cache,
+        jnp.zeros((B, M), jnp.int32),
+        jnp.zeros(B, jnp.int32),
+        prompt_lens == 0,
+        jnp.zeros(B, jnp.bool_),
+        jnp.zeros((B, cfg.vocab_size), jnp.float32),
+        seen,
+    )
     state = lax.while_loop(lambda s: ~jnp.all(s.done), decode, emit(state, logits))
     return Generated(state.out, state.n, state.stopped)
 
 
-generate_tokens_jit = jax.jit(generate_tokens, static_argnames=("cfg", "max_new_tokens", "page_size", "attention",
-                                                                "matmul", "kv_cache_dtype"))  # fmt: skip
+generate_tokens_jit = jax.jit(
+    generate_tokens,
+    static_argnames=("cfg", "max_new_tokens", "page_size", "attention", "matmul", "kv_cache_dtype"),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,25 +213,38 @@ def generate(
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     longest = max(map(len, prompts))
     if longest + max_new_tokens > cfg.max_position_embeddings:
-        raise ValueError(f"the longest prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-                         f"model's max_position_embeddings ({cfg.max_position_embeddings})")  # fmt: skip
+        raise ValueError(
+            f"the longest prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+            f"model's max_position_embeddings ({cfg.max_position_embeddings})"
+        )
     sampling = SamplingParams(temperature=0.0, max_tokens=None) if sampling is None else sampling
-    params_list = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+    params_list = (
+        [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+    )
     if len(params_list) != len(prompts):
         raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
     for sp in params_list:
         if not isinstance(sp, SamplingParams):
             raise ValueError(f"sampling must be SamplingParams, got {type(sp).__name__}")
         if sp.stop:
-            raise ValueError("stop strings need the detokenizer, which cannot run inside a jitted loop: use "
-                             "LLM.generate, or stop_token_ids")  # fmt: skip
+            raise ValueError(
+                "stop strings need the detokenizer, which cannot run inside a jitted loop: use "
+                "LLM.generate, or stop_token_ids"
+            )
         if sp.n != 1 or sp.logprobs is not None:
-            raise ValueError("generate supports n=1 without logprobs; use LLM.generate for n > 1 or logprobs")
+            raise ValueError(
+                "generate supports n=1 without logprobs; use LLM.generate for n > 1 or logprobs"
+            )
 
     n, B = len(prompts), bucket(len(prompts))
     T, M = bucket(sum(map(len, prompts)), page_size), bucket(max_new_tokens, page_size)
-    key = jax.random.key(int(key or 0)) if key is None or isinstance(key, (int, np.integer)) else key
-    drawn = [(int(hi) & 0x7FFFFFFF) << 32 | int(lo) for hi, lo in np.asarray(jax.random.bits(key, (n, 2), jnp.uint32))]
+    key = (
+        jax.random.key(int(key or 0)) if key is None or isinstance(key, (int, np.integer)) else key
+    )
+    drawn = [
+        (int(hi) & 0x7FFFFFFF) << 32 | int(lo)
+        for hi, lo in np.asarray(jax.random.bits(key, (n, 2), jnp.uint32))
+    ]
     seeds = [sp.seed if sp.seed is not None else d for sp, d in zip(params_list, drawn)]
     eos = list(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
     stops = [sp.stop_token_ids + ([] if sp.ignore_eos else eos) for sp in params_list]
@@ -198,11 +256,27 @@ def generate(
     for r, (p, sp, stop) in enumerate(zip(prompts, params_list, stops)):
         lens[r], stop_ids[r, : len(stop)] = len(p), stop
         limits[r] = min(max_new_tokens, sp.max_tokens or max_new_tokens)
-    arrays = make_sampling_arrays([(sp, seed, 0, 0) for sp, seed in zip(params_list, seeds)], B, cfg.vocab_size)
-    out = generate_tokens_jit(unstack_layers(params), tokens, lens, limits, stop_ids, arrays, cfg=cfg,
-                              max_new_tokens=M, page_size=page_size, attention=resolve_attention(attention, cfg),
-                              matmul="native" if kernels.native_available() else "reference",
-                              kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+    arrays = make_sampling_arrays(
+        [(sp, seed, 0, 0) for sp, seed in zip(params_list, seeds)], B, cfg.vocab_size
+    )
+    out = generate_tokens_jit(
+        unstack_layers(params),
+        tokens,
+        lens,
+        limits,
+        stop_ids,
+        arrays,
+        cfg=cfg,
+        max_new_tokens=M,
+        page_size=page_size,
+        attention=resolve_attention(attention, cfg),
+        matmul="native" if kernels.native_available() else "reference",
+        kv_cache_dtype=kv_cache_dtype,
+    )
     out = jax.device_get(out)
-    return [GenerateOutput(out.tokens[r, : out.lengths[r]].tolist(), "stop" if out.stopped[r] else "length")
-            for r in range(n)]  # fmt: skip
+    return [
+        GenerateOutput(
+            out.tokens[r, : out.lengths[r]].tolist(), "stop" if out.stopped[r] else "length"
+        )
+        for r in range(n)
+    ]

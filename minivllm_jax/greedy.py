@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-import jax
 import numpy as np
 
 from minivllm_jax.batch import single_sequence_batch

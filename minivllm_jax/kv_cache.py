@@ -40,7 +40,9 @@ SCRATCH_PAGE = 0
 class KVCache:
     k: jax.Array  # [num_layers, num_pages, num_kv_heads, head_dim, page_size]  (transposed blocks)
     v: jax.Array  # [num_layers, num_pages, num_kv_heads, page_size, head_dim]
-    k_scale: jax.Array | None = None  # int8 pages only: f32 [num_layers, num_pages, num_kv_heads, page_size]
+    k_scale: jax.Array | None = (
+        None  # int8 pages only: f32 [num_layers, num_pages, num_kv_heads, page_size]
+    )
     v_scale: jax.Array | None = None
 
     @property
@@ -75,7 +77,9 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: jnp.dtype, kv_cache_dtype: str =
     return 2 * cfg.num_layers * cfg.num_kv_heads * per_head
 
 
-def kv_bytes_per_page(cfg: ModelConfig, page_size: int, dtype: jnp.dtype, kv_cache_dtype: str = "auto") -> int:
+def kv_bytes_per_page(
+    cfg: ModelConfig, page_size: int, dtype: jnp.dtype, kv_cache_dtype: str = "auto"
+) -> int:
     """Bytes one page costs across all layers, K and V together."""
     return page_size * kv_bytes_per_token(cfg, dtype, kv_cache_dtype)
 
@@ -96,13 +100,19 @@ def init_kv_cache(
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _zeros_cache(k_shape: tuple[int, ...], v_shape: tuple[int, ...], dtype: jnp.dtype,
-                 scale_shape: tuple[int, ...] | None) -> KVCache:  # fmt: skip
+def _zeros_cache(
+    k_shape: tuple[int, ...],
+    v_shape: tuple[int, ...],
+    dtype: jnp.dtype,
+    scale_shape: tuple[int, ...] | None,
+) -> KVCache:
     # Under jit: an eager jnp.zeros of a GB-sized cache took 2.4 s here, the jitted one 0.3 s.
     if scale_shape is None:
         return KVCache(k=jnp.zeros(k_shape, dtype), v=jnp.zeros(v_shape, dtype))
     scales = lambda: jnp.ones(scale_shape, jnp.float32)  # noqa: E731
-    return KVCache(k=jnp.zeros(k_shape, dtype), v=jnp.zeros(v_shape, dtype), k_scale=scales(), v_scale=scales())
+    return KVCache(
+        k=jnp.zeros(k_shape, dtype), v=jnp.zeros(v_shape, dtype), k_scale=scales(), v_scale=scales()
+    )
 
 
 def quantize_heads(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -145,14 +155,18 @@ def from_bits(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return lax.bitcast_convert_type(x, dtype) if x.dtype == jnp.uint16 else x
 
 
-def write_kv(cache: KVCache, new_k: jax.Array, new_v: jax.Array, slot_mapping: jax.Array) -> KVCache:
+def write_kv(
+    cache: KVCache, new_k: jax.Array, new_v: jax.Array, slot_mapping: jax.Array
+) -> KVCache:
     """Scatter this step's K/V (`[L, B, T, kvh, hd]`) into flat slots `page * page_size + offset`.
 
     Padded tokens carry slots inside the scratch page, so they can never clobber live data.
     """
     L, num_pages, kvh, page_size, hd = cache.v.shape
     slots = slot_mapping.reshape(-1, 1)
-    block = (slots // page_size) * kvh + jnp.arange(kvh, dtype=slots.dtype)  # [B*T, kvh]: (page, head)
+    block = (slots // page_size) * kvh + jnp.arange(
+        kvh, dtype=slots.dtype
+    )  # [B*T, kvh]: (page, head)
     offset = jnp.broadcast_to(slots % page_size, block.shape)
     block, offset = block.reshape(-1), offset.reshape(-1)
     new_k = new_k.reshape(L, -1, hd)  # [L, B*T*kvh, hd]
@@ -169,7 +183,9 @@ def write_kv(cache: KVCache, new_k: jax.Array, new_v: jax.Array, slot_mapping: j
     if cache.k.dtype == jnp.uint16:  # 16-bit float pages hold the bits of the model's K/V
         new_k, new_v = as_bits(new_k), as_bits(new_v)
     k = cache.k.reshape(L, num_pages * kvh, hd, page_size)
-    k = k.at[:, block, :, offset].set(new_k.swapaxes(0, 1).astype(k.dtype), mode="promise_in_bounds")
+    k = k.at[:, block, :, offset].set(
+        new_k.swapaxes(0, 1).astype(k.dtype), mode="promise_in_bounds"
+    )
     v = cache.v.reshape(L, num_pages * kvh, page_size, hd)
     v = v.at[:, block, offset].set(new_v.astype(v.dtype), mode="promise_in_bounds")
     return KVCache(k=k.reshape(cache.k.shape), v=v.reshape(cache.v.shape), **scales)

@@ -51,11 +51,15 @@ class KVCompressionConfig:
     policy: str  # "sink_window" | "page_scores"
     sink_tokens: int = 4  # attention sinks: the first pages covering these tokens are always kept
     window_tokens: int = 256  # the most recent (full-page) tokens always kept
-    budget_tokens: int | None = None  # page_scores: tokens kept in all (sinks + window + best-scored pages)
+    budget_tokens: int | None = (
+        None  # page_scores: tokens kept in all (sinks + window + best-scored pages)
+    )
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
-            raise ValueError(f"unknown KV compression policy {self.policy!r}; available: {', '.join(POLICIES)}")
+            raise ValueError(
+                f"unknown KV compression policy {self.policy!r}; available: {', '.join(POLICIES)}"
+            )
         for name in ("sink_tokens", "window_tokens", "budget_tokens"):
             value = getattr(self, name)
             if value is None and name == "budget_tokens":
@@ -66,8 +70,10 @@ class KVCompressionConfig:
             if self.budget_tokens is None:
                 raise ValueError("policy 'page_scores' needs budget_tokens (tokens kept in all)")
             if self.budget_tokens < self.sink_tokens + self.window_tokens:
-                raise ValueError(f"budget_tokens ({self.budget_tokens}) must be >= sink_tokens + window_tokens "
-                                 f"({self.sink_tokens} + {self.window_tokens})")  # fmt: skip
+                raise ValueError(
+                    f"budget_tokens ({self.budget_tokens}) must be >= sink_tokens + window_tokens "
+                    f"({self.sink_tokens} + {self.window_tokens})"
+                )
         elif self.budget_tokens is not None:
             raise ValueError(f"budget_tokens is for policy 'page_scores', not {self.policy!r}")
 
@@ -75,39 +81,53 @@ class KVCompressionConfig:
     def from_dict(cls, d: dict[str, Any]) -> KVCompressionConfig:
         """From a JSON object (a server flag or a request field); unknown keys are an error."""
         if not isinstance(d, dict):
-            raise ValueError(f"a KV compression config must be a JSON object, got {type(d).__name__}")
+            raise ValueError(
+                f"a KV compression config must be a JSON object, got {type(d).__name__}"
+            )
         unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"unknown KV compression keys: {', '.join(map(str, unknown))}")
         if "policy" not in d:
-            raise ValueError(f"a KV compression config needs 'policy' (one of {', '.join(POLICIES)})")
+            raise ValueError(
+                f"a KV compression config needs 'policy' (one of {', '.join(POLICIES)})"
+            )
         return cls(**d)
 
     def check_page_size(self, page_size: int) -> None:
         """The budget must hold the sink and window pages whole: both round up to pages."""
         if self.policy == "page_scores":
-            fixed = (_pages(self.sink_tokens, page_size) + _pages(self.window_tokens, page_size)) * page_size
+            fixed = (
+                _pages(self.sink_tokens, page_size) + _pages(self.window_tokens, page_size)
+            ) * page_size
             if self.budget_tokens < fixed:
-                raise ValueError(f"budget_tokens ({self.budget_tokens}) must be >= the sink and window rounded to "
-                                 f"pages of {page_size} ({fixed})")  # fmt: skip
+                raise ValueError(
+                    f"budget_tokens ({self.budget_tokens}) must be >= the sink and window rounded to "
+                    f"pages of {page_size} ({fixed})"
+                )
 
     def check_model(self, model_config: Any) -> None:
         """Refuse a model with sliding-window layers (`ModelConfig.has_sliding_window`): its windows
         count keys by cache index, which dropped pages would make differ from positions."""
         if model_config.has_sliding_window:
-            raise ValueError(f"KV compression is not supported for {model_config.family} models with sliding-window "
-                             f"attention; use kv_compression=None")  # fmt: skip
+            raise ValueError(
+                f"KV compression is not supported for {model_config.family} models with sliding-window "
+                f"attention; use kv_compression=None"
+            )
 
 
 def _pages(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
 
-def _fixed_pages(config: KVCompressionConfig, num_full_pages: int, page_size: int) -> tuple[list[int], list[int]]:
+def _fixed_pages(
+    config: KVCompressionConfig, num_full_pages: int, page_size: int
+) -> tuple[list[int], list[int]]:
     """The always-kept pages: sinks from the front, the window from the back (they may overlap)."""
     sinks = range(min(_pages(config.sink_tokens, page_size), num_full_pages))
     window = range(max(0, num_full_pages - _pages(config.window_tokens, page_size)), num_full_pages)
-    return sorted(set(sinks) | set(window)), [i for i in range(num_full_pages) if i not in sinks and i not in window]
+    return sorted(set(sinks) | set(window)), [
+        i for i in range(num_full_pages) if i not in sinks and i not in window
+    ]
 
 
 def _kept_full_pages_max(config: KVCompressionConfig, page_size: int) -> int:
@@ -128,8 +148,12 @@ def needs_scores(config: KVCompressionConfig) -> bool:
     return config.policy == "page_scores"
 
 
-def kept_pages(config: KVCompressionConfig, num_full_pages: int, page_size: int,
-               scores: Sequence[float] | None = None) -> list[int]:  # fmt: skip
+def kept_pages(
+    config: KVCompressionConfig,
+    num_full_pages: int,
+    page_size: int,
+    scores: Sequence[float] | None = None,
+) -> list[int]:
     """Indices (ascending) of the sequence's full pages to keep, out of `0..num_full_pages-1`
     (the last, partial page is not counted: the caller always keeps it).
 
@@ -146,8 +170,10 @@ def kept_pages(config: KVCompressionConfig, num_full_pages: int, page_size: int,
     if config.policy == "sink_window":
         return fixed
     if scores is None or len(scores) < num_full_pages:
-        raise ValueError(f"policy 'page_scores' needs a score for each of the {num_full_pages} full pages, "
-                         f"got {None if scores is None else len(scores)}")  # fmt: skip
+        raise ValueError(
+            f"policy 'page_scores' needs a score for each of the {num_full_pages} full pages, "
+            f"got {None if scores is None else len(scores)}"
+        )
     room = _kept_full_pages_max(config, page_size) - len(fixed)
     middle_scores = np.asarray(scores, np.float64)[middle]
     best = np.argsort(-middle_scores, kind="stable")[:room]  # stable: ties go to the earlier page

@@ -34,8 +34,15 @@ Prompt = str | Sequence[int]
 KV_MEMORY_FRACTION = 0.25
 
 
-def auto_num_pages(cfg: ModelConfig, max_num_seqs: int, max_model_len: int, page_size: int, dtype: Any,
-                   kv_cache_dtype: str = "auto", replicas: int = 1) -> int:  # fmt: skip
+def auto_num_pages(
+    cfg: ModelConfig,
+    max_num_seqs: int,
+    max_model_len: int,
+    page_size: int,
+    dtype: Any,
+    kv_cache_dtype: str = "auto",
+    replicas: int = 1,
+) -> int:
     """num_pages = 1 + min(max_num_seqs * ceil(max_model_len / page_size),
     KV_MEMORY_FRACTION * MemAvailable / replicas // bytes_per_page): never more than the engine
     can use, and at least one full-length sequence. (`replicas`: data-parallel engines share
@@ -56,17 +63,21 @@ def replica_meshes(tensor_parallel_size: int, data_parallel_size: int) -> list[M
     devices = jax.devices()
     if distributed.is_multiprocess():  # one engine, its mesh over every process's devices
         if data_parallel_size != 1 or tensor_parallel_size != len(devices):
-            raise ValueError(f"a run of {jax.process_count()} processes serves one tensor-parallel model over all "
-                             f"{len(devices)} devices: use tensor_parallel_size={len(devices)} and data_parallel_size=1 "
-                             f"(got {tensor_parallel_size} and {data_parallel_size})")  # fmt: skip
+            raise ValueError(
+                f"a run of {jax.process_count()} processes serves one tensor-parallel model over all "
+                f"{len(devices)} devices: use tensor_parallel_size={len(devices)} and data_parallel_size=1 "
+                f"(got {tensor_parallel_size} and {data_parallel_size})"
+            )
         return [make_mesh(tensor_parallel_size, devices)]
     if tensor_parallel_size == data_parallel_size == 1:
         return [None]
     need = tensor_parallel_size * data_parallel_size
     if need > len(devices):
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} x data_parallel_size={data_parallel_size} needs "
-                         f"{need} devices; {len(devices)} {devices[0].platform} device(s) available (on CPU, "
-                         f"XLA_FLAGS=--xla_force_host_platform_device_count=N makes N)")  # fmt: skip
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} x data_parallel_size={data_parallel_size} needs "
+            f"{need} devices; {len(devices)} {devices[0].platform} device(s) available (on CPU, "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count=N makes N)"
+        )
     tp = tensor_parallel_size
     return [make_mesh(tp, devices[r * tp : (r + 1) * tp]) for r in range(data_parallel_size)]
 
@@ -125,7 +136,9 @@ class LLM:
         from minivllm_jax.checkpoint import load_converted
 
         if quantization is not None and quantization not in LLM_QUANTIZATIONS:
-            raise ValueError(f"unknown quantization {quantization!r}; use one of {LLM_QUANTIZATIONS} or None")
+            raise ValueError(
+                f"unknown quantization {quantization!r}; use one of {LLM_QUANTIZATIONS} or None"
+            )
         check_kv_cache_dtype(kv_cache_dtype)
         meshes = replica_meshes(tensor_parallel_size, data_parallel_size)
         enable_compilation_cache(compilation_cache_dir)
@@ -134,8 +147,10 @@ class LLM:
         cfg, hf_config, params = load_converted(model_dir, dtype)
         saved = hf_config.get(CHECKPOINT_KEY)  # a quantized checkpoint loads as it was stored
         if saved is not None and quantization not in (None, saved["scheme"]):
-            raise ValueError(f"{model} is a checkpoint quantized as {saved['scheme']!r}; load it with "
-                             f"quantization=None (or {saved['scheme']!r}), or convert the float model again")  # fmt: skip
+            raise ValueError(
+                f"{model} is a checkpoint quantized as {saved['scheme']!r}; load it with "
+                f"quantization=None (or {saved['scheme']!r}), or convert the float model again"
+            )
         if saved is None:  # weight-only quantization; the full-precision kernels are dropped here
             params = quantize_model_params(params, quantization, model, cfg.num_layers)
         if tensor_parallel_size > 1:  # before anything is built: says which sizes would work
@@ -146,7 +161,9 @@ class LLM:
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         max_model_len = min(max_model_len or 2048, cfg.max_position_embeddings)
         if num_pages is None:
-            num_pages = auto_num_pages(cfg, max_num_seqs, max_model_len, page_size, dtype, kv_cache_dtype, len(meshes))
+            num_pages = auto_num_pages(
+                cfg, max_num_seqs, max_model_len, page_size, dtype, kv_cache_dtype, len(meshes)
+            )
         config = EngineConfig(
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
@@ -169,22 +186,34 @@ class LLM:
             kv_compression=kv_compression,
             allow_request_kv_compression=allow_request_kv_compression,
         )
-        if (preemption_mode != "recompute" or kv_disk_dir is not None) and distributed.is_multiprocess():
-            raise ValueError("preemption_mode swap/auto and kv_disk_dir run in one process, not across several")
-        if distributed.is_multiprocess() and (allow_request_kv_compression or (
-                config.kv_compression is not None and needs_scores(config.kv_compression))):  # fmt: skip
-            raise ValueError("KV compression by page scores and per-request policies run in one process, not several")
+        if (
+            preemption_mode != "recompute" or kv_disk_dir is not None
+        ) and distributed.is_multiprocess():
+            raise ValueError(
+                "preemption_mode swap/auto and kv_disk_dir run in one process, not across several"
+            )
+        if distributed.is_multiprocess() and (
+            allow_request_kv_compression
+            or (config.kv_compression is not None and needs_scores(config.kv_compression))
+        ):
+            raise ValueError(
+                "KV compression by page scores and per-request policies run in one process, not several"
+            )
         eos = _eos_ids(cfg, model_dir, self.tokenizer)
         # Data parallelism: one engine per replica, each on its own slice of the devices; the
         # replicas' seeds differ so that unseeded sampling does not repeat across them.
         self.engines = [
-            LLMEngine(cfg, config, params, self.tokenizer, eos_token_ids=eos, seed=seed + r, mesh=mesh)
+            LLMEngine(
+                cfg, config, params, self.tokenizer, eos_token_ids=eos, seed=seed + r, mesh=mesh
+            )
             for r, mesh in enumerate(meshes)
         ]
         del params  # each engine placed its own copy on its devices
         self.engine = self.engines[0]
         self.router = PrefixRouter(len(self.engines), page_size)
-        self.warmup_seconds = sum(e.warmup(progress=use_tqdm) for e in self.engines) if warmup else 0.0
+        self.warmup_seconds = (
+            sum(e.warmup(progress=use_tqdm) for e in self.engines) if warmup else 0.0
+        )
         if (distributed.is_multiprocess() and distributed.is_leader()) or kv_disk_dir is not None:
             # Followers must not wait for a leader that is gone; cached pages go to the disk tier.
             atexit.register(self.shutdown)
@@ -236,7 +265,9 @@ class LLM:
         chunks the whole token budget (no TPOT to protect) and only finished outputs are built."""
         prompts = _as_prompt_list(prompts)
         params = sampling_params or SamplingParams()
-        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        params_list = (
+            [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        )
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
@@ -247,8 +278,18 @@ class LLM:
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params_list)):
                 engine = self._route(prompt)
-                ids.append((engine, engine.add_request(prompt, p, priority=priority[i] if priority else 0,
-                                                       streaming=False, cache_salt=cache_salt)))  # fmt: skip
+                ids.append(
+                    (
+                        engine,
+                        engine.add_request(
+                            prompt,
+                            p,
+                            priority=priority[i] if priority else 0,
+                            streaming=False,
+                            cache_salt=cache_salt,
+                        ),
+                    )
+                )
         except Exception:
             for engine, request_id in ids:  # all or nothing: don't leave half a batch queued
                 engine.abort(request_id)
@@ -268,12 +309,18 @@ class LLM:
     def _check_grammars(self, params_list: Sequence[SamplingParams]) -> None:
         """Compile every distinct structured-output constraint first (in parallel with nothing
         queued yet), so that a bad one raises its ValueError here rather than failing a request."""
-        specs = {p.structured_outputs.key: p.structured_outputs for p in params_list if p.structured_outputs is not None}
+        specs = {
+            p.structured_outputs.key: p.structured_outputs
+            for p in params_list
+            if p.structured_outputs is not None
+        }
         for engine in self.engines:
             for future in [engine.grammar_compiler.submit(spec) for spec in specs.values()]:
                 future.result()
 
-    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+    def stream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None
+    ) -> Iterator[str]:
         """Yield text deltas of one prompt as they are generated (first sample when n > 1)."""
         engine = self._route(prompt)
         self._check_grammars([sampling_params or SamplingParams()])
@@ -311,9 +358,15 @@ class LLM:
         if not messages:
             raise ValueError("messages must not be empty")
         for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            if (
+                not isinstance(m, dict)
+                or not isinstance(m.get("role"), str)
+                or not isinstance(m.get("content"), str)
+            ):
                 raise ValueError("each message must be a dict with string 'role' and 'content'")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True
+        )
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def beam_search(

@@ -50,8 +50,10 @@ def make_mesh(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = 
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
     if tensor_parallel_size > len(devices):
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs that many devices; "
-                         f"{len(devices)} available ({devices[0].platform})")  # fmt: skip
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} needs that many devices; "
+            f"{len(devices)} available ({devices[0].platform})"
+        )
     return Mesh(np.array(devices[:tensor_parallel_size]), (TP_AXIS,))
 
 
@@ -60,8 +62,10 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
     problems = _split_problems(cfg, tp)
     if problems:
         divisors = [d for d in range(1, cfg.num_heads + 1) if not _split_problems(cfg, d)]
-        raise ValueError(f"tensor_parallel_size={tp} does not divide {', '.join(problems)}; "
-                         f"this model splits {divisors} ways")  # fmt: skip
+        raise ValueError(
+            f"tensor_parallel_size={tp} does not divide {', '.join(problems)}; "
+            f"this model splits {divisors} ways"
+        )
 
 
 def _split_problems(cfg: ModelConfig, tp: int) -> list[str]:
@@ -89,8 +93,12 @@ def stored_config(cfg: ModelConfig, tp: int) -> ModelConfig:
 def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     """One device's share of a `stored_config`: its heads and intermediate slice (the
     vocabulary stays global: `forward` tells a split table by its shape)."""
-    return dataclasses.replace(cfg, num_heads=cfg.num_heads // tp, num_kv_heads=cfg.num_kv_heads // tp,
-                               intermediate_size=cfg.intermediate_size // tp)  # fmt: skip
+    return dataclasses.replace(
+        cfg,
+        num_heads=cfg.num_heads // tp,
+        num_kv_heads=cfg.num_kv_heads // tp,
+        intermediate_size=cfg.intermediate_size // tp,
+    )
 
 
 # ----------------------------------------------------------------------------------- params
@@ -104,20 +112,30 @@ def _per_device_columns(parts: list[np.ndarray], tp: int) -> np.ndarray:
 
 
 def _reorder_layer(lp: Params, cfg: ModelConfig, tp: int) -> Params:
-    q_dim, kv_dim, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    q_dim, kv_dim, f = (
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+        cfg.intermediate_size,
+    )
     r, hd = kv_replicas(cfg, tp), cfg.head_dim
 
     def qkv(a: np.ndarray) -> np.ndarray:
         q, k, v = np.split(a, [q_dim, q_dim + kv_dim], axis=-1)
         if r > 1:  # repeat each KV head r times, so each device has one
-            k, v = (np.repeat(x.reshape(*x.shape[:-1], cfg.num_kv_heads, hd), r, axis=-2).reshape(*x.shape[:-1], -1)
-                    for x in (k, v))  # fmt: skip
+            k, v = (
+                np.repeat(x.reshape(*x.shape[:-1], cfg.num_kv_heads, hd), r, axis=-2).reshape(
+                    *x.shape[:-1], -1
+                )
+                for x in (k, v)
+            )
         return _per_device_columns([q, k, v], tp)
 
     out = dict(lp)
     out["qkv_proj"] = {name: qkv(np.asarray(a)) for name, a in lp["qkv_proj"].items()}
-    out["gate_up_proj"] = {name: _per_device_columns(np.split(np.asarray(a), [f], axis=-1), tp)
-                           for name, a in lp["gate_up_proj"].items()}  # fmt: skip
+    out["gate_up_proj"] = {
+        name: _per_device_columns(np.split(np.asarray(a), [f], axis=-1), tp)
+        for name, a in lp["gate_up_proj"].items()
+    }
     return out
 
 
@@ -126,9 +144,16 @@ def param_specs(params: Params, tp: int) -> Params:
 
     def layer(lp: Params) -> Params:
         specs = {name: P() for name in lp if not isinstance(lp[name], dict)}
-        for name, axis in (("qkv_proj", "col"), ("gate_up_proj", "col"), ("o_proj", "row"), ("down_proj", "row")):
+        for name, axis in (
+            ("qkv_proj", "col"),
+            ("gate_up_proj", "col"),
+            ("o_proj", "row"),
+            ("down_proj", "row"),
+        ):
             kernel = P(None, TP_AXIS) if axis == "col" else P(TP_AXIS, None)
-            specs[name] = {"kernel": kernel} | ({"bias": P(TP_AXIS) if axis == "col" else P()} if "bias" in lp[name] else {})
+            specs[name] = {"kernel": kernel} | (
+                {"bias": P(TP_AXIS) if axis == "col" else P()} if "bias" in lp[name] else {}
+            )
         return specs
 
     vocab = params["embed_tokens"].shape[0]
@@ -148,15 +173,19 @@ def shard_params(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:
     holding only its slices. `cfg` is the model's own config (not yet `stored_config`)."""
     tp = mesh.shape[TP_AXIS]
     check_tensor_parallel(cfg, tp)
-    if any(is_quantized(p) for lp in params["layers"] for p in lp.values() if isinstance(p, dict)) or any(
-        isinstance(params.get(name), dict) for name in ("embed_tokens", "lm_head")
-    ):
-        raise ValueError("quantized weights cannot be split over devices yet: use tensor_parallel_size=1 "
-                         "with quantization, or quantization=None with tensor parallelism")  # fmt: skip
+    if any(
+        is_quantized(p) for lp in params["layers"] for p in lp.values() if isinstance(p, dict)
+    ) or any(isinstance(params.get(name), dict) for name in ("embed_tokens", "lm_head")):
+        raise ValueError(
+            "quantized weights cannot be split over devices yet: use tensor_parallel_size=1 "
+            "with quantization, or quantization=None with tensor parallelism"
+        )
     params = {**params, "layers": tuple(_reorder_layer(lp, cfg, tp) for lp in params["layers"])}
     specs = param_specs(params, tp)
     # From host memory: with several processes each one places only its own devices' shards.
-    return jax.tree.map(lambda a, spec: jax.device_put(np.asarray(a), NamedSharding(mesh, spec)), params, specs)
+    return jax.tree.map(
+        lambda a, spec: jax.device_put(np.asarray(a), NamedSharding(mesh, spec)), params, specs
+    )
 
 
 # ------------------------------------------------------------------------------------ cache
@@ -176,7 +205,9 @@ def cache_shardings(cache: KVCache, mesh: Mesh) -> KVCache:
 # ---------------------------------------------------------------------------------- forward
 
 
-def sharded(mesh: Mesh, model: Callable[..., tuple[jax.Array, KVCache]]) -> Callable[..., tuple[jax.Array, KVCache]]:
+def sharded(
+    mesh: Mesh, model: Callable[..., tuple[jax.Array, KVCache]]
+) -> Callable[..., tuple[jax.Array, KVCache]]:
     """`model(params, cache, batch, axis)` (a `forward` with its static arguments bound, taking a
     `local_config`) run on each device's slices of params and cache; the batch and the
     returned logits are whole on every device, the returned cache split as it came."""
@@ -188,8 +219,8 @@ def sharded(mesh: Mesh, model: Callable[..., tuple[jax.Array, KVCache]]) -> Call
         # check_vma=False: the model's loops start from constants (replicated) and carry values
         # that vary by device, which the checker would have annotated at every loop; the
         # logits are all-gathered, so they are the same on every device as out_specs says.
-        return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(), cache_specs(cache)),
-                             check_vma=False)(params, cache, batch)  # fmt: skip
+        return jax.shard_map(
+            body, mesh=mesh, in_specs=in_specs, out_specs=(P(), cache_specs(cache)), check_vma=False
+        )(params, cache, batch)
 
     return run
-

@@ -74,10 +74,19 @@ def _environment_digest() -> str:
     h = hashlib.sha256()
     device = jax.devices()[0]
     flags = sorted((k, v) for k, v in os.environ.items() if k.startswith(("JAX_", "XLA_")))
-    for part in (jax.__version__, jaxlib.__version__, device.platform, device.device_kind,
-                 device.client.platform_version, len(jax.devices()), flags, jax.config.jax_enable_x64,
-                 jax.config.jax_default_matmul_precision, jax.config.jax_threefry_partitionable,
-                 _cpu_identity()):  # fmt: skip
+    for part in (
+        jax.__version__,
+        jaxlib.__version__,
+        device.platform,
+        device.device_kind,
+        device.client.platform_version,
+        len(jax.devices()),
+        flags,
+        jax.config.jax_enable_x64,
+        jax.config.jax_default_matmul_precision,
+        jax.config.jax_threefry_partitionable,
+        _cpu_identity(),
+    ):
         h.update(repr(part).encode() + b"\0")
     # The sources of the native kernels too: a program calls them by name, so their code is part of it.
     for path in sorted([*_PACKAGE.rglob("*.py"), *_PACKAGE.rglob("*.cc")]):
@@ -98,8 +107,15 @@ def _cpu_identity() -> str:
 def program_key(name: tuple, args: tuple, static: dict[str, Any]) -> str:
     """A digest of the program's identity: environment, name, static arguments, argument types."""
     leaves, treedef = jax.tree.flatten(args)
-    types = [(np.shape(x), str(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype), getattr(x, "weak_type", False),
-              _placement(x)) for x in leaves]  # fmt: skip
+    types = [
+        (
+            np.shape(x),
+            str(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype),
+            getattr(x, "weak_type", False),
+            _placement(x),
+        )
+        for x in leaves
+    ]
     text = repr((_environment_digest(), name, sorted(static.items()), str(treedef), types))
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -111,7 +127,11 @@ def _placement(x: Any) -> tuple[str, list[int]] | None:
     if sharding is None:
         return None
     mesh = getattr(sharding, "mesh", None)
-    ids = [d.id for d in mesh.devices.flat] if mesh is not None else sorted(d.id for d in sharding.device_set)
+    ids = (
+        [d.id for d in mesh.devices.flat]
+        if mesh is not None
+        else sorted(d.id for d in sharding.device_set)
+    )
     return str(sharding), ids
 
 
@@ -124,7 +144,9 @@ class ProgramCache:
     executable is bound to them; left to itself, JAX would bind it to every device of the
     backend, and a one-device program then refused its one-device arguments."""
 
-    def __init__(self, directory: str | Path | None, devices: list[jax.Device] | None = None) -> None:
+    def __init__(
+        self, directory: str | Path | None, devices: list[jax.Device] | None = None
+    ) -> None:
         self.directory = Path(directory) if directory else None
         self.devices = devices
         if self.directory is not None:
@@ -134,7 +156,9 @@ class ProgramCache:
                 logger.warning("%s; the compiled-program cache is off (programs are compiled)", e)
                 self.directory = None
 
-    def load_or_compile(self, name: tuple, fn: Any, args: tuple, static: dict[str, Any]) -> tuple[Any, bool]:
+    def load_or_compile(
+        self, name: tuple, fn: Any, args: tuple, static: dict[str, Any]
+    ) -> tuple[Any, bool]:
         if self.directory is None:
             return fn.lower(*args, **static).compile(), False
         path = self.directory / f"{program_key(name, args, static)}.program"
@@ -157,12 +181,16 @@ class ProgramCache:
             return None
         digest, payload = blob[:32], blob[32:]
         try:
-            check_owned_by_us(owner, f"the stored program {path.name}")  # before unpickling anything
+            check_owned_by_us(
+                owner, f"the stored program {path.name}"
+            )  # before unpickling anything
             if hashlib.sha256(payload).digest() != digest:
                 raise ValueError("checksum mismatch (truncated or corrupt file)")
             serialized, in_tree, out_tree = pickle.loads(payload)
             devices = self.devices or jax.devices()[:1]
-            program = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree, execution_devices=devices)
+            program = serialize_executable.deserialize_and_load(
+                serialized, in_tree, out_tree, execution_devices=devices
+            )
         except Exception as e:  # noqa: BLE001  any bad file is a miss: compile instead
             logger.warning("ignoring the stored program %s: %s", path.name, e)
             path.unlink(missing_ok=True)

@@ -116,12 +116,18 @@ def quantize_int4(kernel: Any, group_size: int = 32) -> dict[str, jax.Array]:
     w = np.asarray(kernel, np.float32)
     *lead, n_in, n_out = w.shape
     if n_in % group_size:
-        raise ValueError(f"int4 needs the input size ({n_in}) to be a multiple of group_size ({group_size})")
+        raise ValueError(
+            f"int4 needs the input size ({n_in}) to be a multiple of group_size ({group_size})"
+        )
     g = w.reshape(*lead, n_in // group_size, group_size, n_out)
     lo, hi = g.min(axis=-2), g.max(axis=-2)
     scales = np.where(hi > lo, (hi - lo) / 15.0, 1.0).astype(np.float32)
     q = np.clip(np.rint((g - lo[..., None, :]) / scales[..., None, :]), 0, 15).reshape(w.shape)
-    return {"qweight4": jnp.asarray(pack_int4(q)), "scales": jnp.asarray(scales), "mins": jnp.asarray(lo.astype(np.float32))}
+    return {
+        "qweight4": jnp.asarray(pack_int4(q)),
+        "scales": jnp.asarray(scales),
+        "mins": jnp.asarray(lo.astype(np.float32)),
+    }
 
 
 PANEL = 64  # output columns of one panel of the serving layout (the native matmul's work block)
@@ -159,10 +165,15 @@ def to_panels(p: dict[str, Any]) -> dict[str, Any]:
     if "qweight4" in p:
         if p["scales"].shape[-1] % PANEL:
             return p
-        scales_mins = jnp.stack([_panels(jnp.asarray(p["scales"]), PANEL), _panels(jnp.asarray(p["mins"]), PANEL)], -2)
+        scales_mins = jnp.stack(
+            [_panels(jnp.asarray(p["scales"]), PANEL), _panels(jnp.asarray(p["mins"]), PANEL)], -2
+        )
         rest = {k: v for k, v in p.items() if k not in ("qweight4", "scales", "mins")}
-        return {"qweight4_panels": _panels(jnp.asarray(p["qweight4"]), PANEL)[..., INT4_PANEL_ORDER],
-                "scales_mins_panels": scales_mins, **rest}  # fmt: skip
+        return {
+            "qweight4_panels": _panels(jnp.asarray(p["qweight4"]), PANEL)[..., INT4_PANEL_ORDER],
+            "scales_mins_panels": scales_mins,
+            **rest,
+        }
     for key, per_column in _PANEL_KEYS.items():
         if key in p:
             rest = {k: v for k, v in p.items() if k != key}
@@ -176,8 +187,12 @@ def from_panels(p: dict[str, Any]) -> dict[str, Any]:
         sm = p["scales_mins_panels"]
         n_out = sm.shape[-4] * PANEL
         rest = {k: v for k, v in p.items() if k not in ("qweight4_panels", "scales_mins_panels")}
-        return {"qweight4": _unpanels(p["qweight4_panels"][..., np.argsort(INT4_PANEL_ORDER)], n_out),
-                "scales": _unpanels(sm[..., 0, :], n_out), "mins": _unpanels(sm[..., 1, :], n_out), **rest}  # fmt: skip
+        return {
+            "qweight4": _unpanels(p["qweight4_panels"][..., np.argsort(INT4_PANEL_ORDER)], n_out),
+            "scales": _unpanels(sm[..., 0, :], n_out),
+            "mins": _unpanels(sm[..., 1, :], n_out),
+            **rest,
+        }
     for key, per_column in _PANEL_KEYS.items():
         panels = p.get(f"{key}_panels")
         if panels is not None:
@@ -245,8 +260,12 @@ def w8a8_matmul_reference(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
     n_in, n_out = x.shape[-1], n4 // 4
     q, s = quantize_rows(x.reshape(-1, n_in))
     q = jnp.pad(q, ((0, 0), (0, 4 * in4 - n_in))).reshape(-1, in4, 4)
-    acc = jax.lax.dot_general(q, p["qweight_a8"].reshape(in4, n_out, 4), (((1, 2), (0, 2)), ((), ())),
-                              preferred_element_type=jnp.int32)  # fmt: skip
+    acc = jax.lax.dot_general(
+        q,
+        p["qweight_a8"].reshape(in4, n_out, 4),
+        (((1, 2), (0, 2)), ((), ())),
+        preferred_element_type=jnp.int32,
+    )
     y = acc.astype(jnp.float32) * s * p["scales"]
     return y.reshape(*x.shape[:-1], n_out).astype(x.dtype)
 
@@ -294,7 +313,10 @@ def quantize_head(params: dict[str, Any]) -> dict[str, Any]:
     tied model (no `lm_head`) the embedding, stored transposed as that head."""
     if "lm_head" in params:
         return {**params, "lm_head": quantize_int8(params["lm_head"])}
-    return {**params, "embed_tokens": quantize_int8(np.asarray(params["embed_tokens"], np.float32).T)}
+    return {
+        **params,
+        "embed_tokens": quantize_int8(np.asarray(params["embed_tokens"], np.float32).T),
+    }
 
 
 def lookup_embedding(table: Any, tokens: jax.Array, dtype: Any) -> jax.Array:
@@ -302,14 +324,18 @@ def lookup_embedding(table: Any, tokens: jax.Array, dtype: Any) -> jax.Array:
     quantized as the head (`quantize_head`), whose columns are the tokens' rows."""
     if not isinstance(table, dict):
         return table[tokens]
-    if "qweight_panels" in table:  # the serving layout: token t is lane t % PANEL of panel t // PANEL
+    if (
+        "qweight_panels" in table
+    ):  # the serving layout: token t is lane t % PANEL of panel t // PANEL
         q = table["qweight_panels"][tokens // PANEL, :, tokens % PANEL]
     else:
         q = table["qweight"][:, tokens].T
     return (q.astype(jnp.float32) * table["scales"][tokens][:, None]).astype(dtype)
 
 
-def quantize_params(params: dict[str, Any], scheme: str | None, group_size: int = 32) -> dict[str, Any]:
+def quantize_params(
+    params: dict[str, Any], scheme: str | None, group_size: int = 32
+) -> dict[str, Any]:
     """Params with every layer's projections quantized (the module's policy), stacked (as
     stored: `[L, in, out]` kernels) or in the serving layout (`unstack_layers`): the schemes
     work per output column and per group of input rows, so both give the same numbers.
@@ -320,14 +346,25 @@ def quantize_params(params: dict[str, Any], scheme: str | None, group_size: int 
         raise ValueError(f"unknown quantization {scheme!r}; use one of {QUANTIZATIONS} or None")
 
     def layer(lp: dict[str, Any]) -> dict[str, Any]:
-        return {name: quantize_projection(v, scheme, group_size) if isinstance(v, dict) and "kernel" in v else v
-                for name, v in lp.items()}  # fmt: skip
+        return {
+            name: quantize_projection(v, scheme, group_size)
+            if isinstance(v, dict) and "kernel" in v
+            else v
+            for name, v in lp.items()
+        }
 
     layers = params["layers"]
-    return quantize_head({**params, "layers": layer(layers) if isinstance(layers, dict) else tuple(map(layer, layers))})
+    return quantize_head(
+        {
+            **params,
+            "layers": layer(layers) if isinstance(layers, dict) else tuple(map(layer, layers)),
+        }
+    )
 
 
-def quantized_shapes(params_shapes: dict[str, Any], scheme: str, group_size: int = 32) -> dict[str, Any]:
+def quantized_shapes(
+    params_shapes: dict[str, Any], scheme: str, group_size: int = 32
+) -> dict[str, Any]:
     """The abstract tree (`ShapeDtypeStruct` leaves) of stacked params quantized by `scheme`
     ("gguf" has int4's layout, in groups of 32): what a quantized checkpoint restores against."""
     int4 = scheme in ("int4", "gguf")
@@ -338,30 +375,50 @@ def quantized_shapes(params_shapes: dict[str, Any], scheme: str, group_size: int
         sds = lambda dtype, *shape: jax.ShapeDtypeStruct((*lead, *shape), dtype)  # noqa: E731
         rest = {k: v for k, v in p.items() if k != "kernel"}
         if scheme == "w8a8":
-            return {"qweight_a8": sds(jnp.int8, -(-n_in // 4), 4 * n_out), "scales": sds(jnp.float32, n_out), **rest}
+            return {
+                "qweight_a8": sds(jnp.int8, -(-n_in // 4), 4 * n_out),
+                "scales": sds(jnp.float32, n_out),
+                **rest,
+            }
         if not int4:
-            return {"qweight": sds(jnp.int8, n_in, n_out), "scales": sds(jnp.float32, n_out), **rest}
-        return {"qweight4": sds(jnp.uint8, n_in // 2, n_out), "scales": sds(jnp.float32, n_in // group, n_out),
-                "mins": sds(jnp.float32, n_in // group, n_out), **rest}  # fmt: skip
+            return {
+                "qweight": sds(jnp.int8, n_in, n_out),
+                "scales": sds(jnp.float32, n_out),
+                **rest,
+            }
+        return {
+            "qweight4": sds(jnp.uint8, n_in // 2, n_out),
+            "scales": sds(jnp.float32, n_in // group, n_out),
+            "mins": sds(jnp.float32, n_in // group, n_out),
+            **rest,
+        }
 
-    layers = {name: projection(v) if isinstance(v, dict) and "kernel" in v else v
-              for name, v in params_shapes["layers"].items()}  # fmt: skip
+    layers = {
+        name: projection(v) if isinstance(v, dict) and "kernel" in v else v
+        for name, v in params_shapes["layers"].items()
+    }
     head_name = "lm_head" if "lm_head" in params_shapes else "embed_tokens"
     n_vocab = params_shapes[head_name].shape[-1 if head_name == "lm_head" else 0]
     n_hidden = params_shapes["norm"].shape[0]
-    head = {"qweight": jax.ShapeDtypeStruct((n_hidden, n_vocab), jnp.int8),
-            "scales": jax.ShapeDtypeStruct((n_vocab,), jnp.float32)}  # fmt: skip
+    head = {
+        "qweight": jax.ShapeDtypeStruct((n_hidden, n_vocab), jnp.int8),
+        "scales": jax.ShapeDtypeStruct((n_vocab,), jnp.float32),
+    }
     return {**params_shapes, "layers": layers, head_name: head}
 
 
-def with_int4_projections(params: dict[str, Any], projections: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def with_int4_projections(
+    params: dict[str, Any], projections: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
     """Stacked params (before `unstack_layers`) with each named projection's float kernel
     replaced by given int4 arrays stacked over layers (`convert.gguf_source.read_int4_projections`:
     a GGUF's own 4-bit blocks, so nothing is quantized twice). Every projection must be given,
     with the shapes its kernel implies."""
     layers = params["layers"]
     if not isinstance(layers, dict):
-        raise ValueError("with_int4_projections takes stacked params (before models.llama.unstack_layers)")
+        raise ValueError(
+            "with_int4_projections takes stacked params (before models.llama.unstack_layers)"
+        )
     new_layers = dict(layers)
     for name, proj in layers.items():
         if not (isinstance(proj, dict) and "kernel" in proj):
@@ -370,11 +427,17 @@ def with_int4_projections(params: dict[str, Any], projections: dict[str, dict[st
             raise ValueError(f"no int4 weights given for {name}")
         n_layers, n_in, n_out = proj["kernel"].shape
         given = projections[name]
-        if given["qweight4"].shape != (n_layers, n_in // 2, n_out) or given["scales"].shape[::2] != (n_layers, n_out):
-            raise ValueError(f"int4 weights of {name} have shape {given['qweight4'].shape}, want "
-                             f"{(n_layers, n_in // 2, n_out)}")  # fmt: skip
-        new_layers[name] = {**{k: jnp.asarray(v) for k, v in given.items()},
-                            **{k: v for k, v in proj.items() if k != "kernel"}}  # fmt: skip
+        if given["qweight4"].shape != (n_layers, n_in // 2, n_out) or given["scales"].shape[
+            ::2
+        ] != (n_layers, n_out):
+            raise ValueError(
+                f"int4 weights of {name} have shape {given['qweight4'].shape}, want "
+                f"{(n_layers, n_in // 2, n_out)}"
+            )
+        new_layers[name] = {
+            **{k: jnp.asarray(v) for k, v in given.items()},
+            **{k: v for k, v in proj.items() if k != "kernel"},
+        }
     return {**params, "layers": new_layers}
 
 

@@ -20,7 +20,11 @@ def enable_compilation_cache(path: str | None = None) -> str:
     tracing and lowering, and an executable it loads cannot be stored whole again (see
     `minivllm_jax.program_cache`). Returns the folder (`programs/` inside it holds them)."""
     global _program_cache_dir
-    path = path or os.environ.get("MINIVLLM_COMPILE_CACHE") or str(Path.home() / ".cache" / "minivllm_jax" / "xla")
+    path = (
+        path
+        or os.environ.get("MINIVLLM_COMPILE_CACHE")
+        or str(Path.home() / ".cache" / "minivllm_jax" / "xla")
+    )
     _program_cache_dir = Path(path) / "programs"
     return path
 

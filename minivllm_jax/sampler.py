@@ -72,12 +72,21 @@ SampleRow = tuple[SamplingParams, int, int, int]  # (params, request seed, sampl
 
 # One row's settings as the device arrays hold them, typed once when a request is added
 # (`sampling_row`): building a step's arrays then only copies these records.
-SAMPLING_ROW_DTYPE = np.dtype([
-    ("temperature", np.float32), ("top_k", np.int32), ("top_p", np.float32), ("min_p", np.float32),
-    ("seed_hi", np.uint32), ("seed_lo", np.uint32), ("sample_index", np.int32),
-    ("presence_penalty", np.float32), ("frequency_penalty", np.float32), ("repetition_penalty", np.float32),
-    ("want_logprobs", np.bool_),
-])  # fmt: skip
+SAMPLING_ROW_DTYPE = np.dtype(
+    [
+        ("temperature", np.float32),
+        ("top_k", np.int32),
+        ("top_p", np.float32),
+        ("min_p", np.float32),
+        ("seed_hi", np.uint32),
+        ("seed_lo", np.uint32),
+        ("sample_index", np.int32),
+        ("presence_penalty", np.float32),
+        ("frequency_penalty", np.float32),
+        ("repetition_penalty", np.float32),
+        ("want_logprobs", np.bool_),
+    ]
+)
 
 
 def sampling_row(params: SamplingParams, seed: int, sample_index: int) -> np.ndarray:
@@ -87,9 +96,22 @@ def sampling_row(params: SamplingParams, seed: int, sample_index: int) -> np.nda
     if not 0 <= seed < 2**64:
         raise ValueError(f"seed must fit 64 bits unsigned, got {seed}")
     try:
-        return np.array((params.temperature, params.top_k, params.top_p, params.min_p, (seed >> 32) & 0xFFFFFFFF,
-                         seed & 0xFFFFFFFF, sample_index, params.presence_penalty, params.frequency_penalty,
-                         params.repetition_penalty, params.logprobs is not None), SAMPLING_ROW_DTYPE)  # fmt: skip
+        return np.array(
+            (
+                params.temperature,
+                params.top_k,
+                params.top_p,
+                params.min_p,
+                (seed >> 32) & 0xFFFFFFFF,
+                seed & 0xFFFFFFFF,
+                sample_index,
+                params.presence_penalty,
+                params.frequency_penalty,
+                params.repetition_penalty,
+                params.logprobs is not None,
+            ),
+            SAMPLING_ROW_DTYPE,
+        )
     except (OverflowError, TypeError) as e:
         raise ValueError(f"sampling settings do not fit the device arrays: {e}") from e
 
@@ -105,7 +127,9 @@ def make_sampling_arrays(rows: list[SampleRow], batch_size: int, vocab_size: int
     return sampling_arrays(prepared, batch_size, vocab_size)
 
 
-def sampling_arrays(rows: list[tuple[np.ndarray, int]], batch_size: int, vocab_size: int) -> SamplingArrays:
+def sampling_arrays(
+    rows: list[tuple[np.ndarray, int]], batch_size: int, vocab_size: int
+) -> SamplingArrays:
     """`make_sampling_arrays` from prepared `(sampling_row(...), step)` pairs: only copies."""
     if len(rows) > batch_size:
         raise ValueError(f"{len(rows)} rows do not fit a batch of {batch_size}")
@@ -173,13 +197,17 @@ def _first_argmax(x: jax.Array) -> jax.Array:
 
 def _bisect(pred: Callable[[jax.Array], jax.Array], batch: int) -> jax.Array:
     """Largest t in [0, 1] with `pred(t[:, None])` per row (pred(0) holds): 30 steps over float bits."""
+
     def step(_, lohi):
         lo, hi = lohi
         mid = lo + (hi - lo) // 2
         ok = pred(lax.bitcast_convert_type(mid, jnp.float32)[:, None])
         return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
 
-    lo, hi = jnp.zeros((batch,), jnp.int32), jnp.full((batch,), 0x3F800001, jnp.int32)  # bits(1.0) + 1
+    lo, hi = (
+        jnp.zeros((batch,), jnp.int32),
+        jnp.full((batch,), 0x3F800001, jnp.int32),
+    )  # bits(1.0) + 1
     lo, _ = lax.fori_loop(0, 30, step, (lo, hi))
     return lax.bitcast_convert_type(lo, jnp.float32)
 
@@ -200,19 +228,31 @@ def _top_k_top_p_cut(x: jax.Array, m: jax.Array, t: jax.Array, a: SamplingArrays
     active = (a.temperature > 0) & ((k < V) | (a.top_p < 1))  # greedy rows ignore filters
     K = min(FILTER_K, V)
     topv, _ = _top_k(x, K)
-    pk = jnp.where(jnp.arange(K) < k[:, None], _weights(topv, m, t, jnp.full_like(m, -jnp.inf)), 0.0)
-    full_mass = lambda: jnp.sum(_weights(x, m, t, jnp.full_like(m, -jnp.inf)), -1)  # an exp pass: only for top-p alone
-    mass_k = jnp.where(k <= K, jnp.sum(pk, -1), lax.cond(jnp.any(active & (k == V)), full_mass, lambda: m))
+    pk = jnp.where(
+        jnp.arange(K) < k[:, None], _weights(topv, m, t, jnp.full_like(m, -jnp.inf)), 0.0
+    )
+    full_mass = lambda: jnp.sum(
+        _weights(x, m, t, jnp.full_like(m, -jnp.inf)), -1
+    )  # an exp pass: only for top-p alone
+    mass_k = jnp.where(
+        k <= K, jnp.sum(pk, -1), lax.cond(jnp.any(active & (k == V)), full_mass, lambda: m)
+    )
     n_p = jnp.sum(jnp.cumsum(pk, -1) < (a.top_p * mass_k)[:, None], -1) + 1  # K+1: cut is deeper
     n = jnp.where(a.top_p < 1, jnp.minimum(n_p, k), k)
     fits = ~active | ((n <= K) & ((k <= K) | (k == V)))  # a top-k mass beyond K is unknown here
-    cut = jnp.where(active & fits, jnp.take_along_axis(topv, jnp.clip(n - 1, 0, K - 1)[:, None], 1)[:, 0], -jnp.inf)
+    cut = jnp.where(
+        active & fits,
+        jnp.take_along_axis(topv, jnp.clip(n - 1, 0, K - 1)[:, None], 1)[:, 0],
+        -jnp.inf,
+    )
 
     def deep() -> jax.Array:  # bisection on probabilities, then back to a logit cut
         p = _weights(x, m, t, jnp.full_like(m, -jnp.inf))
         zero = jnp.zeros((B,), jnp.float32)
         by_count = lambda: _bisect(lambda c: jnp.sum(p >= c, -1) >= k, B)
-        k_cut = lax.cond(jnp.any(~fits & (k < V)), by_count, lambda: zero)  # k == V: keep all anyway
+        k_cut = lax.cond(
+            jnp.any(~fits & (k < V)), by_count, lambda: zero
+        )  # k == V: keep all anyway
         target = a.top_p * jnp.sum(jnp.where(p >= k_cut[:, None], p, 0.0), -1)
         mass = lambda c: jnp.sum(jnp.where(p >= jnp.maximum(c, k_cut[:, None]), p, 0.0), -1)
         by_mass = lambda: _bisect(lambda c: mass(c) >= target, B)
@@ -223,7 +263,9 @@ def _top_k_top_p_cut(x: jax.Array, m: jax.Array, t: jax.Array, a: SamplingArrays
     return lax.cond(jnp.all(fits), lambda: cut, deep)
 
 
-def _categorical(x: jax.Array, m: jax.Array, t: jax.Array, cut: jax.Array, u: jax.Array) -> jax.Array:
+def _categorical(
+    x: jax.Array, m: jax.Array, t: jax.Array, cut: jax.Array, u: jax.Array
+) -> jax.Array:
     """Draw a kept token by inverse CDF without materializing probabilities: a chunk by its mass
     with u[:, 0], then a token inside it with u[:, 1]. Zero-weight tokens are never returned."""
     xc = _chunks(x, -jnp.inf)
@@ -253,15 +295,21 @@ def row_keys(a: SamplingArrays) -> jax.Array:
 def _sample_random(x: jax.Array, m: jax.Array, a: SamplingArrays) -> jax.Array:
     """Temperature, top-k, top-p, min-p, then a draw keyed by (seed, step) only; greedy rows too."""
     t = jnp.where(a.temperature > 0, a.temperature, 1.0)
-    needs_cut = jnp.any((a.temperature > 0) & (((a.top_k > 0) & (a.top_k < x.shape[1])) | (a.top_p < 1)))
-    cut = lax.cond(needs_cut, lambda: _top_k_top_p_cut(x, m, t, a), lambda: jnp.full_like(m, -jnp.inf))
+    needs_cut = jnp.any(
+        (a.temperature > 0) & (((a.top_k > 0) & (a.top_k < x.shape[1])) | (a.top_p < 1))
+    )
+    cut = lax.cond(
+        needs_cut, lambda: _top_k_top_p_cut(x, m, t, a), lambda: jnp.full_like(m, -jnp.inf)
+    )
     cut = jnp.maximum(cut, m + t * jnp.log(a.min_p))  # min-p: p >= min_p * p_max; log(0) = -inf
     u = jax.vmap(lambda key: jax.random.uniform(key, (2,)))(row_keys(a))
     greedy = (a.temperature <= 0)[:, None]  # keep only the max and draw u = 0: its first index
     return _categorical(x, m, t, jnp.where(greedy[:, 0], m, cut), jnp.where(greedy, 0.0, u))
 
 
-def sample(logits: jax.Array, arrays: SamplingArrays, penalties: Penalties | None = None) -> SampleResult:
+def sample(
+    logits: jax.Array, arrays: SamplingArrays, penalties: Penalties | None = None
+) -> SampleResult:
     """Next token per row; greedy rows (temperature 0) take the argmax of the penalized logits.
     Logprobs are reported under the raw logits (see `SampleResult`)."""
     raw = logits.astype(jnp.float32)
@@ -272,7 +320,9 @@ def sample(logits: jax.Array, arrays: SamplingArrays, penalties: Penalties | Non
 def sample_penalized(x: jax.Array, raw: jax.Array, arrays: SamplingArrays) -> SampleResult:
     """`sample` for logits `x` that already carry the penalties; `raw` (float32, the model's
     own logits) gives the logprobs. A structured-output row samples among its allowed tokens."""
-    x = lax.cond(arrays.use_bitmask, lambda: apply_token_bitmask(x, arrays.token_bitmask), lambda: x)
+    x = lax.cond(
+        arrays.use_bitmask, lambda: apply_token_bitmask(x, arrays.token_bitmask), lambda: x
+    )
     m = jnp.max(x, -1)
     greedy = lambda: _first_argmax(x)
     is_random = arrays.temperature > 0  # all-greedy batches take the cheaper argmax
@@ -288,6 +338,10 @@ def sample_penalized(x: jax.Array, raw: jax.Array, arrays: SamplingArrays) -> Sa
         return chosen, jnp.pad(ids, pad, constant_values=-1), top_lp
 
     shape = (x.shape[0], MAX_LOGPROBS)
-    without = lambda: (jnp.zeros(shape[:1]), jnp.full(shape, -1, jnp.int32), jnp.full(shape, -jnp.inf))
+    without = lambda: (
+        jnp.zeros(shape[:1]),
+        jnp.full(shape, -1, jnp.int32),
+        jnp.full(shape, -jnp.inf),
+    )
     lp, top_ids, top_lp = lax.cond(jnp.any(arrays.want_logprobs), with_logprobs, without)
     return SampleResult(tokens.astype(jnp.int32), lp, top_ids.astype(jnp.int32), top_lp)

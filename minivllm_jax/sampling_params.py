@@ -17,11 +17,15 @@ MAX_LOGPROBS = 20  # top-k logprobs are computed for this many candidates on dev
 INT32_MAX = 2**31 - 1
 MAX_N = 128  # samples of one request (OpenAI's limit for `n`)
 MAX_TOP_K = INT32_MAX  # any k >= the vocabulary keeps every token
-MAX_TOKENS_LIMIT = INT32_MAX  # max_tokens (max_model_len bounds it further when the request is added)
+MAX_TOKENS_LIMIT = (
+    INT32_MAX  # max_tokens (max_model_len bounds it further when the request is added)
+)
 MAX_SEED = 2**63 - 1  # seeds are int64 in the OpenAI API; the sampler keys on all 64 bits
 MAX_TEMPERATURE = 100.0  # beyond it every row samples uniformly in float32 anyway
 MAX_REPETITION_PENALTY = 100.0
-MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI)
+MAX_PENALTY = (
+    2.0  # presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI)
+)
 MAX_TOKEN_ID = INT32_MAX  # stop_token_ids
 
 
@@ -72,7 +76,9 @@ class SamplingParams:
             if not _is_int(value) or not low <= value <= high:
                 bad(f"{name} must be {what}, got {value!r}")
 
-        def number_in(name: str, low: float, high: float, what: str, low_open: bool = False) -> None:
+        def number_in(
+            name: str, low: float, high: float, what: str, low_open: bool = False
+        ) -> None:
             value = getattr(self, name)
             if not _is_number(value) or not low <= value <= high or (low_open and value == low):
                 bad(f"{name} must be a finite number {what}, got {value!r}")
@@ -81,36 +87,66 @@ class SamplingParams:
         number_in("temperature", 0.0, MAX_TEMPERATURE, f"in [0, {MAX_TEMPERATURE:g}]")
         number_in("top_p", 0.0, 1.0, "in (0, 1]", low_open=True)
         if not _is_int(self.top_k) or not (self.top_k == -1 or 1 <= self.top_k <= MAX_TOP_K):
-            bad(f"top_k must be -1 (disabled) or an integer in [1, {MAX_TOP_K}], got {self.top_k!r}")
+            bad(
+                f"top_k must be -1 (disabled) or an integer in [1, {MAX_TOP_K}], got {self.top_k!r}"
+            )
         number_in("min_p", 0.0, 1.0, "in [0, 1]")
         if self.max_tokens is not None:
-            int_in("max_tokens", 1, MAX_TOKENS_LIMIT, f"an integer in [1, {MAX_TOKENS_LIMIT}] or None")
+            int_in(
+                "max_tokens", 1, MAX_TOKENS_LIMIT, f"an integer in [1, {MAX_TOKENS_LIMIT}] or None"
+            )
         if self.logprobs is not None:
             int_in("logprobs", 0, MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}]")
-        number_in("presence_penalty", -MAX_PENALTY, MAX_PENALTY, f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
-        number_in("frequency_penalty", -MAX_PENALTY, MAX_PENALTY, f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
-        number_in("repetition_penalty", 0.0, MAX_REPETITION_PENALTY, f"in (0, {MAX_REPETITION_PENALTY:g}]",
-                  low_open=True)  # fmt: skip
+        number_in(
+            "presence_penalty", -MAX_PENALTY, MAX_PENALTY, f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]"
+        )
+        number_in(
+            "frequency_penalty",
+            -MAX_PENALTY,
+            MAX_PENALTY,
+            f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
+        )
+        number_in(
+            "repetition_penalty",
+            0.0,
+            MAX_REPETITION_PENALTY,
+            f"in (0, {MAX_REPETITION_PENALTY:g}]",
+            low_open=True,
+        )
         if self.seed is not None:
             int_in("seed", 0, MAX_SEED, f"an integer in [0, {MAX_SEED}]")
         if self.n > 1 and self.temperature == 0.0:
             bad("n > 1 needs temperature > 0 (greedy samples would all be identical)")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stops):
-            bad(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+            bad(
+                f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}"
+            )
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
-            bad(f"stop_token_ids must be a list of integers, got {type(self.stop_token_ids).__name__}")
+            bad(
+                f"stop_token_ids must be a list of integers, got {type(self.stop_token_ids).__name__}"
+            )
         if any(not _is_int(t) or not 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids or []):
-            bad(f"stop_token_ids must be integers in [0, {MAX_TOKEN_ID}], got {self.stop_token_ids!r}")
+            bad(
+                f"stop_token_ids must be integers in [0, {MAX_TOKEN_ID}], got {self.stop_token_ids!r}"
+            )
         if isinstance(self.kv_compression, dict):
             try:
-                object.__setattr__(self, "kv_compression", KVCompressionConfig.from_dict(self.kv_compression))
+                object.__setattr__(
+                    self, "kv_compression", KVCompressionConfig.from_dict(self.kv_compression)
+                )
             except (TypeError, ValueError) as e:
                 bad(f"kv_compression: {e}")
-        elif self.kv_compression is not None and not isinstance(self.kv_compression, KVCompressionConfig):
-            bad(f"kv_compression must be a KVCompressionConfig, a dict or None, got {type(self.kv_compression).__name__}")
+        elif self.kv_compression is not None and not isinstance(
+            self.kv_compression, KVCompressionConfig
+        ):
+            bad(
+                f"kv_compression must be a KVCompressionConfig, a dict or None, got {type(self.kv_compression).__name__}"
+            )
         try:
-            object.__setattr__(self, "structured_outputs", as_structured_outputs(self.structured_outputs))
+            object.__setattr__(
+                self, "structured_outputs", as_structured_outputs(self.structured_outputs)
+            )
         except (TypeError, ValueError) as e:
             bad(str(e) if str(e).startswith("structured_outputs") else f"structured_outputs: {e}")
         object.__setattr__(self, "stop", stops)
@@ -122,4 +158,8 @@ class SamplingParams:
 
     @property
     def uses_penalties(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )

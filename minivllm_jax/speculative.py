@@ -42,18 +42,31 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method != "ngram":
-            raise ValueError(f"speculative method {self.method!r} is not supported; use 'ngram' (prompt lookup)")
-        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 16:
-            raise ValueError(f"num_speculative_tokens must be an integer in [1, 16], got {self.num_speculative_tokens!r}")
+            raise ValueError(
+                f"speculative method {self.method!r} is not supported; use 'ngram' (prompt lookup)"
+            )
+        if (
+            not isinstance(self.num_speculative_tokens, int)
+            or not 1 <= self.num_speculative_tokens <= 16
+        ):
+            raise ValueError(
+                f"num_speculative_tokens must be an integer in [1, 16], got {self.num_speculative_tokens!r}"
+            )
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
-            raise ValueError(f"need integers 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r} and {hi!r}")
+            raise ValueError(
+                f"need integers 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r} and {hi!r}"
+            )
         limit = self.disable_by_batch_size
         if limit is not None and (not isinstance(limit, int) or limit < 1):
-            raise ValueError(f"disable_by_batch_size must be a positive integer or None, got {limit!r}")
+            raise ValueError(
+                f"disable_by_batch_size must be a positive integer or None, got {limit!r}"
+            )
 
     @classmethod
-    def from_dict(cls, config: Mapping[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
+    def from_dict(
+        cls, config: Mapping[str, Any] | SpeculativeConfig | None
+    ) -> SpeculativeConfig | None:
         """vLLM's dict form. A missing `prompt_lookup_min` is 2, or `prompt_lookup_max` when
         that is smaller."""
         if config is None or isinstance(config, SpeculativeConfig):
@@ -63,7 +76,9 @@ class SpeculativeConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(config) - names
         if unknown:
-            raise ValueError(f"unknown speculative_config keys {sorted(unknown)}; accepted: {sorted(names)}")
+            raise ValueError(
+                f"unknown speculative_config keys {sorted(unknown)}; accepted: {sorted(names)}"
+            )
         if "method" not in config:
             raise ValueError("speculative_config needs a 'method' (only 'ngram' is supported)")
         config = dict(config)
@@ -79,7 +94,9 @@ def propose_ngram(tokens: Sequence[int], config: SpeculativeConfig, max_tokens: 
         return []
     ids = np.asarray(tokens, np.int64)
     for n in range(min(config.prompt_lookup_max, len(ids) - 1), config.prompt_lookup_min - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)  # windows that have a next token
+        windows = np.lib.stride_tricks.sliding_window_view(
+            ids[:-1], n
+        )  # windows that have a next token
         hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n

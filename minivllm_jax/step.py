@@ -34,10 +34,22 @@ from jax.sharding import Mesh
 from minivllm_jax import parallel
 from minivllm_jax.batch import StepBatch, token_sequences
 from minivllm_jax.config import ModelConfig
-from minivllm_jax.kv_cache import KVCache, copy_pages, gather_pages, scatter_pages
-from minivllm_jax.kv_cache import dequantize_k_blocks, from_bits
+from minivllm_jax.kv_cache import (
+    KVCache,
+    copy_pages,
+    dequantize_k_blocks,
+    from_bits,
+    gather_pages,
+    scatter_pages,
+)
 from minivllm_jax.models.llama import Params, forward
-from minivllm_jax.sampler import Penalties, SampleResult, SamplingArrays, apply_penalties, sample_penalized
+from minivllm_jax.sampler import (
+    Penalties,
+    SampleResult,
+    SamplingArrays,
+    apply_penalties,
+    sample_penalized,
+)
 
 
 @jax.tree_util.register_dataclass
@@ -54,7 +66,9 @@ class PenaltyState:
 
 
 def init_penalty_state(slots: int, vocab: int) -> PenaltyState:
-    return PenaltyState(jnp.zeros((slots + 1, vocab), jnp.float32), jnp.zeros((slots + 1, vocab), jnp.bool_))
+    return PenaltyState(
+        jnp.zeros((slots + 1, vocab), jnp.float32), jnp.zeros((slots + 1, vocab), jnp.bool_)
+    )
 
 
 @jax.tree_util.register_dataclass
@@ -73,7 +87,9 @@ def _mark_fed_tokens(state: PenaltyState, batch: StepBatch, rows: PenaltyRows) -
     slot = jnp.where(valid, rows.slots[seq], state.scratch_slot)
     is_output = valid & (batch.positions >= rows.prompt_lens[seq])
     seen = state.seen.at[slot, batch.tokens].set(True, mode="drop")
-    counts = state.output_counts.at[slot, batch.tokens].add(is_output.astype(jnp.float32), mode="drop")
+    counts = state.output_counts.at[slot, batch.tokens].add(
+        is_output.astype(jnp.float32), mode="drop"
+    )
     return PenaltyState(counts, seen)
 
 
@@ -143,21 +159,37 @@ def engine_multi_step(
         # Slots follow the cache index, not the position: they differ by the tokens a sequence
         # dropped from its cache (`Chunk.position_offset`, `minivllm_jax.kv_compression`).
         index = batch.context_len[seq] + j
-        page = batch.page_ids[jnp.clip(batch.page_start[seq] + index // page_size, 0, batch.page_ids.shape[0] - 1)]
+        page = batch.page_ids[
+            jnp.clip(batch.page_start[seq] + index // page_size, 0, batch.page_ids.shape[0] - 1)
+        ]
         step = dataclasses.replace(
             batch,
-            tokens=jnp.where((j > 0) & valid, -(seq + 1), batch.tokens),  # row s's token of step j - 1
+            tokens=jnp.where(
+                (j > 0) & valid, -(seq + 1), batch.tokens
+            ),  # row s's token of step j - 1
             positions=positions,
             slot_mapping=jnp.where(valid, page * page_size + index % page_size, batch.slot_mapping),
             context_len=batch.context_len + j * live,
         )
         rows = dataclasses.replace(sampling, steps=sampling.steps + j)
-        result, cache, penalty_state, fed_back = engine_step(params, cache, penalty_state, fed_back, step, rows,
-                                                             penalty_rows, cfg=cfg, attention=attention,
-                                                             matmul=matmul, mesh=mesh)  # fmt: skip
+        result, cache, penalty_state, fed_back = engine_step(
+            params,
+            cache,
+            penalty_state,
+            fed_back,
+            step,
+            rows,
+            penalty_rows,
+            cfg=cfg,
+            attention=attention,
+            matmul=matmul,
+            mesh=mesh,
+        )
         return (cache, penalty_state, fed_back), result
 
-    (cache, penalty_state, fed_back), results = lax.scan(decode, (cache, penalty_state, fed_back), jnp.arange(num_steps))
+    (cache, penalty_state, fed_back), results = lax.scan(
+        decode, (cache, penalty_state, fed_back), jnp.arange(num_steps)
+    )
     return results, cache, penalty_state, fed_back
 
 
@@ -181,11 +213,17 @@ def engine_verify_step(
     draft token's position too, so that the host can check each draft token against the sample
     drawn where it was proposed (`minivllm_jax.speculative`). The host reads such a step before
     scheduling the next, so it feeds no placeholders and `fed_back` passes through."""
-    logits, cache = model_forward(params, cache, batch, cfg, attention, matmul, mesh, logit_rows=logit_rows)
+    logits, cache = model_forward(
+        params, cache, batch, cfg, attention, matmul, mesh, logit_rows=logit_rows
+    )
     penalty_state = _mark_fed_tokens(penalty_state, batch, penalty_rows)
-    slots = penalty_rows.slots[token_sequences(batch)[0][logit_rows]]  # each row's sequence's history
+    slots = penalty_rows.slots[
+        token_sequences(batch)[0][logit_rows]
+    ]  # each row's sequence's history
 
-    def penalized() -> jax.Array:  # a sequence with penalties proposes no draft: its one row is its last token
+    def penalized() -> (
+        jax.Array
+    ):  # a sequence with penalties proposes no draft: its one row is its last token
         history = Penalties(penalty_state.output_counts[slots], penalty_state.seen[slots])
         return apply_penalties(logits, sampling, history)
 
@@ -193,12 +231,22 @@ def engine_verify_step(
     return sample_penalized(x, logits, sampling), cache, penalty_state, fed_back
 
 
-def model_forward(params: Params, cache: KVCache, batch: StepBatch, cfg: ModelConfig, attention: str, matmul: str,
-                  mesh: Mesh | None, all_logits: bool = False,
-                  logit_rows: jax.Array | None = None) -> tuple[jax.Array, KVCache]:  # fmt: skip
+def model_forward(
+    params: Params,
+    cache: KVCache,
+    batch: StepBatch,
+    cfg: ModelConfig,
+    attention: str,
+    matmul: str,
+    mesh: Mesh | None,
+    all_logits: bool = False,
+    logit_rows: jax.Array | None = None,
+) -> tuple[jax.Array, KVCache]:
     """`forward` on one device, or tensor-parallel over `mesh` (each device runs its shard)."""
     if mesh is None:
-        return forward(params, cache, batch, cfg, attention, all_logits, matmul, logit_rows=logit_rows)
+        return forward(
+            params, cache, batch, cfg, attention, all_logits, matmul, logit_rows=logit_rows
+        )
     local = parallel.local_config(cfg, mesh.shape[parallel.TP_AXIS])
     every = all_logits or logit_rows is not None
     shard = lambda p, c, b, axis: forward(p, c, b, local, attention, every, matmul, axis)  # noqa: E731
@@ -206,17 +254,34 @@ def model_forward(params: Params, cache: KVCache, batch: StepBatch, cfg: ModelCo
     return (logits if logit_rows is None else logits[logit_rows]), cache
 
 
-engine_step_jit = jax.jit(engine_step, static_argnames=("cfg", "attention", "matmul", "mesh"),
-                          donate_argnames=("cache", "penalty_state"))  # fmt: skip
-engine_multi_step_jit = jax.jit(engine_multi_step, static_argnames=("cfg", "attention", "matmul", "mesh", "num_steps"),
-                               donate_argnames=("cache", "penalty_state"))  # fmt: skip
-engine_verify_step_jit = jax.jit(engine_verify_step, static_argnames=("cfg", "attention", "matmul", "mesh"),
-                                donate_argnames=("cache", "penalty_state"))  # fmt: skip
-forward_jit = jax.jit(forward, static_argnames=("cfg", "attention", "all_logits", "matmul"), donate_argnames=("cache",))
+engine_step_jit = jax.jit(
+    engine_step,
+    static_argnames=("cfg", "attention", "matmul", "mesh"),
+    donate_argnames=("cache", "penalty_state"),
+)
+engine_multi_step_jit = jax.jit(
+    engine_multi_step,
+    static_argnames=("cfg", "attention", "matmul", "mesh", "num_steps"),
+    donate_argnames=("cache", "penalty_state"),
+)
+engine_verify_step_jit = jax.jit(
+    engine_verify_step,
+    static_argnames=("cfg", "attention", "matmul", "mesh"),
+    donate_argnames=("cache", "penalty_state"),
+)
+forward_jit = jax.jit(
+    forward,
+    static_argnames=("cfg", "attention", "all_logits", "matmul"),
+    donate_argnames=("cache",),
+)
 
 
 def load_penalty_row(
-    state: PenaltyState, slot: jax.Array, token_ids: jax.Array, num_tokens: jax.Array, prompt_len: jax.Array
+    state: PenaltyState,
+    slot: jax.Array,
+    token_ids: jax.Array,
+    num_tokens: jax.Array,
+    prompt_len: jax.Array,
 ) -> PenaltyState:
     """Reset `slot` to the history of `token_ids[:num_tokens]` (a sequence's tokens that are
     already in the cache when it gets the slot); `token_ids` is padded to a fixed length."""
@@ -225,15 +290,25 @@ def load_penalty_row(
     vocab = state.seen.shape[1]
     ids = jnp.where(valid, token_ids, 0)
     seen = jnp.zeros((vocab,), jnp.bool_).at[ids].max(valid)
-    counts = jnp.zeros((vocab,), jnp.float32).at[ids].add((valid & (pos >= prompt_len)).astype(jnp.float32))
+    counts = (
+        jnp.zeros((vocab,), jnp.float32)
+        .at[ids]
+        .add((valid & (pos >= prompt_len)).astype(jnp.float32))
+    )
     return PenaltyState(state.output_counts.at[slot].set(counts), state.seen.at[slot].set(seen))
 
 
 load_penalty_row_jit = jax.jit(load_penalty_row, donate_argnames=("state",))
 
 
-def page_attention_scores(params: Params, cache: KVCache, batch: StepBatch, cfg: ModelConfig,
-                          attention: str = "reference", matmul: str = "reference") -> jax.Array:  # fmt: skip
+def page_attention_scores(
+    params: Params,
+    cache: KVCache,
+    batch: StepBatch,
+    cfg: ModelConfig,
+    attention: str = "reference",
+    matmul: str = "reference",
+) -> jax.Array:
     """f32[N]: the attention mass the last new token of sequence 0 of `batch` puts on each page
     listed in `batch.page_ids`, summed over all layers and query heads and normalized to total 1
     (the page-score policy of `minivllm_jax.kv_compression`).
@@ -243,11 +318,15 @@ def page_attention_scores(params: Params, cache: KVCache, batch: StepBatch, cfg:
     pages of its new tokens) get 0. The scoring batch re-feeds a sequence's last computed token
     at its own cache index (`context_len` = cached tokens - 1), so its own key is not scored.
     The cache is read, not written: the forward's write of the re-fed token is discarded."""
-    _, _, queries = forward(params, cache, batch, cfg, attention, False, matmul, return_queries=True)
+    _, _, queries = forward(
+        params, cache, batch, cfg, attention, False, matmul, return_queries=True
+    )
     token = batch.query_start[0] + jnp.maximum(batch.query_len[0], 1) - 1
     q = queries[:, token].astype(jnp.float32)  # [L, H, hd]
     KVH, ps = cache.num_kv_heads, cache.page_size
-    entry = jnp.arange(batch.page_ids.shape[0]) - batch.page_start[0]  # the entry's page index in the sequence
+    entry = (
+        jnp.arange(batch.page_ids.shape[0]) - batch.page_start[0]
+    )  # the entry's page index in the sequence
     key_index = entry[:, None] * ps + jnp.arange(ps)  # [N, ps]: cache index of each key
     listed = (entry >= 0)[:, None] & (key_index < batch.context_len[0])
 
@@ -256,11 +335,15 @@ def page_attention_scores(params: Params, cache: KVCache, batch: StepBatch, cfg:
         if cache.quantized:
             k = dequantize_k_blocks(k, cache.k_scale[layer, batch.page_ids], jnp.float32)
         k = from_bits(k, queries.dtype).astype(jnp.float32)
-        qg = q[layer].reshape(KVH, -1, q.shape[-1]) * q.shape[-1] ** -0.5  # [KVH, G, hd]: grouped-query heads
+        qg = (
+            q[layer].reshape(KVH, -1, q.shape[-1]) * q.shape[-1] ** -0.5
+        )  # [KVH, G, hd]: grouped-query heads
         scores = jnp.einsum("kgd,nkdp->kgnp", qg, k)
         scores = jnp.where(listed[None, None], scores, -jnp.inf)
         m = jnp.max(scores, axis=(2, 3), keepdims=True)
-        p = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0))  # no cached key at all: zeros, not NaN
+        p = jnp.exp(
+            scores - jnp.where(jnp.isfinite(m), m, 0.0)
+        )  # no cached key at all: zeros, not NaN
         p = p / jnp.maximum(p.sum(axis=(2, 3), keepdims=True), jnp.finfo(jnp.float32).tiny)
         return p.sum(axis=(0, 1, 3))  # [N]
 
@@ -270,7 +353,9 @@ def page_attention_scores(params: Params, cache: KVCache, batch: StepBatch, cfg:
 
 
 # Not donating the cache: scoring reads a sequence's pages between steps and changes nothing.
-page_attention_scores_jit = jax.jit(page_attention_scores, static_argnames=("cfg", "attention", "matmul"))
+page_attention_scores_jit = jax.jit(
+    page_attention_scores, static_argnames=("cfg", "attention", "matmul")
+)
 
 # Copy-on-write of forked sequences' pages (beam search); see `kv_cache.copy_pages`.
 copy_pages_jit = jax.jit(copy_pages, donate_argnames=("cache",))

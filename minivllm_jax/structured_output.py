@@ -106,10 +106,14 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = True
 
     def __post_init__(self) -> None:
-        chosen = [k for k in KINDS if (getattr(self, k) is not None and getattr(self, k) is not False)]
+        chosen = [
+            k for k in KINDS if (getattr(self, k) is not None and getattr(self, k) is not False)
+        ]
         if len(chosen) != 1:
-            raise ValueError(f"structured_outputs needs exactly one of {', '.join(KINDS)}; got "
-                             f"{', '.join(chosen) if chosen else 'none'}")  # fmt: skip
+            raise ValueError(
+                f"structured_outputs needs exactly one of {', '.join(KINDS)}; got "
+                f"{', '.join(chosen) if chosen else 'none'}"
+            )
         if isinstance(self.json, str):
             try:
                 schema = json.loads(self.json)
@@ -117,28 +121,44 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
             object.__setattr__(self, "json", schema)
         if self.json is not None and not isinstance(self.json, (dict, bool)):
-            raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(self.json).__name__}")
+            raise ValueError(
+                f"structured_outputs.json must be a JSON schema object, got {type(self.json).__name__}"
+            )
         if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
             raise ValueError("structured_outputs.regex must be a non-empty string")
-        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+        if self.grammar is not None and (
+            not isinstance(self.grammar, str) or not self.grammar.strip()
+        ):
             raise ValueError("structured_outputs.grammar must be a non-empty string")
         if self.choice is not None:
-            if (not isinstance(self.choice, (list, tuple)) or not self.choice
-                    or not all(isinstance(c, str) and c for c in self.choice)):  # fmt: skip
-                raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+            if (
+                not isinstance(self.choice, (list, tuple))
+                or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)
+            ):
+                raise ValueError(
+                    "structured_outputs.choice must be a non-empty list of non-empty strings"
+                )
             object.__setattr__(self, "choice", list(self.choice))
         if not isinstance(self.json_object, bool):
             raise ValueError("structured_outputs.json_object must be a boolean")
 
     @property
     def kind(self) -> str:
-        return next(k for k in KINDS if getattr(self, k) is not None and getattr(self, k) is not False)
+        return next(
+            k for k in KINDS if getattr(self, k) is not None and getattr(self, k) is not False
+        )
 
     @property
     def key(self) -> str:
         """The cache key: the constraint in a canonical text form."""
-        value = {"json": self.json, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
-                 "json_object": True}[self.kind]  # fmt: skip
+        value = {
+            "json": self.json,
+            "regex": self.regex,
+            "choice": self.choice,
+            "grammar": self.grammar,
+            "json_object": True,
+        }[self.kind]
         return json.dumps([self.kind, value, self.disable_any_whitespace], sort_keys=True)
 
     def llguidance_grammar(self) -> str:
@@ -158,12 +178,16 @@ class StructuredOutputsParams:
         if kind == "choice":
             return llguidance.grammar_from("choice", json.dumps(self.choice))
         try:
-            return llguidance.grammar_from("grammar", self.grammar)  # Lark, or GBNF converted to Lark
+            return llguidance.grammar_from(
+                "grammar", self.grammar
+            )  # Lark, or GBNF converted to Lark
         except Exception as e:  # the GBNF converter raises its own error types
             raise ValueError(f"invalid structured_outputs.grammar: {e}") from None
 
 
-def as_structured_outputs(value: StructuredOutputsParams | dict | None) -> StructuredOutputsParams | None:
+def as_structured_outputs(
+    value: StructuredOutputsParams | dict | None,
+) -> StructuredOutputsParams | None:
     """`SamplingParams.structured_outputs` given as a dict (an HTTP body) or the params."""
     if value is None or isinstance(value, StructuredOutputsParams):
         return value
@@ -172,7 +196,9 @@ def as_structured_outputs(value: StructuredOutputsParams | dict | None) -> Struc
         if unknown:
             raise ValueError(f"structured_outputs: unknown field(s) {', '.join(sorted(unknown))}")
         return StructuredOutputsParams(**value)
-    raise ValueError(f"structured_outputs must be a StructuredOutputsParams, a dict or None, got {type(value).__name__}")
+    raise ValueError(
+        f"structured_outputs must be a StructuredOutputsParams, a dict or None, got {type(value).__name__}"
+    )
 
 
 def _error_of(matcher: Any) -> str:
@@ -185,7 +211,9 @@ class Grammar:
 
     def __init__(self, matcher: Any) -> None:
         self._matcher = matcher
-        self.failure: str | None = None  # why it can go no further (too costly, or it broke on a token)
+        self.failure: str | None = (
+            None  # why it can go no further (too costly, or it broke on a token)
+        )
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         """Write the allowed next tokens into `bitmask[row]` (bit `t % 32` of word `t // 32`).
@@ -206,7 +234,9 @@ class Grammar:
         """Advance by a sampled token. The mask allowed it, so a grammar that breaks on it
         reached one of llguidance's limits: the next mask raises, failing this sequence's
         request with the reason (the step runs without it)."""
-        if self.failure is None and (not self._matcher.consume_token(token) or self._matcher.is_error()):
+        if self.failure is None and (
+            not self._matcher.consume_token(token) or self._matcher.is_error()
+        ):
             self.failure = f"the output grammar failed at token {token}: {_error_of(self._matcher)}"
 
     @property
@@ -230,7 +260,9 @@ def _mask_executor() -> Any:
         return _executor
 
 
-def fill_bitmasks(bitmask: np.ndarray, rows: Sequence[tuple[Grammar, int]]) -> list[Exception | None]:
+def fill_bitmasks(
+    bitmask: np.ndarray, rows: Sequence[tuple[Grammar, int]]
+) -> list[Exception | None]:
     """Write each grammar's allowed next tokens into its row of `bitmask` (`int32[B, V/32]`),
     all rows in one call on llguidance's thread pool (outside the GIL); the same rows as
     `Grammar.fill_bitmask` on each. Returns, for each of `rows`, None or the error that fails
@@ -240,13 +272,19 @@ def fill_bitmasks(bitmask: np.ndarray, rows: Sequence[tuple[Grammar, int]]) -> l
     everyone's steps."""
     import llguidance.numpy
 
-    live = [i for i, (grammar, _) in enumerate(rows) if grammar.failure is None and not grammar._matcher.is_error()]
+    live = [
+        i
+        for i, (grammar, _) in enumerate(rows)
+        if grammar.failure is None and not grammar._matcher.is_error()
+    ]
     start = time.perf_counter()
     try:
         if live:
             matchers = [(rows[i][0]._matcher, rows[i][1]) for i in live]
             llguidance.numpy.fill_next_token_bitmask_par(_mask_executor(), matchers, bitmask)
-        slow = time.perf_counter() - start > GRAMMAR_MASK_BUDGET_S * -(-len(live) // MASK_FILL_THREADS)
+        slow = time.perf_counter() - start > GRAMMAR_MASK_BUDGET_S * -(
+            -len(live) // MASK_FILL_THREADS
+        )
     except Exception:  # noqa: BLE001 (which row? each is computed alone below)
         slow = True
     errors: list[Exception | None] = []
@@ -269,8 +307,10 @@ def _fill_within_budget(grammar: Grammar, bitmask: np.ndarray, row: int) -> None
     grammar.fill_bitmask(bitmask, row)
     took = time.perf_counter() - start
     if took > GRAMMAR_MASK_BUDGET_S:
-        grammar.failure = (f"the output grammar is too costly to follow: one token mask took {took * 1e3:.0f} ms "
-                           f"(limit {GRAMMAR_MASK_BUDGET_S * 1e3:.0f} ms)")  # fmt: skip
+        grammar.failure = (
+            f"the output grammar is too costly to follow: one token mask took {took * 1e3:.0f} ms "
+            f"(limit {GRAMMAR_MASK_BUDGET_S * 1e3:.0f} ms)"
+        )
         grammar._check()
 
 
@@ -291,7 +331,13 @@ class GrammarCompiler:
     `vocab_size` is the model's (the logits' width; tokens the tokenizer lacks are never
     allowed); `eos_token_ids` may end a sequence once its grammar is satisfied."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int] = (), cache_size: int = 256) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: Sequence[int] = (),
+        cache_size: int = 256,
+    ) -> None:
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
@@ -309,10 +355,13 @@ class GrammarCompiler:
                 import llguidance.hf
 
                 try:
-                    self._ll_tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
-                                                                      eos_token=self._eos or None)  # fmt: skip
+                    self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                        self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos or None
+                    )
                 except ValueError as e:  # e.g. a word-level tokenizer without a decoder
-                    raise ValueError(f"structured output is not available with this model's tokenizer: {e}") from None
+                    raise ValueError(
+                        f"structured output is not available with this model's tokenizer: {e}"
+                    ) from None
             return self._ll_tokenizer
 
     def _compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
@@ -322,7 +371,9 @@ class GrammarCompiler:
         tokenizer = self._tokenizer()  # built once, not counted against the grammar
         field = f"structured_outputs.{spec.kind}"
         start = time.perf_counter()
-        matcher = llguidance.LLMatcher(tokenizer, spec.llguidance_grammar(), log_level=0, limits=_parser_limits())
+        matcher = llguidance.LLMatcher(
+            tokenizer, spec.llguidance_grammar(), log_level=0, limits=_parser_limits()
+        )
         if matcher.is_error():
             raise ValueError(f"invalid {field}: {_error_of(matcher)}")
         # The first mask here, not on the engine thread: it builds the lexer states that every
@@ -335,8 +386,10 @@ class GrammarCompiler:
             raise ValueError(f"invalid {field}: {_error_of(probe)}")
         if now - mask_start > GRAMMAR_MASK_BUDGET_S:
             took, limit = (now - mask_start) * 1e3, GRAMMAR_MASK_BUDGET_S * 1e3
-            raise ValueError(f"{field} is too costly to follow: its first token mask took {took:.0f} ms "
-                             f"(limit {limit:.0f} ms)")  # fmt: skip
+            raise ValueError(
+                f"{field} is too costly to follow: its first token mask took {took:.0f} ms "
+                f"(limit {limit:.0f} ms)"
+            )
         if now - start > GRAMMAR_COMPILE_TIMEOUT_S:  # its waiters gave up: not cached either
             raise ValueError(_timeout_message(field))
         with self._lock:
@@ -350,7 +403,9 @@ class GrammarCompiler:
             future = self._cache.get(spec.key)
             if future is None:
                 if self._pool is None:
-                    self._pool = ThreadPoolExecutor(max_workers=GRAMMAR_COMPILE_THREADS, thread_name_prefix="grammar")
+                    self._pool = ThreadPoolExecutor(
+                        max_workers=GRAMMAR_COMPILE_THREADS, thread_name_prefix="grammar"
+                    )
                 future = self._pool.submit(self._compile, spec)
                 self._cache[spec.key] = future
                 while len(self._cache) > self._cache_size:
@@ -360,10 +415,14 @@ class GrammarCompiler:
                 self._cache.move_to_end(spec.key)
         if future.done():
             return future
-        return _with_deadline(future, GRAMMAR_COMPILE_TIMEOUT_S, _timeout_message(f"structured_outputs.{spec.kind}"))
+        return _with_deadline(
+            future, GRAMMAR_COMPILE_TIMEOUT_S, _timeout_message(f"structured_outputs.{spec.kind}")
+        )
 
     def _forget_failure(self, key: str):
-        def forget(future: Future) -> None:  # a failed compile is not kept: the next try says why again
+        def forget(
+            future: Future,
+        ) -> None:  # a failed compile is not kept: the next try says why again
             if future.exception() is not None:
                 with self._lock:
                     if self._cache.get(key) is future:

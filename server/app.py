@@ -22,8 +22,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.connections import (
-    BODY_READ_TIMEOUT_S, ConnectionLimits, OpenSockets, SlowReader, drop_connection, record_transport, send_within,
-)  # fmt: skip
+    BODY_READ_TIMEOUT_S,
+    ConnectionLimits,
+    OpenSockets,
+    SlowReader,
+    drop_connection,
+    record_transport,
+    send_within,
+)
 from server.engine_loop import EngineStopped, RequestFailed, RequestStream
 from server.metrics import ServerMetrics
 from server.middleware import GateMiddleware
@@ -65,27 +71,43 @@ def create_app(
     `server.connections` constants, at most `max_queue` WebSockets)."""
     limits = limits or ConnectionLimits(max_websockets=max_queue)
     sockets = OpenSockets(limits)
-    state = ServerState(model_name, api_key=api_key, max_queue=max_queue, max_body_bytes=max_body_bytes)
+    state = ServerState(
+        model_name, api_key=api_key, max_queue=max_queue, max_body_bytes=max_body_bytes
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if hasattr(llm_or_factory, "engine"):
             state.attach(llm_or_factory)  # type: ignore[arg-type]
         else:
-            loader = threading.Thread(target=_load, args=(state, llm_or_factory, on_load_error), daemon=True,
-                                      name="model-loader")  # fmt: skip
+            loader = threading.Thread(
+                target=_load,
+                args=(state, llm_or_factory, on_load_error),
+                daemon=True,
+                name="model-loader",
+            )
             loader.start()
         try:
             yield
         finally:
             await asyncio.to_thread(state.close)
 
-    app = _ServerApp(title="minivllm-jax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = _ServerApp(
+        title="minivllm-jax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.minivllm = state
     app.state.limits, app.state.sockets = limits, sockets
-    origins = OriginPolicy(allowed_origins)  # here, not lazily in the middleware stack: bad ones fail now
-    app.add_middleware(GateMiddleware, state=state, allowed_hosts=normalize_hosts(allowed_hosts), origins=origins,
-                       api_keys=api_key_list(api_key), metrics_api_key=metrics_api_key)  # fmt: skip
+    origins = OriginPolicy(
+        allowed_origins
+    )  # here, not lazily in the middleware stack: bad ones fail now
+    app.add_middleware(
+        GateMiddleware,
+        state=state,
+        allowed_hosts=normalize_hosts(allowed_hosts),
+        origins=origins,
+        api_keys=api_key_list(api_key),
+        metrics_api_key=metrics_api_key,
+    )
     _add_error_handlers(app)
 
     @app.get("/")
@@ -95,16 +117,24 @@ def create_app(
     @app.get("/health")
     async def health() -> Response:
         stalled = state.engine.stalled_for() if state.engine is not None else 0.0
-        if state.healthy and stalled >= limits.hung_step_timeout_s:  # a hung step: the supervisor should restart us
+        if (
+            state.healthy and stalled >= limits.hung_step_timeout_s
+        ):  # a hung step: the supervisor should restart us
             error = f"the engine has made no step progress for {stalled:.0f} s"
-            return JSONResponse({"status": "stalled", "error": error}, 503, headers={"Retry-After": "1"})
+            return JSONResponse(
+                {"status": "stalled", "error": error}, 503, headers={"Retry-After": "1"}
+            )
         if state.healthy:
             return JSONResponse({"status": "ok", "model": state.model_name})
-        return JSONResponse({"status": state.status, "error": state.error}, 503, headers={"Retry-After": "1"})
+        return JSONResponse(
+            {"status": state.status, "error": state.error}, 503, headers={"Retry-After": "1"}
+        )
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return PlainTextResponse(state.render_metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(
+            state.render_metrics(), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -120,7 +150,9 @@ def create_app(
         arrival = time.monotonic()
         state.require_ready()
         state.check_capacity()
-        raw = await _read_body(request, state.max_body_bytes)  # outside: a slow sender would hold a place
+        raw = await _read_body(
+            request, state.max_body_bytes
+        )  # outside: a slow sender would hold a place
         with state.preprocessing() as slot:  # until the engine admits it
             req = await state.parse(slot, CompletionRequest, raw)
             state.check_model(req.model)
@@ -128,10 +160,21 @@ def create_app(
             await state.check_constraints(slot, req.constraints_to_check())
             ids = await state.prompt_ids(slot, req.single_prompt(), None)
             rid = f"cmpl-{uuid.uuid4().hex}"
-            fmt = CompletionFormatter(rid, state.model_name, int(time.time()), state.table, req.logprobs, req.n,
-                                      req.include_usage)  # fmt: skip
+            fmt = CompletionFormatter(
+                rid,
+                state.model_name,
+                int(time.time()),
+                state.table,
+                req.logprobs,
+                req.n,
+                req.include_usage,
+            )
             salt = request_cache_salt(request.scope, req.cache_salt)
-            stream = None if params is None else await state.start(ids, params, rid, arrival, cache_salt=salt)
+            stream = (
+                None
+                if params is None
+                else await state.start(ids, params, rid, arrival, cache_salt=salt)
+            )
         if stream is None:
             return await _respond_beam_search(request, state, ids, req, fmt, arrival)
         return await _respond(request, stream, fmt, req.stream)
@@ -141,21 +184,36 @@ def create_app(
         arrival = time.monotonic()
         state.require_ready()
         state.check_capacity()
-        raw = await _read_body(request, state.max_body_bytes)  # outside: a slow sender would hold a place
+        raw = await _read_body(
+            request, state.max_body_bytes
+        )  # outside: a slow sender would hold a place
         with state.preprocessing() as slot:  # until the engine admits it
             req = await state.parse(slot, ChatCompletionRequest, raw)
             state.check_model(req.model)
             params = None if req.use_beam_search else req.sampling_params()
             await state.check_constraints(slot, req.constraints_to_check())
-            ids = await state.prompt_ids(slot, None, req.messages, req.offered_tools(),
-                                         req.parallel_tool_calls is not False)  # fmt: skip
+            ids = await state.prompt_ids(
+                slot, None, req.messages, req.offered_tools(), req.parallel_tool_calls is not False
+            )
             rid = f"chatcmpl-{uuid.uuid4().hex}"
             top_k = (req.top_logprobs or 0) if req.logprobs else None
-            fmt = ChatFormatter(rid, state.model_name, int(time.time()), state.table, top_k, req.n, req.include_usage,
-                                tool_plan=req.parsed_tool_plan())  # fmt: skip
+            fmt = ChatFormatter(
+                rid,
+                state.model_name,
+                int(time.time()),
+                state.table,
+                top_k,
+                req.n,
+                req.include_usage,
+                tool_plan=req.parsed_tool_plan(),
+            )
             renames = req.field_names()
             salt = request_cache_salt(request.scope, req.cache_salt)
-            stream = None if params is None else await state.start(ids, params, rid, arrival, renames, salt)
+            stream = (
+                None
+                if params is None
+                else await state.start(ids, params, rid, arrival, renames, salt)
+            )
         if stream is None:
             return await _respond_beam_search(request, state, ids, req, fmt, arrival)
         return await _respond(request, stream, fmt, req.stream)
@@ -167,7 +225,11 @@ def create_app(
     return app
 
 
-def _load(state: ServerState, factory: Callable[[], LLMLike], on_error: Callable[[BaseException], None] | None) -> None:
+def _load(
+    state: ServerState,
+    factory: Callable[[], LLMLike],
+    on_error: Callable[[BaseException], None] | None,
+) -> None:
     start = time.perf_counter()
     try:
         state.attach(factory())
@@ -210,12 +272,18 @@ async def _read_body(request: Request, limit: int) -> bytes:
     try:
         return await asyncio.wait_for(read(), BODY_READ_TIMEOUT_S)
     except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
-        raise APIError(408, f"the request body did not arrive within {BODY_READ_TIMEOUT_S:g} s",
-                       code="request_timeout", headers={"Connection": "close"}) from None  # fmt: skip
+        raise APIError(
+            408,
+            f"the request body did not arrive within {BODY_READ_TIMEOUT_S:g} s",
+            code="request_timeout",
+            headers={"Connection": "close"},
+        ) from None
 
 
 def _too_large(limit: int) -> APIError:
-    return APIError(413, f"request body is larger than the {limit}-byte limit", code="request_too_large")
+    return APIError(
+        413, f"request body is larger than the {limit}-byte limit", code="request_too_large"
+    )
 
 
 class _ServerApp(FastAPI):
@@ -233,8 +301,13 @@ class _EngineStreamResponse(StreamingResponse):
     cancelled at shutdown, or never started). A chunk the client does not take within
     `send_timeout_s` (it stopped reading) aborts the request and drops the connection."""
 
-    def __init__(self, stream: RequestStream, content: AsyncIterator[str], send_timeout_s: float,
-                 metrics: ServerMetrics) -> None:  # fmt: skip
+    def __init__(
+        self,
+        stream: RequestStream,
+        content: AsyncIterator[str],
+        send_timeout_s: float,
+        metrics: ServerMetrics,
+    ) -> None:
         super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
         self._stream = stream
         self._send_timeout_s = send_timeout_s
@@ -255,12 +328,18 @@ class _EngineStreamResponse(StreamingResponse):
             self._stream.abort()
 
 
-async def _respond(request: Request, stream: RequestStream, fmt: _Formatter, streaming: bool) -> Response:
+async def _respond(
+    request: Request, stream: RequestStream, fmt: _Formatter, streaming: bool
+) -> Response:
     """Answer an admitted request: SSE, or one JSON body once it is done."""
     if streaming:
         app_state = request.app.state
-        return _EngineStreamResponse(stream, _sse_events(stream, fmt), app_state.limits.send_timeout_s,
-                                     app_state.minivllm.metrics)  # fmt: skip
+        return _EngineStreamResponse(
+            stream,
+            _sse_events(stream, fmt),
+            app_state.limits.send_timeout_s,
+            app_state.minivllm.metrics,
+        )
     try:
         final = await _unless_disconnected(request, _last_output(stream))
     except (EngineStopped, RequestFailed) as e:
@@ -269,7 +348,9 @@ async def _respond(request: Request, stream: RequestStream, fmt: _Formatter, str
         stream.abort()
     if final is None:  # the client is gone; nobody will read this
         return Response(status_code=499)
-    return await _json_response(lambda: fmt.response(final, stream.prompt_tokens), _token_entries(final, fmt))
+    return await _json_response(
+        lambda: fmt.response(final, stream.prompt_tokens), _token_entries(final, fmt)
+    )
 
 
 async def _respond_beam_search(
@@ -284,9 +365,13 @@ async def _respond_beam_search(
     answered as one JSON body whose n choices are the hypotheses, best first. A client that
     disconnects cancels it: the round in flight is aborted and no other starts."""
     assert state.engine is not None and state.llm is not None
-    rest = state.llm.engine.config.max_model_len - len(ids)  # no max_tokens: the rest, as the engine resolves it
+    rest = state.llm.engine.config.max_model_len - len(
+        ids
+    )  # no max_tokens: the rest, as the engine resolves it
     params = req.beam_search_params(max(rest, 1))
-    salt = request_cache_salt(request.scope, req.cache_salt)  # its rows share pages as the request's own would
+    salt = request_cache_salt(
+        request.scope, req.cache_salt
+    )  # its rows share pages as the request's own would
     out = await _unless_disconnected(request, state.beam_search(ids, params, arrival, salt))
     if out is None:  # the client is gone (the search was cancelled)
         return Response(status_code=499)

@@ -34,10 +34,16 @@ logger = logging.getLogger(__name__)
 
 SEND_TIMEOUT_S = 30.0  # a send blocked this long (client not reading) aborts the request
 WS_IDLE_TIMEOUT_S = 300.0  # a WebSocket with no request for this long is closed (1000)
-HUNG_STEP_TIMEOUT_S = 120.0  # /health is 503 once one engine iteration runs this long (first compiles can be slow)
+HUNG_STEP_TIMEOUT_S = (
+    120.0  # /health is 503 once one engine iteration runs this long (first compiles can be slow)
+)
 BODY_READ_TIMEOUT_S = 30.0  # a request body not fully received by then is a 408
-HEADER_READ_TIMEOUT_S = 20.0  # a connection with no complete request by then (or no reader for its response) is dropped
-CONNECTION_HEADROOM = 64  # --limit-concurrency: requests + WebSockets + this (probes, idle keep-alives)
+HEADER_READ_TIMEOUT_S = (
+    20.0  # a connection with no complete request by then (or no reader for its response) is dropped
+)
+CONNECTION_HEADROOM = (
+    64  # --limit-concurrency: requests + WebSockets + this (probes, idle keep-alives)
+)
 # WebSocket close codes (RFC 6455 7.4.1).
 WS_NORMAL, WS_GOING_AWAY, WS_TRY_AGAIN_LATER = 1000, 1001, 1013
 TRANSPORT_KEY = "minivllm.transport"  # the scope key `record_transport` fills
@@ -49,7 +55,9 @@ class ConnectionLimits:
 
     send_timeout_s: float = SEND_TIMEOUT_S
     ws_idle_timeout_s: float = WS_IDLE_TIMEOUT_S
-    max_websockets: int = 256  # create_app's default is its max_queue: one running request per socket
+    max_websockets: int = (
+        256  # create_app's default is its max_queue: one running request per socket
+    )
     hung_step_timeout_s: float = HUNG_STEP_TIMEOUT_S
 
     def __post_init__(self) -> None:
@@ -98,7 +106,9 @@ class OpenSockets:
     def __init__(self, limits: ConnectionLimits) -> None:
         self.limits = limits
         self.count = 0
-        self.draining = asyncio.Event()  # set once: sockets finish their request, then close with 1001
+        self.draining = (
+            asyncio.Event()
+        )  # set once: sockets finish their request, then close with 1001
         self._empty = asyncio.Event()
         self._empty.set()
 
@@ -121,7 +131,9 @@ class OpenSockets:
         try:
             await asyncio.wait_for(self._empty.wait(), timeout_s)
         except asyncio.TimeoutError:
-            logger.warning("%d WebSocket(s) still busy after %.0f s; closing them", self.count, timeout_s)
+            logger.warning(
+                "%d WebSocket(s) still busy after %.0f s; closing them", self.count, timeout_s
+            )
 
 
 class DrainingServer(uvicorn.Server):
@@ -134,8 +146,12 @@ class DrainingServer(uvicorn.Server):
       loop is down for good) the server shuts down and `engine_failure` holds that message.
     """
 
-    def __init__(self, config: uvicorn.Config, drain: Callable[[float | None], Awaitable[None]],
-                 engine_error: Callable[[], str | None]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        drain: Callable[[float | None], Awaitable[None]],
+        engine_error: Callable[[], str | None],
+    ) -> None:
         super().__init__(config)
         self._drain = drain
         self._engine_error = engine_error
@@ -143,7 +159,10 @@ class DrainingServer(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         if self.engine_failure is None and (error := self._engine_error()) is not None:
-            logger.error("the engine loop is down (%s); exiting so a supervisor can restart the server", error)
+            logger.error(
+                "the engine loop is down (%s); exiting so a supervisor can restart the server",
+                error,
+            )
             self.engine_failure = error
         return self.engine_failure is not None or await super().on_tick(counter)
 
@@ -194,7 +213,9 @@ class HeaderDeadlineProtocol(H11Protocol):
 
     def _arm_header_deadline(self) -> None:
         self._disarm_header_deadline()
-        self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_deadline_passed)
+        self._header_timer = self.loop.call_later(
+            self.header_timeout_s, self._header_deadline_passed
+        )
 
     def _disarm_header_deadline(self) -> None:
         if self._header_timer is not None:

@@ -35,8 +35,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from minivllm_jax.beam_search import (
-    BeamSearchOutput, BeamSearchParams, BeamSearchState, MAX_BEAM_WIDTH, check_prompt, round_sampling_params,
-)  # fmt: skip
+    MAX_BEAM_WIDTH,
+    BeamSearchOutput,
+    BeamSearchParams,
+    BeamSearchState,
+    check_prompt,
+    round_sampling_params,
+)
 from minivllm_jax.engine.router import PrefixRouter
 from minivllm_jax.outputs import RequestOutput
 from minivllm_jax.sampling_params import SamplingParams
@@ -76,13 +81,17 @@ class RequestStream:
     stream holds no slot, so it cannot make others' requests 429 while the engine idles.
     """
 
-    def __init__(self, owner: AsyncEngine, request_id: str, prompt_tokens: int, n: int, arrival: float) -> None:
+    def __init__(
+        self, owner: AsyncEngine, request_id: str, prompt_tokens: int, n: int, arrival: float
+    ) -> None:
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
         self.n = n
         self.aborted = False
         self._owner = owner
-        self._slot: RequestOutput | BaseException | None = None  # newest output, or the error ending it
+        self._slot: RequestOutput | BaseException | None = (
+            None  # newest output, or the error ending it
+        )
         self._ready = asyncio.Event()  # set while the slot holds something unread, or on abort
         self._closed = False
         self._released = False  # left the in-flight count (engine done, or closed first)
@@ -175,7 +184,9 @@ class AsyncEngine:
         self.beam_rows = 0  # event-loop side: the widths of the beam searches running
         self.max_restarts = max_restarts
         self.restart_window_s = restart_window_s
-        self.restarts: collections.deque[float] = collections.deque()  # engine thread: recent restart times
+        self.restarts: collections.deque[float] = (
+            collections.deque()
+        )  # engine thread: recent restart times
         self.metrics = metrics or ServerMetrics()
         self.num_in_flight = 0  # event-loop side: admitted requests not yet closed
         self.error: BaseException | None = None
@@ -184,9 +195,13 @@ class AsyncEngine:
         self._stopping = False
         self._closing = False  # engine thread: no more adds (set when failing everything)
         self._finished = False  # the thread is gone: commands run inline
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, RequestStream]] = {}  # engine thread only
+        self._streams: dict[
+            str, tuple[asyncio.AbstractEventLoop, RequestStream]
+        ] = {}  # engine thread only
         self._steps = 0
-        self._busy_since: float | None = None  # engine thread: when its current iteration began; None while idle
+        self._busy_since: float | None = (
+            None  # engine thread: when its current iteration began; None while idle
+        )
         self.stats = self._snapshot()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
@@ -204,7 +219,11 @@ class AsyncEngine:
         return 0.0 if since is None else time.monotonic() - since
 
     async def add(
-        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str, arrival: float | None = None,
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str,
+        arrival: float | None = None,
         cache_salt: str | None = None,
     ) -> RequestStream:
         """Queue a tokenized request. Raises QueueFull, EngineStopped, or the engine's
@@ -214,8 +233,15 @@ class AsyncEngine:
         loop, arrival = self._admit(arrival)
         return await self._add_admitted(loop, prompt_ids, params, request_id, arrival, cache_salt)
 
-    async def _add_admitted(self, loop: asyncio.AbstractEventLoop, prompt_ids: Sequence[int], params: SamplingParams,
-                            request_id: str, arrival: float, cache_salt: str | None = None) -> RequestStream:  # fmt: skip
+    async def _add_admitted(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str,
+        arrival: float,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
         """`add` past the admission checks (a beam search's rows: the search was admitted once,
         so a full queue cannot fail it halfway)."""
         stream = RequestStream(self, request_id, len(prompt_ids), params.n, arrival)
@@ -227,7 +253,9 @@ class AsyncEngine:
                 _resolve(loop, added, EngineStopped("the engine is shutting down"))
                 return
             try:
-                salted = {} if cache_salt is None else {"cache_salt": cache_salt}  # stand-in engines take none
+                salted = (
+                    {} if cache_salt is None else {"cache_salt": cache_salt}
+                )  # stand-in engines take none
                 self.engine.add_request(list(prompt_ids), params, request_id=request_id, **salted)
             except Exception as e:
                 _resolve(loop, added, e)
@@ -245,7 +273,10 @@ class AsyncEngine:
         return stream
 
     async def beam_search(
-        self, prompt_ids: Sequence[int], params: BeamSearchParams, arrival: float | None = None,
+        self,
+        prompt_ids: Sequence[int],
+        params: BeamSearchParams,
+        arrival: float | None = None,
         cache_salt: str | None = None,
     ) -> BeamSearchOutput:
         """Beam search for one prompt as ordinary requests in the shared batch: each round adds
@@ -258,8 +289,10 @@ class AsyncEngine:
         `cache_salt`: its rows' prefix-cache salt, as `add`'s."""
         loop, arrival = self._admit(arrival)
         if self.beam_rows + params.beam_width > self.max_beam_rows:
-            raise QueueFull(f"{self.beam_rows} beams of running beam searches (max_beam_rows={self.max_beam_rows}); "
-                            f"this one needs {params.beam_width} more")  # fmt: skip
+            raise QueueFull(
+                f"{self.beam_rows} beams of running beam searches (max_beam_rows={self.max_beam_rows}); "
+                f"this one needs {params.beam_width} more"
+            )
         check_prompt(len(prompt_ids), params, self.engine.config.max_model_len)
         eos = self.engine.eos_token_ids
         search = BeamSearchState(prompt_ids, params, eos)
@@ -274,7 +307,11 @@ class AsyncEngine:
                 rows = [f"{search_id}.{round_}.{j}" for j in range(len(search.running))]
                 # Each row is a request of its own (as vLLM's rows): its latencies count from the round's start.
                 beams = search.beams()
-                search.advance(await self._beam_round(loop, rows, beams, sampling, time.monotonic(), cache_salt))
+                search.advance(
+                    await self._beam_round(
+                        loop, rows, beams, sampling, time.monotonic(), cache_salt
+                    )
+                )
         finally:
             self.num_in_flight -= 1
             self.beam_rows -= params.beam_width
@@ -283,17 +320,29 @@ class AsyncEngine:
         self.metrics.observe_finished(out.sequences[0].finish_reason, time.monotonic() - arrival)
         return out
 
-    async def _beam_round(self, loop: asyncio.AbstractEventLoop, request_ids: list[str], beams: list[list[int]],
-                          sampling: SamplingParams, arrival: float,
-                          cache_salt: str | None) -> list[dict[int, float]]:  # fmt: skip
+    async def _beam_round(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        request_ids: list[str],
+        beams: list[list[int]],
+        sampling: SamplingParams,
+        arrival: float,
+        cache_salt: str | None,
+    ) -> list[dict[int, float]]:
         """Add one request a beam, all at once, and await them; each one's next-token log-probs.
         Whatever ends it early (an error, the caller cancelled) aborts every request of the round."""
-        adds = [asyncio.ensure_future(self._add_admitted(loop, ids, sampling, rid, arrival, cache_salt))
-                for rid, ids in zip(request_ids, beams)]  # fmt: skip
+        adds = [
+            asyncio.ensure_future(self._add_admitted(loop, ids, sampling, rid, arrival, cache_salt))
+            for rid, ids in zip(request_ids, beams)
+        ]
         try:
-            await asyncio.wait(adds)  # all of them, even when one fails: each added one is aborted below
+            await asyncio.wait(
+                adds
+            )  # all of them, even when one fails: each added one is aborted below
             streams = [a.result() for a in adds]  # raises the first failure, if any
-            finals = await asyncio.gather(*(_final_output(s) for s in streams), return_exceptions=True)
+            finals = await asyncio.gather(
+                *(_final_output(s) for s in streams), return_exceptions=True
+            )
             for out in finals:
                 if isinstance(out, BaseException):
                     raise out  # a step serving a row failed: the search fails with it
@@ -342,19 +391,31 @@ class AsyncEngine:
                 try:
                     self._serve()
                     return  # stop() was called
-                except Exception as e:  # an engine bug: fail what is in flight, recover, serve again
+                except (
+                    Exception
+                ) as e:  # an engine bug: fail what is in flight, recover, serve again
                     if not self._take_restart():
                         raise  # `error` is set before any stream hears of it, so /health agrees
                     self._fail_streams(EngineStopped(f"engine error: {e}"))
-                    logger.exception("engine loop crashed; restarting (%d of at most %d restarts in %.0f s)",
-                                     len(self.restarts), self.max_restarts, self.restart_window_s)  # fmt: skip
+                    logger.exception(
+                        "engine loop crashed; restarting (%d of at most %d restarts in %.0f s)",
+                        len(self.restarts),
+                        self.max_restarts,
+                        self.restart_window_s,
+                    )
                     self._recover()
         except BaseException as e:  # out of restarts, recovery failed, or an interrupt: stay down
             logger.exception("engine loop is down")
             self.error = e
         finally:
-            self._fail_all(EngineStopped("the engine stopped" if self.error is None else f"engine error: {self.error}"))
-            if self.error is None:  # a clean stop: cached pages go to the disk tier, if there is one
+            self._fail_all(
+                EngineStopped(
+                    "the engine stopped" if self.error is None else f"engine error: {self.error}"
+                )
+            )
+            if (
+                self.error is None
+            ):  # a clean stop: cached pages go to the disk tier, if there is one
                 try:
                     self.engine.close()
                 except Exception:
@@ -410,7 +471,11 @@ class AsyncEngine:
             return
         if out.finished:
             del self._streams[out.request_id]
-        item = out if out.error is None else RequestFailed(f"the engine step serving this request failed: {out.error}")
+        item = (
+            out
+            if out.error is None
+            else RequestFailed(f"the engine step serving this request failed: {out.error}")
+        )
         _call_soon(entry[0], entry[1]._put, item)
 
     def _fail_streams(self, error: EngineStopped) -> None:
@@ -461,10 +526,19 @@ class DataParallelEngine:
     sends it: the replica that got its leading pages before (so its prefix cache hits), else the
     one with the fewest requests in flight. `max_queue` bounds all replicas together."""
 
-    def __init__(self, engines: Sequence[Any], page_size: int, *, max_queue: int = 256,
-                 metrics: ServerMetrics | None = None, **kwargs: Any) -> None:  # fmt: skip
+    def __init__(
+        self,
+        engines: Sequence[Any],
+        page_size: int,
+        *,
+        max_queue: int = 256,
+        metrics: ServerMetrics | None = None,
+        **kwargs: Any,
+    ) -> None:
         self.metrics = metrics or ServerMetrics()
-        self.replicas = [AsyncEngine(e, max_queue=max_queue, metrics=self.metrics, **kwargs) for e in engines]
+        self.replicas = [
+            AsyncEngine(e, max_queue=max_queue, metrics=self.metrics, **kwargs) for e in engines
+        ]
         self.router = PrefixRouter(len(self.replicas), page_size)
         self.max_queue = max_queue
 
@@ -493,21 +567,41 @@ class DataParallelEngine:
     def stats(self) -> EngineStats:
         """The replicas' counters summed."""
         snapshots = [r.stats for r in self.replicas]
-        return EngineStats(**{f.name: sum(getattr(s, f.name) for s in snapshots) for f in dataclasses.fields(EngineStats)})
+        return EngineStats(
+            **{
+                f.name: sum(getattr(s, f.name) for s in snapshots)
+                for f in dataclasses.fields(EngineStats)
+            }
+        )
 
-    async def add(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str,
-                  arrival: float | None = None, cache_salt: str | None = None) -> RequestStream:  # fmt: skip
+    async def add(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str,
+        arrival: float | None = None,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
         if self.num_in_flight >= self.max_queue:
             raise QueueFull(f"{self.num_in_flight} requests in flight (max_queue={self.max_queue})")
-        replica = self.replicas[self.router.pick(prompt_ids, [r.num_in_flight for r in self.replicas])]
+        replica = self.replicas[
+            self.router.pick(prompt_ids, [r.num_in_flight for r in self.replicas])
+        ]
         return await replica.add(prompt_ids, params, request_id, arrival, cache_salt)
 
-    async def beam_search(self, prompt_ids: Sequence[int], params: BeamSearchParams, arrival: float | None = None,
-                          cache_salt: str | None = None) -> BeamSearchOutput:  # fmt: skip
+    async def beam_search(
+        self,
+        prompt_ids: Sequence[int],
+        params: BeamSearchParams,
+        arrival: float | None = None,
+        cache_salt: str | None = None,
+    ) -> BeamSearchOutput:
         """On one replica (all its rounds there, so its prefix cache serves them), picked as `add` picks."""
         if self.num_in_flight >= self.max_queue:
             raise QueueFull(f"{self.num_in_flight} requests in flight (max_queue={self.max_queue})")
-        replica = self.replicas[self.router.pick(prompt_ids, [r.num_in_flight for r in self.replicas])]
+        replica = self.replicas[
+            self.router.pick(prompt_ids, [r.num_in_flight for r in self.replicas])
+        ]
         return await replica.beam_search(prompt_ids, params, arrival, cache_salt)
 
     def stop(self, timeout: float | None = 10.0) -> None:
@@ -532,8 +626,12 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: 
         pass
 
 
-def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], error: BaseException | None,
-             result: Any = None) -> None:  # fmt: skip
+def _resolve(
+    loop: asyncio.AbstractEventLoop,
+    fut: asyncio.Future[Any],
+    error: BaseException | None,
+    result: Any = None,
+) -> None:
     def set_() -> None:
         if fut.done():
             return

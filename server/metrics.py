@@ -11,8 +11,43 @@ import bisect
 import dataclasses
 from collections import Counter
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 60.0)
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+TTFT_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    10.0,
+    20.0,
+    60.0,
+)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 PREFIX = "minivllm_"
 # The method label takes only these values: a client choosing its own method (FOO, PROPFIND)
@@ -79,20 +114,60 @@ class Histogram:
 
 def _tier_metrics(stats: EngineStats) -> list[str]:
     """Each KV tier: pages in memory are `kv_pages_used`; these are the swap pool and the disk."""
-    out = _metric("kv_swap_pages", "gauge", "KV pages of preempted sequences held in the host swap pool.",
-                  [("", stats.swap_pages)])  # fmt: skip
-    out += _metric("kv_swap_outs_total", "counter", "Preempted sequences whose KV was swapped out.", [("", stats.swap_outs)])
-    out += _metric("kv_swap_ins_total", "counter", "Swapped-out sequences whose KV was copied back.", [("", stats.swap_ins)])
-    out += _metric("kv_disk_pages", "gauge", "KV pages in the prefix cache's disk tier.", [("", stats.disk_pages)])
-    out += _metric("kv_disk_bytes", "gauge", "Bytes of the disk tier's page files.", [("", stats.disk_bytes)])
-    out += _metric("kv_disk_pages_written_total", "counter", "Pages written to the disk tier.",
-                   [("", stats.disk_pages_written)])  # fmt: skip
-    out += _metric("kv_disk_corrupt_total", "counter", "Disk-tier page files that failed their checks (served as misses).",
-                   [("", stats.disk_corrupt)])  # fmt: skip
-    out += _metric("prefix_cache_hit_tokens_total", "counter", "Prompt tokens served from cached KV, by tier.",
-                   [(_labels(tier="memory"), stats.memory_hit_tokens), (_labels(tier="disk"), stats.disk_hit_tokens)])
-    out += _metric("kv_compression_dropped_pages_total", "counter", "KV pages dropped by a compression policy.",
-                   [("", stats.dropped_pages)])  # fmt: skip
+    out = _metric(
+        "kv_swap_pages",
+        "gauge",
+        "KV pages of preempted sequences held in the host swap pool.",
+        [("", stats.swap_pages)],
+    )
+    out += _metric(
+        "kv_swap_outs_total",
+        "counter",
+        "Preempted sequences whose KV was swapped out.",
+        [("", stats.swap_outs)],
+    )
+    out += _metric(
+        "kv_swap_ins_total",
+        "counter",
+        "Swapped-out sequences whose KV was copied back.",
+        [("", stats.swap_ins)],
+    )
+    out += _metric(
+        "kv_disk_pages",
+        "gauge",
+        "KV pages in the prefix cache's disk tier.",
+        [("", stats.disk_pages)],
+    )
+    out += _metric(
+        "kv_disk_bytes", "gauge", "Bytes of the disk tier's page files.", [("", stats.disk_bytes)]
+    )
+    out += _metric(
+        "kv_disk_pages_written_total",
+        "counter",
+        "Pages written to the disk tier.",
+        [("", stats.disk_pages_written)],
+    )
+    out += _metric(
+        "kv_disk_corrupt_total",
+        "counter",
+        "Disk-tier page files that failed their checks (served as misses).",
+        [("", stats.disk_corrupt)],
+    )
+    out += _metric(
+        "prefix_cache_hit_tokens_total",
+        "counter",
+        "Prompt tokens served from cached KV, by tier.",
+        [
+            (_labels(tier="memory"), stats.memory_hit_tokens),
+            (_labels(tier="disk"), stats.disk_hit_tokens),
+        ],
+    )
+    out += _metric(
+        "kv_compression_dropped_pages_total",
+        "counter",
+        "KV pages dropped by a compression policy.",
+        [("", stats.dropped_pages)],
+    )
     return out
 
 
@@ -120,12 +195,18 @@ class ServerMetrics:
 
     def __init__(self) -> None:
         self.ttft = Histogram(
-            "time_to_first_token_seconds", "Request arrival at the server to its first generated token.", TTFT_BUCKETS
+            "time_to_first_token_seconds",
+            "Request arrival at the server to its first generated token.",
+            TTFT_BUCKETS,
         )
         self.itl = Histogram(
-            "time_per_output_token_seconds", "Time between a request's consecutive output tokens.", LATENCY_BUCKETS
+            "time_per_output_token_seconds",
+            "Time between a request's consecutive output tokens.",
+            LATENCY_BUCKETS,
         )
-        self.e2e = Histogram("e2e_request_latency_seconds", "Request arrival to its last token.", E2E_BUCKETS)
+        self.e2e = Histogram(
+            "e2e_request_latency_seconds", "Request arrival to its last token.", E2E_BUCKETS
+        )
         self.http_requests: Counter[tuple[str, str, int]] = Counter()
         self.finished: Counter[str] = Counter()
         self.slow_readers_dropped: Counter[str] = Counter()  # by transport: "sse" or "websocket"
@@ -143,45 +224,123 @@ class ServerMetrics:
         self.e2e.observe(e2e_seconds)
 
     def render(self, stats: EngineStats | None, *, ready: bool, in_flight: int) -> str:
-        out = _metric("ready", "gauge", "1 once the model is loaded and warmed up.", [("", float(ready))])
-        out += _metric("requests_in_flight", "gauge", "Requests admitted by the server and not finished.",
-                       [("", in_flight)])  # fmt: skip
+        out = _metric(
+            "ready", "gauge", "1 once the model is loaded and warmed up.", [("", float(ready))]
+        )
+        out += _metric(
+            "requests_in_flight",
+            "gauge",
+            "Requests admitted by the server and not finished.",
+            [("", in_flight)],
+        )
         if stats is not None:
             used = stats.usable_pages - stats.free_pages
-            out += _metric("num_requests_running", "gauge", "Sequences in the running batch.", [("", stats.running)])
-            out += _metric("num_requests_waiting", "gauge", "Sequences waiting to be scheduled.", [("", stats.waiting)])
-            out += _metric("kv_pages_used", "gauge", "KV cache pages held by sequences.", [("", used)])
-            out += _metric("kv_pages_free", "gauge", "KV cache pages free to allocate.", [("", stats.free_pages)])
-            out += _metric("kv_pages_total", "gauge", "Usable KV cache pages (the scratch page excluded).",
-                           [("", stats.usable_pages)])  # fmt: skip
-            out += _metric("kv_cache_usage_ratio", "gauge", "Fraction of KV pages in use.",
-                           [("", used / stats.usable_pages if stats.usable_pages else 0.0)])  # fmt: skip
-            out += _metric("generation_tokens_total", "counter", "Tokens generated.", [("", stats.generated_tokens)])
-            out += _metric("prompt_tokens_total", "counter", "Prompt tokens prefilled (recomputation included).",
-                           [("", stats.prompt_tokens)])  # fmt: skip
-            out += _metric("compiles_total", "counter", "XLA programs compiled (constant after warm-up).",
-                           [("", stats.compiles)])  # fmt: skip
-            out += _metric("programs_loaded_total", "counter",
-                           "Of compiles_total, programs loaded whole from the program cache at start-up.",
-                           [("", stats.programs_loaded)])  # fmt: skip
-            out += _metric("preemptions_total", "counter", "Sequences preempted under KV page pressure.",
-                           [("", stats.preemptions)])  # fmt: skip
-            out += _metric("engine_steps_total", "counter", "Engine steps run.", [("", stats.steps)])
-            out += _metric("spec_decode_num_draft_tokens_total", "counter",
-                           "Speculative decoding: draft tokens proposed and verified.", [("", stats.draft_tokens)])
-            out += _metric("spec_decode_num_accepted_tokens_total", "counter",
-                           "Speculative decoding: draft tokens accepted.", [("", stats.accepted_tokens)])
-            out += _metric("spec_decode_acceptance_rate", "gauge", "Accepted over proposed draft tokens so far.",
-                           [("", stats.accepted_tokens / stats.draft_tokens if stats.draft_tokens else 0.0)])
+            out += _metric(
+                "num_requests_running",
+                "gauge",
+                "Sequences in the running batch.",
+                [("", stats.running)],
+            )
+            out += _metric(
+                "num_requests_waiting",
+                "gauge",
+                "Sequences waiting to be scheduled.",
+                [("", stats.waiting)],
+            )
+            out += _metric(
+                "kv_pages_used", "gauge", "KV cache pages held by sequences.", [("", used)]
+            )
+            out += _metric(
+                "kv_pages_free",
+                "gauge",
+                "KV cache pages free to allocate.",
+                [("", stats.free_pages)],
+            )
+            out += _metric(
+                "kv_pages_total",
+                "gauge",
+                "Usable KV cache pages (the scratch page excluded).",
+                [("", stats.usable_pages)],
+            )
+            out += _metric(
+                "kv_cache_usage_ratio",
+                "gauge",
+                "Fraction of KV pages in use.",
+                [("", used / stats.usable_pages if stats.usable_pages else 0.0)],
+            )
+            out += _metric(
+                "generation_tokens_total",
+                "counter",
+                "Tokens generated.",
+                [("", stats.generated_tokens)],
+            )
+            out += _metric(
+                "prompt_tokens_total",
+                "counter",
+                "Prompt tokens prefilled (recomputation included).",
+                [("", stats.prompt_tokens)],
+            )
+            out += _metric(
+                "compiles_total",
+                "counter",
+                "XLA programs compiled (constant after warm-up).",
+                [("", stats.compiles)],
+            )
+            out += _metric(
+                "programs_loaded_total",
+                "counter",
+                "Of compiles_total, programs loaded whole from the program cache at start-up.",
+                [("", stats.programs_loaded)],
+            )
+            out += _metric(
+                "preemptions_total",
+                "counter",
+                "Sequences preempted under KV page pressure.",
+                [("", stats.preemptions)],
+            )
+            out += _metric(
+                "engine_steps_total", "counter", "Engine steps run.", [("", stats.steps)]
+            )
+            out += _metric(
+                "spec_decode_num_draft_tokens_total",
+                "counter",
+                "Speculative decoding: draft tokens proposed and verified.",
+                [("", stats.draft_tokens)],
+            )
+            out += _metric(
+                "spec_decode_num_accepted_tokens_total",
+                "counter",
+                "Speculative decoding: draft tokens accepted.",
+                [("", stats.accepted_tokens)],
+            )
+            out += _metric(
+                "spec_decode_acceptance_rate",
+                "gauge",
+                "Accepted over proposed draft tokens so far.",
+                [("", stats.accepted_tokens / stats.draft_tokens if stats.draft_tokens else 0.0)],
+            )
             out += _tier_metrics(stats)
-        out += _metric("requests_finished_total", "counter", "Requests finished, by finish reason.",
-                       [(_labels(finish_reason=r), n) for r, n in sorted(self.finished.items())])  # fmt: skip
-        out += _metric("slow_readers_dropped_total", "counter",
-                       "Streams aborted, connections dropped: the client read nothing for the send timeout.",
-                       [(_labels(transport=t), self.slow_readers_dropped[t]) for t in ("sse", "websocket")])  # fmt: skip
-        out += _metric("http_requests_total", "counter", "HTTP and WebSocket requests by route and status.",
-                       [(_labels(method=m, route=r, status=str(s)), n)
-                        for (m, r, s), n in sorted(self.http_requests.items())])  # fmt: skip
+        out += _metric(
+            "requests_finished_total",
+            "counter",
+            "Requests finished, by finish reason.",
+            [(_labels(finish_reason=r), n) for r, n in sorted(self.finished.items())],
+        )
+        out += _metric(
+            "slow_readers_dropped_total",
+            "counter",
+            "Streams aborted, connections dropped: the client read nothing for the send timeout.",
+            [(_labels(transport=t), self.slow_readers_dropped[t]) for t in ("sse", "websocket")],
+        )
+        out += _metric(
+            "http_requests_total",
+            "counter",
+            "HTTP and WebSocket requests by route and status.",
+            [
+                (_labels(method=m, route=r, status=str(s)), n)
+                for (m, r, s), n in sorted(self.http_requests.items())
+            ],
+        )
         for h in (self.ttft, self.itl, self.e2e):
             out += h.render()
         return "\n".join(out) + "\n"

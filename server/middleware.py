@@ -28,7 +28,15 @@ from server.security import (
 )
 from server.state import ServerState
 
-ROUTES = ("/", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/stream")
+ROUTES = (
+    "/",
+    "/health",
+    "/metrics",
+    "/v1/models",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/stream",
+)
 
 
 def route_label(path: str) -> str:
@@ -60,7 +68,9 @@ class GateMiddleware:
         self.api_keys = api_key_list(state.api_key if api_keys is None else api_keys)
         self.metrics_keys = (metrics_api_key,) if metrics_api_key else self.api_keys
         # One key is one tenant: its clients share the cache. Several keys: a salt per key.
-        self.key_salts = {k: key_cache_salt(k) for k in self.api_keys} if len(self.api_keys) > 1 else {}
+        self.key_salts = (
+            {k: key_cache_salt(k) for k in self.api_keys} if len(self.api_keys) > 1 else {}
+        )
 
     def _required_keys(self, path: str) -> tuple[str, ...]:
         if path.startswith("/v1"):
@@ -79,7 +89,9 @@ class GateMiddleware:
         if scheme.lower() == "bearer":
             offered: str | None = token.strip()
         else:
-            offered = websocket_key(scope) if scope["type"] == "websocket" else None  # a browser page's socket
+            offered = (
+                websocket_key(scope) if scope["type"] == "websocket" else None
+            )  # a browser page's socket
         key = None if offered is None else matching_key(offered, keys)
         if key is None:
             return False
@@ -90,17 +102,34 @@ class GateMiddleware:
     def _refusal(self, scope: dict[str, Any]) -> APIError | None:
         """The error that stops this request, or None to let it through."""
         if not host_allowed(scope, self.allowed_hosts):
-            return APIError(421, "the Host header does not name this server (see --allowed-hosts)",
-                            code="invalid_host")  # fmt: skip
+            return APIError(
+                421,
+                "the Host header does not name this server (see --allowed-hosts)",
+                code="invalid_host",
+            )
         if scope["type"] == "websocket" and not self.origins.allows(scope):
-            return APIError(403, "WebSocket connections from this Origin are not allowed (see --allowed-origins)",
-                            code="origin_not_allowed")  # fmt: skip
+            return APIError(
+                403,
+                "WebSocket connections from this Origin are not allowed (see --allowed-origins)",
+                code="origin_not_allowed",
+            )
         if not self._authorized(scope):
-            return APIError(401, "missing or invalid API key; send 'Authorization: Bearer <key>'",
-                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
-        if scope["type"] == "http" and scope["method"] == "POST" and not is_json(header(scope, b"content-type")):
-            return APIError(415, "request body must be sent with 'Content-Type: application/json'",
-                            code="unsupported_media_type")  # fmt: skip
+            return APIError(
+                401,
+                "missing or invalid API key; send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        if (
+            scope["type"] == "http"
+            and scope["method"] == "POST"
+            and not is_json(header(scope, b"content-type"))
+        ):
+            return APIError(
+                415,
+                "request body must be sent with 'Content-Type: application/json'",
+                code="unsupported_media_type",
+            )
         return None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -142,7 +171,9 @@ async def _deny(scope: dict[str, Any], receive: Any, send: Any, err: APIError) -
         return
     await receive()  # websocket.connect
     if "websocket.http.response" in (scope.get("extensions") or {}):
-        await send({"type": "websocket.http.response.start", "status": err.status, "headers": headers})
+        await send(
+            {"type": "websocket.http.response.start", "status": err.status, "headers": headers}
+        )
         await send({"type": "websocket.http.response.body", "body": body})
     else:
         await send({"type": "websocket.close", "code": 1008})

@@ -23,22 +23,26 @@ def inline_hashes(html: str, tag: str) -> list[str]:
     """CSP sources (`'sha256-...'`) for the contents of every inline `<tag>` block, so the
     policy can allow exactly these instead of `'unsafe-inline'` (which would also run injected markup)."""
     blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", html, flags=re.DOTALL)
-    return [f"'sha256-{base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()}'" for b in blocks]
+    return [
+        f"'sha256-{base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()}'" for b in blocks
+    ]
 
 
 def content_security_policy(html: str) -> str:
     """Nothing from anywhere by default; the page's inline script and style by hash; fetches and
     the WebSocket to this origin only (in CSP Level 3, `'self'` also matches ws:// and wss://
     on the page's own host and port)."""
-    return "; ".join([
-        "default-src 'none'",
-        "script-src " + " ".join(inline_hashes(html, "script")),
-        "style-src " + " ".join(inline_hashes(html, "style")),
-        "connect-src 'self'",
-        "base-uri 'none'",
-        "form-action 'none'",
-        "frame-ancestors 'none'",
-    ])  # fmt: skip
+    return "; ".join(
+        [
+            "default-src 'none'",
+            "script-src " + " ".join(inline_hashes(html, "script")),
+            "style-src " + " ".join(inline_hashes(html, "style")),
+            "connect-src 'self'",
+            "base-uri 'none'",
+            "form-action 'none'",
+            "frame-ancestors 'none'",
+        ]
+    )
 
 
 @functools.lru_cache(maxsize=1)

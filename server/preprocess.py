@@ -69,7 +69,9 @@ class Preprocessor:
     """Prompt -> token ids (text or chat messages) on a single worker thread; output constraints
     -> compiled grammars on `compiler` (the engine's `GrammarCompiler`; None: not checked)."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int, max_token_bytes: int, compiler: Any = None) -> None:
+    def __init__(
+        self, tokenizer: Any, max_model_len: int, max_token_bytes: int, compiler: Any = None
+    ) -> None:
         self._tokenizer = copy.deepcopy(tokenizer)
         self._compiler = compiler
         self._template_takes_tools: bool | None = None  # probed on first use
@@ -95,11 +97,17 @@ class Preprocessor:
         """A token-id prompt: at most max_model_len ids (checked first, in O(1)), each in the
         tokenizer's vocabulary."""
         if len(ids) > self.max_model_len:
-            raise invalid(f"{param} has {len(ids)} tokens, more than max_model_len ({self.max_model_len})", param,
-                          "context_length_exceeded")  # fmt: skip
+            raise invalid(
+                f"{param} has {len(ids)} tokens, more than max_model_len ({self.max_model_len})",
+                param,
+                "context_length_exceeded",
+            )
         if ids and not (0 <= min(ids) and max(ids) < self.vocab_size):
             bad = next(t for t in ids if not 0 <= t < self.vocab_size)
-            raise invalid(f"{param} holds the token id {bad}, outside the vocabulary [0, {self.vocab_size})", param)
+            raise invalid(
+                f"{param} holds the token id {bad}, outside the vocabulary [0, {self.vocab_size})",
+                param,
+            )
 
     async def encode(self, prompt: str | list[int]) -> list[int]:
         """Text -> ids with the tokenizer's special-token rule (BOS where it adds one, like
@@ -121,8 +129,12 @@ class Preprocessor:
             cut = space if space > 0 else probe
             count = len(self._tokenizer.encode(text[:cut], add_special_tokens=add_special_tokens))
             if count > self.max_model_len + PROBE_MARGIN_TOKENS:
-                raise invalid(f"{param} is too long: its first {cut} characters are already {count} tokens, more than "
-                              f"max_model_len ({self.max_model_len})", param, "context_length_exceeded")  # fmt: skip
+                raise invalid(
+                    f"{param} is too long: its first {cut} characters are already {count} tokens, more than "
+                    f"max_model_len ({self.max_model_len})",
+                    param,
+                    "context_length_exceeded",
+                )
             probe *= PROBE_GROWTH
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
@@ -137,9 +149,14 @@ class Preprocessor:
         (`tools=`), or, when it ignores them, into a system prompt (`server/tool_calls.py`)."""
         if not messages:
             raise invalid("messages must not be empty", "messages")
-        chars = sum(len(m.get("content") or "") + len(json.dumps(m.get("tool_calls") or "")) for m in messages)
+        chars = sum(
+            len(m.get("content") or "") + len(json.dumps(m.get("tool_calls") or ""))
+            for m in messages
+        )
         self._check_length(chars + len(json.dumps(tools or "")), "messages")
-        uses_tools = bool(tools) or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+        uses_tools = bool(tools) or any(
+            m.get("tool_calls") or m["role"] == "tool" for m in messages
+        )
 
         def apply() -> list[int]:
             conversation, kwargs = messages, {}
@@ -149,7 +166,9 @@ class Preprocessor:
                 conversation = messages_without_tool_support(messages, tools, parallel_tool_calls)
             # Rendered as text, then tokenized as apply_chat_template(tokenize=True) does (no
             # special tokens added: the template writes them), but bounded (`_encode_bounded`).
-            text = self._tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False, **kwargs)
+            text = self._tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, tokenize=False, **kwargs
+            )
             if not isinstance(text, str):  # a stand-in tokenizer (tests) that answers ids directly
                 return list(text["input_ids"] if hasattr(text, "keys") else text)
             self._check_length(len(text), "messages")
@@ -160,18 +179,26 @@ class Preprocessor:
         except APIError:
             raise
         except Exception as e:  # template errors (e.g. jinja raise_exception on role order)
-            raise invalid(f"messages could not be formatted with the chat template: {e}", "messages") from None
+            raise invalid(
+                f"messages could not be formatted with the chat template: {e}", "messages"
+            ) from None
 
     def _takes_tools(self) -> bool:
         """Whether the chat template renders `tools=` (it changes the prompt); many, SmolLM2's
         among them, silently ignore it. Probed once, on the worker thread."""
         if self._template_takes_tools is None:
             probe = [{"role": "user", "content": "ping"}]
-            tool = {"type": "function", "function": {"name": "probe_tool", "description": "probe", "parameters": {}}}
+            tool = {
+                "type": "function",
+                "function": {"name": "probe_tool", "description": "probe", "parameters": {}},
+            }
             try:
-                plain = self._tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False)
-                with_tools = self._tokenizer.apply_chat_template(probe, tools=[tool], add_generation_prompt=True,
-                                                                 tokenize=False)  # fmt: skip
+                plain = self._tokenizer.apply_chat_template(
+                    probe, add_generation_prompt=True, tokenize=False
+                )
+                with_tools = self._tokenizer.apply_chat_template(
+                    probe, tools=[tool], add_generation_prompt=True, tokenize=False
+                )
                 self._template_takes_tools = plain != with_tools
             except Exception:  # a template (or tokenizer) without the tools argument
                 self._template_takes_tools = False

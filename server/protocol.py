@@ -24,9 +24,16 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from minivllm_jax.beam_search import BeamSearchParams
 from minivllm_jax.engine.block_manager import MAX_CACHE_SALT_CHARS
 from minivllm_jax.sampling_params import (
-    MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_SEED, MAX_TEMPERATURE, MAX_TOKEN_ID, MAX_TOKENS_LIMIT,
-    MAX_TOP_K, SamplingParams,
-)  # fmt: skip
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_SEED,
+    MAX_TEMPERATURE,
+    MAX_TOKEN_ID,
+    MAX_TOKENS_LIMIT,
+    MAX_TOP_K,
+    SamplingParams,
+)
 from minivllm_jax.structured_output import StructuredOutputsParams
 from server.tool_calls import ToolPlan
 
@@ -48,15 +55,30 @@ MAX_CHOICE_CHARS = 1024
 # parameters) are compiled to grammars before admission; their size bounds that work.
 MAX_SCHEMA_DEPTH = 64  # nested objects/arrays in one schema
 MAX_SCHEMA_NODES = 16384  # JSON values in one field's schemas together (all of `tools` together)
-MAX_ABS_LENGTH_PENALTY = 10.0  # beam scores divide by length ** length_penalty (a float overflow past it)
+MAX_ABS_LENGTH_PENALTY = (
+    10.0  # beam scores divide by length ** length_penalty (a float overflow past it)
+)
 # A response holds n x (top logprobs + 1) x max_tokens token entries at most (each one a JSON
 # object of ~50-100 bytes with logprobs): about 25-50 MB of JSON at this bound.
 MAX_RESPONSE_TOKEN_ENTRIES = 1 << 19
 # With use_beam_search these would be silently ignored (the search ranks by the model's own
 # log-probs and answers one JSON body), so only their neutral value is accepted.
-_BEAM_SEARCH_NEUTRAL = ("top_p", "top_k", "min_p", "stop", "seed", "presence_penalty", "frequency_penalty",
-                        "repetition_penalty", "stop_token_ids", "skip_special_tokens", "stream", "logprobs",
-                        "top_logprobs", "kv_compression")  # fmt: skip
+_BEAM_SEARCH_NEUTRAL = (
+    "top_p",
+    "top_k",
+    "min_p",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "stream",
+    "logprobs",
+    "top_logprobs",
+    "kv_compression",
+)
 
 
 class APIError(Exception):
@@ -73,11 +95,24 @@ class APIError(Exception):
         headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type,
+            param,
+            code,
+        )
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -102,7 +137,7 @@ class JSONSchemaFormat(_Strict):
     strict: bool | None = None
 
     @model_validator(mode="after")
-    def _bounded_schema(self) -> "JSONSchemaFormat":
+    def _bounded_schema(self) -> JSONSchemaFormat:
         check_schema_size("schema", [self.schema_])
         return self
 
@@ -112,9 +147,11 @@ class ResponseFormat(_Strict):
     json_schema: JSONSchemaFormat | None = None
 
     @model_validator(mode="after")
-    def _schema_with_its_type(self) -> "ResponseFormat":
+    def _schema_with_its_type(self) -> ResponseFormat:
         if (self.type == "json_schema") != (self.json_schema is not None):
-            raise _FieldError("json_schema", 'json_schema is required with type "json_schema", and only with it')
+            raise _FieldError(
+                "json_schema", 'json_schema is required with type "json_schema", and only with it'
+            )
         return self
 
 
@@ -134,13 +171,18 @@ class StructuredOutputs(_Strict):
         return _check_raw_lengths(data, {"choice": MAX_CHOICES})
 
     @model_validator(mode="after")
-    def _bounded_choice(self) -> "StructuredOutputs":
+    def _bounded_choice(self) -> StructuredOutputs:
         _check_choice("choice", self.choice)
         return self
 
     def params(self) -> dict[str, Any]:
-        kw = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
-              "json_object": bool(self.json_object)}  # fmt: skip
+        kw = {
+            "json": self.json_,
+            "regex": self.regex,
+            "choice": self.choice,
+            "grammar": self.grammar,
+            "json_object": bool(self.json_object),
+        }
         if self.disable_any_whitespace is not None:
             kw["disable_any_whitespace"] = self.disable_any_whitespace
         return kw
@@ -162,7 +204,9 @@ class _Sampling(_Strict):
     frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     repetition_penalty: float = Field(1.0, gt=0.0, le=MAX_REPETITION_PENALTY)  # vLLM extension
     ignore_eos: bool = False  # vLLM extension
-    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] | None = Field(
+        None, max_length=MAX_STOP_TOKEN_IDS
+    )
     skip_special_tokens: bool = True
     # Extension: this request's KV compression policy (`minivllm_jax.kv_compression`), e.g.
     # {"policy": "sink_window", "window_tokens": 512}.
@@ -197,39 +241,58 @@ class _Sampling(_Strict):
     def _bounded_lists(cls, data: Any) -> Any:
         """List lengths on the raw JSON, before their items are validated (the work a body can
         cost is then bounded by what is accepted, not by what was sent)."""
-        return _check_raw_lengths(data, {"stop": MAX_STOPS, "stop_token_ids": MAX_STOP_TOKEN_IDS,
-                                         "guided_choice": MAX_CHOICES, "messages": MAX_MESSAGES,
-                                         "tools": MAX_TOOLS})  # fmt: skip
+        return _check_raw_lengths(
+            data,
+            {
+                "stop": MAX_STOPS,
+                "stop_token_ids": MAX_STOP_TOKEN_IDS,
+                "guided_choice": MAX_CHOICES,
+                "messages": MAX_MESSAGES,
+                "tools": MAX_TOOLS,
+            },
+        )
 
     @model_validator(mode="after")
-    def _neutral(self) -> "_Sampling":
+    def _neutral(self) -> _Sampling:
         if self.logit_bias:
             raise _unsupported("logit_bias")
         if self.stream_options is not None and not self.stream:
-            raise _FieldError("stream_options", "stream_options is only allowed when stream is true")
+            raise _FieldError(
+                "stream_options", "stream_options is only allowed when stream is true"
+            )
         _check_choice("guided_choice", self.guided_choice)
         schemas = [("guided_json", self.guided_json)]
         if self.structured_outputs is not None:
             schemas.append(("structured_outputs.json", self.structured_outputs.json_))
         for param, schema in schemas:
-            if isinstance(schema, str):  # schema text: StructuredOutputsParams parses it (and says if it can't)
+            if isinstance(
+                schema, str
+            ):  # schema text: StructuredOutputsParams parses it (and says if it can't)
                 try:
                     schema = _loads_finite(schema)
                 except _NonFinite:
-                    raise _FieldError(param, f"{param}: NaN and infinities are not allowed in a schema") from None
+                    raise _FieldError(
+                        param, f"{param}: NaN and infinities are not allowed in a schema"
+                    ) from None
                 except ValueError:
                     continue
                 except RecursionError:
-                    raise _FieldError(param, f"{param}: the JSON schema is nested too deeply") from None
+                    raise _FieldError(
+                        param, f"{param}: the JSON schema is nested too deeply"
+                    ) from None
             check_schema_size(param, [schema])
         return self
 
     @model_validator(mode="after")
-    def _one_constraint(self) -> "_Sampling":
+    def _one_constraint(self) -> _Sampling:
         found = []
         if self.response_format is not None and self.response_format.type != "text":
             fmt = self.response_format
-            spec = {"json": fmt.json_schema.schema_} if fmt.json_schema is not None else {"json_object": True}
+            spec = (
+                {"json": fmt.json_schema.schema_}
+                if fmt.json_schema is not None
+                else {"json_object": True}
+            )
             found.append(("response_format", spec))
         if self.structured_outputs is not None:
             found.append(("structured_outputs", self.structured_outputs.params()))
@@ -262,48 +325,66 @@ class _Sampling(_Strict):
         return [constraint] if constraint else []
 
     @model_validator(mode="after")
-    def _bounded_stop(self) -> "_Sampling":
+    def _bounded_stop(self) -> _Sampling:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if len(stops) > MAX_STOPS:
             raise _FieldError("stop", f"stop: at most {MAX_STOPS} strings, got {len(stops)}")
         if any(len(s) > MAX_STOP_CHARS for s in stops):
-            raise _FieldError("stop", f"stop: each string must be at most {MAX_STOP_CHARS} characters")
+            raise _FieldError(
+                "stop", f"stop: each string must be at most {MAX_STOP_CHARS} characters"
+            )
         return self
 
     @model_validator(mode="after")
-    def _beam_search_fields(self) -> "_Sampling":
+    def _beam_search_fields(self) -> _Sampling:
         if not self.use_beam_search:
             if self.length_penalty != 1.0 or self.early_stopping is not False:
                 param = "length_penalty" if self.length_penalty != 1.0 else "early_stopping"
                 raise _FieldError(param, f"{param} only applies with use_beam_search: true")
             return self
         if self.temperature not in (0.0, 1.0):  # vLLM takes it but ranks by raw log-probs too
-            raise _FieldError("temperature", "with use_beam_search, temperature must be 0 or 1 (the search ranks "
-                              "by the model's own log-probs)")  # fmt: skip
+            raise _FieldError(
+                "temperature",
+                "with use_beam_search, temperature must be 0 or 1 (the search ranks "
+                "by the model's own log-probs)",
+            )
         fields = type(self).model_fields
         for name in _BEAM_SEARCH_NEUTRAL:
             if name in fields and getattr(self, name) not in (fields[name].default, None, []):
                 raise _unsupported(name, f"{name} is not supported with use_beam_search")
         return self
 
-    def _beam_search_params(self, max_tokens: int | None, default_max_tokens: int) -> BeamSearchParams:
+    def _beam_search_params(
+        self, max_tokens: int | None, default_max_tokens: int
+    ) -> BeamSearchParams:
         """vLLM's mapping: `n` is the beam width; no max_tokens means `default_max_tokens`."""
         max_tokens = default_max_tokens if max_tokens is None else max_tokens
         try:
-            return BeamSearchParams(self.n, max_tokens, self.length_penalty, self.early_stopping, self.ignore_eos)
+            return BeamSearchParams(
+                self.n, max_tokens, self.length_penalty, self.early_stopping, self.ignore_eos
+            )
         except ValueError as e:
             raise beam_search_error(e) from None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         constraint = self.output_constraint()
         return dict(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, n=self.n,
-            stop=self.stop, seed=self.seed, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-            ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
-            skip_special_tokens=self.skip_special_tokens, kv_compression=self.kv_compression,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            n=self.n,
+            stop=self.stop,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            ignore_eos=self.ignore_eos,
+            stop_token_ids=self.stop_token_ids,
+            skip_special_tokens=self.skip_special_tokens,
+            kv_compression=self.kv_compression,
             structured_outputs=constraint[1] if constraint else None,
-        )  # fmt: skip
+        )
 
     @property
     def include_usage(self) -> bool:
@@ -321,7 +402,7 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
 
     @model_validator(mode="after")
-    def _supported(self) -> "CompletionRequest":
+    def _supported(self) -> CompletionRequest:
         if self.echo:
             raise _unsupported("echo")
         if self.suffix:
@@ -334,14 +415,18 @@ class CompletionRequest(_Sampling):
         p = self.prompt
         if isinstance(p, list) and p and not isinstance(p[0], int):
             if len(p) != 1:
-                raise invalid("batched prompts are not supported; send one prompt per request", "prompt")
+                raise invalid(
+                    "batched prompts are not supported; send one prompt per request", "prompt"
+                )
             p = p[0]
         if not p:
             raise invalid("prompt must not be empty", "prompt")
         return p
 
     def sampling_params(self) -> SamplingParams:
-        return make_sampling_params(self.sampling_kwargs(), max_tokens=self.max_tokens, logprobs=self.logprobs)
+        return make_sampling_params(
+            self.sampling_kwargs(), max_tokens=self.max_tokens, logprobs=self.logprobs
+        )
 
     def beam_search_params(self, default_max_tokens: int) -> BeamSearchParams:
         return self._beam_search_params(self.max_tokens, default_max_tokens)
@@ -367,7 +452,9 @@ class ToolCall(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None  # None only for an assistant message with tool_calls
+    content: str | list[TextPart] | None = (
+        None  # None only for an assistant message with tool_calls
+    )
     name: str | None = None  # accepted, ignored (the chat template has no slot for it)
     tool_calls: list[ToolCall] | None = None  # assistant only
     tool_call_id: str | None = None  # tool only: the call this message answers
@@ -378,31 +465,52 @@ class ChatMessage(_Strict):
         return _check_raw_lengths(data, {"tool_calls": MAX_TOOL_CALLS_PER_MESSAGE})
 
     @model_validator(mode="after")
-    def _tool_fields(self) -> "ChatMessage":
+    def _tool_fields(self) -> ChatMessage:
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise _FieldError("content", "content is required (only an assistant message with tool_calls may omit it)")
+            raise _FieldError(
+                "content",
+                "content is required (only an assistant message with tool_calls may omit it)",
+            )
         if self.tool_calls is not None and self.role != "assistant":
             raise _FieldError("tool_calls", "tool_calls is only allowed in assistant messages")
         if (self.role == "tool") != (self.tool_call_id is not None):
-            raise _FieldError("tool_call_id", 'a "tool" message needs tool_call_id (and only a tool message has it)')
+            raise _FieldError(
+                "tool_call_id",
+                'a "tool" message needs tool_call_id (and only a tool message has it)',
+            )
         for i, call in enumerate(self.tool_calls or []):
             try:
                 json.loads(call.function.arguments)
             except ValueError:
-                raise _FieldError(f"tool_calls.{i}.function.arguments", "arguments must be JSON text") from None
+                raise _FieldError(
+                    f"tool_calls.{i}.function.arguments", "arguments must be JSON text"
+                ) from None
         return self
 
     def as_template_dict(self) -> dict[str, Any]:
         """The message as chat templates take it: text content, calls with their arguments parsed
         (templates write them with `tojson`)."""
-        content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
-        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        content = (
+            self.content
+            if not isinstance(self.content, list)
+            else "".join(p.text for p in self.content)
+        )
+        message: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": content,
+        }
         if self.tool_calls:
             message["tool_calls"] = [
-                {"id": c.id, "type": "function",
-                 "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments)}}
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {
+                        "name": c.function.name,
+                        "arguments": json.loads(c.function.arguments),
+                    },
+                }
                 for c in self.tool_calls
-            ]  # fmt: skip
+            ]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         return message
@@ -438,11 +546,13 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = (
+        None  # default: auto with tools
+    )
     parallel_tool_calls: bool | None = None  # false: at most one call
 
     @model_validator(mode="after")
-    def _supported(self) -> "ChatCompletionRequest":
+    def _supported(self) -> ChatCompletionRequest:
         if not self.messages:
             raise _FieldError("messages", "messages must not be empty")
         if self.top_logprobs is not None and not self.logprobs:
@@ -450,27 +560,38 @@ class ChatCompletionRequest(_Sampling):
         return self
 
     @model_validator(mode="after")
-    def _tools(self) -> "ChatCompletionRequest":
+    def _tools(self) -> ChatCompletionRequest:
         names: set[str] = set()
         for tool in self.tools or []:
             if tool.function.name in names:
-                raise _FieldError("tools", f"tools: the function name {tool.function.name!r} is used more than once")
+                raise _FieldError(
+                    "tools",
+                    f"tools: the function name {tool.function.name!r} is used more than once",
+                )
             names.add(tool.function.name)
-        check_schema_size("tools", [t.function.parameters for t in self.tools or [] if t.function.parameters])
+        check_schema_size(
+            "tools", [t.function.parameters for t in self.tools or [] if t.function.parameters]
+        )
         choice = self.tool_choice
         if choice not in (None, "none") and not names:
             raise _FieldError("tool_choice", "tool_choice needs tools")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             listed = ", ".join(t.function.name for t in self.tools or [])
-            raise _FieldError("tool_choice", f"tool_choice names the function {choice.function.name!r}, which is "
-                              f"not in tools ({listed})")  # fmt: skip
+            raise _FieldError(
+                "tool_choice",
+                f"tool_choice names the function {choice.function.name!r}, which is "
+                f"not in tools ({listed})",
+            )
         plan = self.tool_plan()
         if plan is not None and self.use_beam_search:
             raise _unsupported("tools", "tools are not supported with use_beam_search")
         constraint = self._constraint
         if plan is not None and plan.mode != "auto" and constraint is not None:
-            raise _FieldError(constraint[0], f"{constraint[0]} cannot be combined with a forced tool_choice "
-                              "(the call's arguments already follow the tool's schema)")  # fmt: skip
+            raise _FieldError(
+                constraint[0],
+                f"{constraint[0]} cannot be combined with a forced tool_choice "
+                "(the call's arguments already follow the tool's schema)",
+            )
         return self
 
     def tool_plan(self) -> ToolPlan | None:
@@ -487,7 +608,11 @@ class ChatCompletionRequest(_Sampling):
         """The plan the output is parsed with: none when an "auto" request also sets an output
         constraint (the output then follows that format and is returned as content)."""
         plan = self.tool_plan()
-        return None if plan is not None and plan.mode == "auto" and self._constraint is not None else plan
+        return (
+            None
+            if plan is not None and plan.mode == "auto" and self._constraint is not None
+            else plan
+        )
 
     def output_constraint(self) -> tuple[str, StructuredOutputsParams] | None:
         """A forced tool_choice constrains the output to the call's schema (`ToolPlan`)."""
@@ -502,8 +627,17 @@ class ChatCompletionRequest(_Sampling):
         a schema the server could not enforce is refused up front, by name (a named call reuses
         its tool's compile from the cache)."""
         plan = self.tool_plan()
-        checks = [(f"tools.{i}.function.parameters", StructuredOutputsParams(json=plan.parameters(name)))
-                  for i, name in enumerate(plan.names)] if plan is not None else []  # fmt: skip
+        checks = (
+            [
+                (
+                    f"tools.{i}.function.parameters",
+                    StructuredOutputsParams(json=plan.parameters(name)),
+                )
+                for i, name in enumerate(plan.names)
+            ]
+            if plan is not None
+            else []
+        )
         return checks + super().constraints_to_check()
 
     def template_messages(self) -> list[dict[str, Any]]:
@@ -515,7 +649,11 @@ class ChatCompletionRequest(_Sampling):
         return list(plan.tools) if plan is not None else None
 
     def _max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
 
     def field_names(self) -> dict[str, str]:
         """Our parameter names -> the fields this request sent them as (errors name the latter)."""
@@ -526,8 +664,12 @@ class ChatCompletionRequest(_Sampling):
 
     def sampling_params(self) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return make_sampling_params(self.sampling_kwargs(), max_tokens=self._max_tokens(), logprobs=logprobs,
-                                    renames=self.field_names())  # fmt: skip
+        return make_sampling_params(
+            self.sampling_kwargs(),
+            max_tokens=self._max_tokens(),
+            logprobs=logprobs,
+            renames=self.field_names(),
+        )
 
     def beam_search_params(self, default_max_tokens: int) -> BeamSearchParams:
         return self._beam_search_params(self._max_tokens(), default_max_tokens)
@@ -545,7 +687,7 @@ class StreamRequest(_Sampling):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="after")
-    def _one_input(self) -> "StreamRequest":
+    def _one_input(self) -> StreamRequest:
         if (self.prompt is None) == (self.messages is None):
             raise _FieldError("prompt", "send exactly one of 'prompt' or 'messages'")
         if self.messages is not None and not self.messages:
@@ -553,14 +695,23 @@ class StreamRequest(_Sampling):
         if self.prompt is not None and not self.prompt:
             raise _FieldError("prompt", "prompt must not be empty")
         if self.stream_options is not None:
-            raise _unsupported("stream_options", "stream_options is not used on the WebSocket (usage is always sent)")
+            raise _unsupported(
+                "stream_options",
+                "stream_options is not used on the WebSocket (usage is always sent)",
+            )
         if self.use_beam_search:
-            raise _unsupported("use_beam_search", "use_beam_search is served over HTTP only (it does not stream)")
+            raise _unsupported(
+                "use_beam_search", "use_beam_search is served over HTTP only (it does not stream)"
+            )
         return self
 
     def sampling_params(self) -> SamplingParams:
-        max_tokens = self.max_tokens if self.max_tokens is not None or self.messages is not None else 16
-        return make_sampling_params(self.sampling_kwargs(), max_tokens=max_tokens, logprobs=self.logprobs)
+        max_tokens = (
+            self.max_tokens if self.max_tokens is not None or self.messages is not None else 16
+        )
+        return make_sampling_params(
+            self.sampling_kwargs(), max_tokens=max_tokens, logprobs=self.logprobs
+        )
 
 
 # ---------------------------------------------------------------------- parsing and errors
@@ -590,7 +741,9 @@ def _check_raw_lengths(data: Any, limits: dict[str, int]) -> Any:
 
 def _check_choice(param: str, choice: list[str] | None) -> None:
     if choice is not None and any(len(c) > MAX_CHOICE_CHARS for c in choice):
-        raise _FieldError(param, f"{param}: each choice must be at most {MAX_CHOICE_CHARS} characters")
+        raise _FieldError(
+            param, f"{param}: each choice must be at most {MAX_CHOICE_CHARS} characters"
+        )
 
 
 def check_schema_size(param: str, schemas: list[Any]) -> None:
@@ -601,16 +754,27 @@ def check_schema_size(param: str, schemas: list[Any]) -> None:
         value, depth = stack.pop()
         nodes += 1
         if nodes > MAX_SCHEMA_NODES:
-            raise _FieldError(param, f"{param}: the JSON schemas hold more than {MAX_SCHEMA_NODES} values together")
+            raise _FieldError(
+                param,
+                f"{param}: the JSON schemas hold more than {MAX_SCHEMA_NODES} values together",
+            )
         if isinstance(value, (dict, list)):
             if depth > MAX_SCHEMA_DEPTH:
-                raise _FieldError(param, f"{param}: a JSON schema is nested more than {MAX_SCHEMA_DEPTH} levels deep")
+                raise _FieldError(
+                    param,
+                    f"{param}: a JSON schema is nested more than {MAX_SCHEMA_DEPTH} levels deep",
+                )
             children = value.values() if isinstance(value, dict) else value
             stack.extend((child, depth + 1) for child in children)
 
 
-def check_response_size(n: int, logprobs: int | None, max_tokens: int, max_tokens_set: bool,
-                        renames: dict[str, str] | None = None) -> None:  # fmt: skip
+def check_response_size(
+    n: int,
+    logprobs: int | None,
+    max_tokens: int,
+    max_tokens_set: bool,
+    renames: dict[str, str] | None = None,
+) -> None:
     """Refuse a request whose response could hold more than MAX_RESPONSE_TOKEN_ENTRIES token
     entries (n x (top logprobs + 1) x max_tokens); `max_tokens` is the effective one (the rest
     of the context when the request left it unset)."""
@@ -619,12 +783,17 @@ def check_response_size(n: int, logprobs: int | None, max_tokens: int, max_token
         return
     name = (renames or {}).get("logprobs", "logprobs")
     tokens = (renames or {}).get("max_tokens", "max_tokens")
-    limit = f"{tokens} ({max_tokens})" if max_tokens_set else f"{tokens} (unset: the rest of the context, {max_tokens})"
+    limit = (
+        f"{tokens} ({max_tokens})"
+        if max_tokens_set
+        else f"{tokens} (unset: the rest of the context, {max_tokens})"
+    )
     raise invalid(
         f"the response could hold n ({n}) x ({name} ({logprobs or 0}) + 1) x {limit} = {entries} tokens, over the "
         f"limit of {MAX_RESPONSE_TOKEN_ENTRIES}; lower {tokens}, n or {name}",
-        tokens, "response_too_large",
-    )  # fmt: skip
+        tokens,
+        "response_too_large",
+    )
 
 
 class _NumberCheck:
@@ -658,7 +827,9 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 def _surrogate_path(value: Any) -> str | None:
     """The dotted path of the first string (or key) in decoded JSON holding a lone surrogate."""
-    return _first_path(value, lambda v: isinstance(v, str) and _SURROGATE.search(v) is not None, keys=True)
+    return _first_path(
+        value, lambda v: isinstance(v, str) and _SURROGATE.search(v) is not None, keys=True
+    )
 
 
 def _first_path(value: Any, bad: Any, keys: bool = False) -> str | None:
@@ -681,8 +852,13 @@ def _first_path(value: Any, bad: Any, keys: bool = False) -> str | None:
 
 # Arrays of a body's top level that are decoded item by item and refused past their cap, before
 # the rest of the array is even parsed (`_loads_capped`).
-_CAPPED_ARRAYS = {"tools": MAX_TOOLS, "messages": MAX_MESSAGES, "guided_choice": MAX_CHOICES, "stop": MAX_STOPS,
-                  "stop_token_ids": MAX_STOP_TOKEN_IDS}  # fmt: skip
+_CAPPED_ARRAYS = {
+    "tools": MAX_TOOLS,
+    "messages": MAX_MESSAGES,
+    "guided_choice": MAX_CHOICES,
+    "stop": MAX_STOPS,
+    "stop_token_ids": MAX_STOP_TOKEN_IDS,
+}
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
 
 
@@ -736,8 +912,9 @@ def _loads_capped(text: str, decoder: json.JSONDecoder, caps: dict[str, int]) ->
     return out
 
 
-def _capped_array(text: str, i: int, decoder: json.JSONDecoder, key: str, limit: int, skip: Any,
-                  expect: Any) -> tuple[list[Any], int]:  # fmt: skip
+def _capped_array(
+    text: str, i: int, decoder: json.JSONDecoder, key: str, limit: int, skip: Any, expect: Any
+) -> tuple[list[Any], int]:
     items: list[Any] = []
     i = skip(i + 1)
     if text.startswith("]", i):
@@ -774,15 +951,19 @@ def _loads_finite(text: str, caps: dict[str, int] | None = None) -> Any:
 
 class _LoneSurrogate(ValueError):
     def __init__(self, path: str) -> None:
-        super().__init__(f"{path or 'the body'}: a lone UTF-16 surrogate (\\ud800-\\udfff without its pair) is not "
-                         "Unicode text")  # fmt: skip
+        super().__init__(
+            f"{path or 'the body'}: a lone UTF-16 surrogate (\\ud800-\\udfff without its pair) is not "
+            "Unicode text"
+        )
         self.path = path
 
 
 class _NonFinite(ValueError):
     def __init__(self, path: str) -> None:
-        super().__init__(f"{path or 'the body'}: NaN and infinities (and numbers too large for a float) are not "
-                         "allowed")  # fmt: skip
+        super().__init__(
+            f"{path or 'the body'}: NaN and infinities (and numbers too large for a float) are not "
+            "allowed"
+        )
         self.path = path
 
 
@@ -839,7 +1020,9 @@ def _from_validation_error(e: ValidationError) -> APIError:
 
 
 def _is_type_name(part: Any) -> bool:
-    return isinstance(part, str) and bool(re.search(r"[\[\]]|^(str|int|float|bool|TextPart|NamedToolChoice)$", part))
+    return isinstance(part, str) and bool(
+        re.search(r"[\[\]]|^(str|int|float|bool|TextPart|NamedToolChoice)$", part)
+    )
 
 
 def _constraint_message(e: ValueError) -> str:
@@ -876,7 +1059,9 @@ def beam_search_error(e: ValueError) -> APIError:
     param = param_from_message(message) or "prompt"
     if param == "n":
         message += " (with use_beam_search, n is the beam width)"
-    return invalid(message, param, "context_length_exceeded" if "max_model_len" in message else None)
+    return invalid(
+        message, param, "context_length_exceeded" if "max_model_len" in message else None
+    )
 
 
 def param_from_message(message: str, renames: dict[str, str] | None = None) -> str | None:

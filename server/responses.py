@@ -53,18 +53,28 @@ class ChoiceTracker:
         return result
 
 
-def beam_search_output(request_id: str, prompt_ids: list[int], out: BeamSearchOutput) -> RequestOutput:
+def beam_search_output(
+    request_id: str, prompt_ids: list[int], out: BeamSearchOutput
+) -> RequestOutput:
     """A beam search's hypotheses as one finished output, choice i the i-th best, for the
     formatters; each choice's token_ids are its generated tokens (the EOS that ended it included)."""
     n = len(prompt_ids)
-    choices = [CompletionOutput(i, s.text, s.tokens[n:], s.cum_logprob, None, s.finish_reason)
-               for i, s in enumerate(out.sequences)]  # fmt: skip
-    return RequestOutput(request_id, None, list(prompt_ids), choices, True, RequestMetrics(time.monotonic()))
+    choices = [
+        CompletionOutput(i, s.text, s.tokens[n:], s.cum_logprob, None, s.finish_reason)
+        for i, s in enumerate(out.sequences)
+    ]
+    return RequestOutput(
+        request_id, None, list(prompt_ids), choices, True, RequestMetrics(time.monotonic())
+    )
 
 
 def usage(out: RequestOutput | None, prompt_tokens: int) -> dict[str, int]:
     completion = sum(len(c.token_ids) for c in out.outputs) if out is not None else 0
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+    }
 
 
 def _finite(lp: float) -> float:
@@ -93,7 +103,9 @@ def completion_logprobs(
     }
 
 
-def chat_logprobs(table: TokenTable, ids: list[int], entries: list[dict[int, float]], k: int) -> list[dict[str, Any]]:
+def chat_logprobs(
+    table: TokenTable, ids: list[int], entries: list[dict[int, float]], k: int
+) -> list[dict[str, Any]]:
     """Chat format: one entry per token with its bytes and its top-k alternatives."""
 
     def item(t: int, lp: float) -> dict[str, Any]:
@@ -106,7 +118,11 @@ def chat_logprobs(table: TokenTable, ids: list[int], entries: list[dict[int, flo
 
 
 def sse(data: dict[str, Any] | str) -> str:
-    body = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    body = (
+        data
+        if isinstance(data, str)
+        else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    )
     return f"data: {body}\n\n"
 
 
@@ -114,8 +130,16 @@ class _Formatter:
     object_name = ""
     chunk_object_name = ""
 
-    def __init__(self, request_id: str, model: str, created: int, table: TokenTable, top_k: int | None,
-                 n: int, include_usage: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        created: int,
+        table: TokenTable,
+        top_k: int | None,
+        n: int,
+        include_usage: bool = False,
+    ) -> None:
         self.id, self.model, self.created, self.table = request_id, model, created, table
         self.top_k = top_k  # None: no logprobs requested
         self.tracker = ChoiceTracker(n)
@@ -123,7 +147,13 @@ class _Formatter:
         self._offsets = [0] * n
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        body = {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
         if obj == self.chunk_object_name and self.include_usage:
             body["usage"] = None
         return body
@@ -140,7 +170,9 @@ class CompletionFormatter(_Formatter):
     def _logprobs(self, d: Delta) -> dict[str, Any] | None:
         if self.top_k is None or d.logprobs is None:
             return None
-        lp = completion_logprobs(self.table, d.token_ids, d.logprobs, self.top_k, self._offsets[d.index])
+        lp = completion_logprobs(
+            self.table, d.token_ids, d.logprobs, self.top_k, self._offsets[d.index]
+        )
         self._offsets[d.index] += sum(len(t) for t in lp["tokens"])
         return lp
 
@@ -148,7 +180,14 @@ class CompletionFormatter(_Formatter):
         choices = []
         for d in self.tracker.deltas(out):
             logprobs = self._logprobs(d)
-            choices.append({"index": d.index, "text": d.text, "logprobs": logprobs, "finish_reason": d.finish_reason})
+            choices.append(
+                {
+                    "index": d.index,
+                    "text": d.text,
+                    "logprobs": logprobs,
+                    "finish_reason": d.finish_reason,
+                }
+            )
         body = self._envelope(self.object_name, sorted(choices, key=lambda c: c["index"]))
         body["usage"] = usage(out, prompt_tokens)
         return body
@@ -161,10 +200,20 @@ class CompletionFormatter(_Formatter):
         for d in self.tracker.deltas(out):
             logprobs = self._logprobs(d)
             if d.text or logprobs:
-                choice = {"index": d.index, "text": d.text, "logprobs": logprobs, "finish_reason": None}
+                choice = {
+                    "index": d.index,
+                    "text": d.text,
+                    "logprobs": logprobs,
+                    "finish_reason": None,
+                }
                 result.append(self._envelope(self.chunk_object_name, [choice]))
             if d.finish_reason:
-                choice = {"index": d.index, "text": "", "logprobs": None, "finish_reason": d.finish_reason}
+                choice = {
+                    "index": d.index,
+                    "text": "",
+                    "logprobs": None,
+                    "finish_reason": d.finish_reason,
+                }
                 result.append(self._envelope(self.chunk_object_name, [choice]))
         return result
 
@@ -178,14 +227,19 @@ class ChatFormatter(_Formatter):
     def __init__(self, *args: Any, tool_plan: ToolPlan | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         n = len(self.tracker.done)
-        self.parsers = [ToolCallParser(tool_plan) for _ in range(n)] if tool_plan is not None else None
+        self.parsers = (
+            [ToolCallParser(tool_plan) for _ in range(n)] if tool_plan is not None else None
+        )
 
     def _message(self, d: Delta) -> tuple[dict[str, Any], str | None]:
         if self.parsers is None:
             return {"role": "assistant", "content": d.text}, d.finish_reason
         parser = self.parsers[d.index]
         content, calls = message_parts(parser.feed(d.text) + parser.finish())
-        message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": content or (None if calls else ""),
+        }
         if calls:
             message["tool_calls"] = calls
         return message, parser.finish_reason(d.finish_reason)
@@ -200,7 +254,14 @@ class ChatFormatter(_Formatter):
         for d in self.tracker.deltas(out):
             message, finish_reason = self._message(d)
             lp = self._logprobs(d)
-            choices.append({"index": d.index, "message": message, "logprobs": lp, "finish_reason": finish_reason})
+            choices.append(
+                {
+                    "index": d.index,
+                    "message": message,
+                    "logprobs": lp,
+                    "finish_reason": finish_reason,
+                }
+            )
         body = self._envelope(self.object_name, sorted(choices, key=lambda c: c["index"]))
         body["usage"] = usage(out, prompt_tokens)
         return body
@@ -208,28 +269,50 @@ class ChatFormatter(_Formatter):
     def start_chunks(self) -> list[dict[str, Any]]:
         """OpenAI streams open each choice with a role-only delta."""
         return [
-            self._envelope(self.chunk_object_name, [
-                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            ])
+            self._envelope(
+                self.chunk_object_name,
+                [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+            )
             for i in range(len(self.tracker.done))
-        ]  # fmt: skip
+        ]
 
     def chunks(self, out: RequestOutput) -> list[dict[str, Any]]:
         result = []
         for d in self.tracker.deltas(out):
             logprobs = self._logprobs(d)
-            deltas, finish_reason = [{"content": d.text}] if d.text or logprobs else [], d.finish_reason
+            deltas, finish_reason = (
+                [{"content": d.text}] if d.text or logprobs else [],
+                d.finish_reason,
+            )
             if self.parsers is not None:
                 parser = self.parsers[d.index]
-                deltas = delta_messages(parser.feed(d.text) + (parser.finish() if d.finish_reason else []))
+                deltas = delta_messages(
+                    parser.feed(d.text) + (parser.finish() if d.finish_reason else [])
+                )
                 finish_reason = parser.finish_reason(d.finish_reason)
                 if logprobs and not deltas:  # the text is held back (it may open a tool call)
                     deltas = [{}]
             for i, delta in enumerate(deltas):
-                choice = {"index": d.index, "delta": delta, "logprobs": logprobs if i == 0 else None,
-                          "finish_reason": None}  # fmt: skip
+                choice = {
+                    "index": d.index,
+                    "delta": delta,
+                    "logprobs": logprobs if i == 0 else None,
+                    "finish_reason": None,
+                }
                 result.append(self._envelope(self.chunk_object_name, [choice]))
             if finish_reason:
-                choice = {"index": d.index, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
+                choice = {
+                    "index": d.index,
+                    "delta": {},
+                    "logprobs": None,
+                    "finish_reason": finish_reason,
+                }
                 result.append(self._envelope(self.chunk_object_name, [choice]))
         return result

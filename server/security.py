@@ -29,9 +29,15 @@ from typing import Any
 from urllib.parse import urlsplit
 
 DEFAULT_PORTS = {"http": 80, "https": 443}
-SCOPE_KEY_SALT = "minivllm.key_cache_salt"  # set in the ASGI scope by the gate for a request's API key
-WS_SUBPROTOCOL = "minivllm"  # the subprotocol the server accepts; a client offering a key offers it too
-WS_KEY_PREFIX = "minivllm.bearer."  # + the API key, base64url without padding (subprotocols are tokens)
+SCOPE_KEY_SALT = (
+    "minivllm.key_cache_salt"  # set in the ASGI scope by the gate for a request's API key
+)
+WS_SUBPROTOCOL = (
+    "minivllm"  # the subprotocol the server accepts; a client offering a key offers it too
+)
+WS_KEY_PREFIX = (
+    "minivllm.bearer."  # + the API key, base64url without padding (subprotocols are tokens)
+)
 
 
 def header(scope: dict[str, Any], name: bytes) -> str | None:
@@ -129,7 +135,9 @@ def websocket_key(scope: dict[str, Any]) -> str | None:
         if offered.startswith(WS_KEY_PREFIX):
             encoded = offered[len(WS_KEY_PREFIX) :]
             try:
-                raw = base64.b64decode(encoded + "=" * (-len(encoded) % 4), altchars=b"-_", validate=True)
+                raw = base64.b64decode(
+                    encoded + "=" * (-len(encoded) % 4), altchars=b"-_", validate=True
+                )
                 return raw.decode("utf-8")
             except (binascii.Error, UnicodeDecodeError):
                 return None
@@ -138,7 +146,10 @@ def websocket_key(scope: dict[str, Any]) -> str | None:
 
 def is_json(content_type: str | None) -> bool:
     """`application/json`, parameters such as `; charset=utf-8` allowed, any case."""
-    return content_type is not None and content_type.split(";", 1)[0].strip().lower() == "application/json"
+    return (
+        content_type is not None
+        and content_type.split(";", 1)[0].strip().lower() == "application/json"
+    )
 
 
 def api_key_list(keys: str | Collection[str] | None) -> tuple[str, ...]:
@@ -173,4 +184,6 @@ def request_cache_salt(scope: dict[str, Any], requested: str | None) -> str | No
         return requested
     if requested is None:
         return key_salt
-    return key_salt + ":" + hashlib.sha256(requested.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return (
+        key_salt + ":" + hashlib.sha256(requested.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    )

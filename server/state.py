@@ -22,13 +22,26 @@ from typing import Any, Protocol, TypeVar
 from minivllm_jax.beam_search import BeamSearchOutput, BeamSearchParams
 from minivllm_jax.sampling_params import SamplingParams
 from minivllm_jax.structured_output import StructuredOutputsParams
-from server.engine_loop import AsyncEngine, DataParallelEngine, EngineStopped, QueueFull, RequestFailed, RequestStream
+from server.engine_loop import (
+    AsyncEngine,
+    DataParallelEngine,
+    EngineStopped,
+    QueueFull,
+    RequestFailed,
+    RequestStream,
+)
 from server.metrics import ServerMetrics
 from server.preprocess import Preprocessor, TokenTable
 from server.protocol import (
-    APIError, ChatMessage, beam_search_error, check_response_size, invalid, param_from_message, parse_json,
+    APIError,
+    ChatMessage,
+    beam_search_error,
+    check_response_size,
+    invalid,
+    param_from_message,
+    parse_json,
     parse_request,
-)  # fmt: skip
+)
 
 logger = logging.getLogger(__name__)
 
@@ -50,30 +63,49 @@ T = TypeVar("T")
 
 
 def queue_full(detail: str) -> APIError:
-    return APIError(429, f"server is busy: {detail}; retry later", type="rate_limit_error", code="queue_full",
-                    headers={"Retry-After": RETRY_AFTER_S})  # fmt: skip
+    return APIError(
+        429,
+        f"server is busy: {detail}; retry later",
+        type="rate_limit_error",
+        code="queue_full",
+        headers={"Retry-After": RETRY_AFTER_S},
+    )
 
 
 def admission_error(e: QueueFull | EngineStopped) -> APIError:
     """Work the engine did not take: a full queue (429) or a stopped engine (503), both retryable."""
     if isinstance(e, QueueFull):
         return queue_full(str(e))
-    return APIError(503, str(e), type="service_unavailable", code="engine_unavailable",
-                    headers={"Retry-After": RETRY_AFTER_S})  # fmt: skip
+    return APIError(
+        503,
+        str(e),
+        type="service_unavailable",
+        code="engine_unavailable",
+        headers={"Retry-After": RETRY_AFTER_S},
+    )
 
 
 def stream_error(e: EngineStopped | RequestFailed) -> APIError:
     """The error for a stream that ended early: a failed step is the server's fault (500; the
     cause is in the server log, not sent), a stopped engine is unavailable (503)."""
     if isinstance(e, RequestFailed):
-        return APIError(500, "the engine step serving this request failed", type="server_error",
-                        code="engine_step_failed")  # fmt: skip
+        return APIError(
+            500,
+            "the engine step serving this request failed",
+            type="server_error",
+            code="engine_step_failed",
+        )
     return APIError(503, str(e), type="service_unavailable", code="engine_unavailable")
 
 
 def preprocess_timeout(stage: str, deadline_s: float) -> APIError:
-    return APIError(429, f"server is busy: the request's {stage} stage took more than {deadline_s:g} s; retry later",
-                    type="rate_limit_error", code="preprocess_timeout", headers={"Retry-After": RETRY_AFTER_S})  # fmt: skip
+    return APIError(
+        429,
+        f"server is busy: the request's {stage} stage took more than {deadline_s:g} s; retry later",
+        type="rate_limit_error",
+        code="preprocess_timeout",
+        headers={"Retry-After": RETRY_AFTER_S},
+    )
 
 
 class PreprocessSlot:
@@ -86,7 +118,9 @@ class PreprocessSlot:
         self._running = 0
         self._closed = self._released = False
 
-    async def stage(self, name: str, deadline_s: float, work: Awaitable[T], on_timeout: APIError | None = None) -> T:
+    async def stage(
+        self, name: str, deadline_s: float, work: Awaitable[T], on_timeout: APIError | None = None
+    ) -> T:
         """`work`'s result, or `on_timeout` (default: a 429 naming the stage) after `deadline_s`."""
         task = asyncio.ensure_future(work)
         self._running += 1
@@ -169,12 +203,20 @@ class ServerState:
     def attach(self, llm: LLMLike) -> None:
         """Wrap a loaded, warmed-up LLM and start its engine loop (any thread may call this)."""
         self.table = TokenTable(llm.tokenizer)
-        compiler = getattr(llm.engine, "grammar_compiler", None)  # stand-in engines in tests may have none
-        self.pre = Preprocessor(llm.tokenizer, llm.engine.config.max_model_len, self.table.max_token_bytes, compiler)
+        compiler = getattr(
+            llm.engine, "grammar_compiler", None
+        )  # stand-in engines in tests may have none
+        self.pre = Preprocessor(
+            llm.tokenizer, llm.engine.config.max_model_len, self.table.max_token_bytes, compiler
+        )
         replicas = getattr(llm, "engines", [llm.engine])  # data parallelism: several
         if len(replicas) > 1:
-            engine = DataParallelEngine(replicas, llm.engine.config.page_size, max_queue=self.max_queue,
-                                        metrics=self.metrics)  # fmt: skip
+            engine = DataParallelEngine(
+                replicas,
+                llm.engine.config.page_size,
+                max_queue=self.max_queue,
+                metrics=self.metrics,
+            )
         else:
             engine = AsyncEngine(llm.engine, max_queue=self.max_queue, metrics=self.metrics)
         engine.start()
@@ -201,25 +243,38 @@ class ServerState:
         if self.healthy:
             return
         if self.status == "loading":
-            message, code = "the model is still loading and warming up; retry shortly", "model_loading"
+            message, code = (
+                "the model is still loading and warming up; retry shortly",
+                "model_loading",
+            )
         elif self.status == "failed":
             message, code = f"the model failed to load: {self.error}", "model_load_failed"
         else:
             message, code = "the engine is not running", "engine_unavailable"
-        raise APIError(503, message, type="service_unavailable", code=code, headers={"Retry-After": RETRY_AFTER_S})
+        raise APIError(
+            503,
+            message,
+            type="service_unavailable",
+            code=code,
+            headers={"Retry-After": RETRY_AFTER_S},
+        )
 
     def check_capacity(self) -> None:
         """Refuse early when the queue is full, before reading and tokenizing the body
         (`AsyncEngine.add` checks again, exactly, at admission)."""
         if self.engine is not None and self.engine.num_in_flight >= self.max_queue:
-            raise queue_full(f"{self.engine.num_in_flight} requests in flight (max_queue={self.max_queue})")
+            raise queue_full(
+                f"{self.engine.num_in_flight} requests in flight (max_queue={self.max_queue})"
+            )
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise APIError(
-                404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
-                param="model", code="model_not_found",
-            )  # fmt: skip
+                404,
+                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
 
     def preprocessing(self) -> contextlib.AbstractContextManager[PreprocessSlot]:
         """A place among the requests being preprocessed, held until the engine admits the
@@ -247,31 +302,49 @@ class ServerState:
     ) -> list[int]:
         assert self.pre is not None
         if messages is not None:
-            work = self.pre.chat([m.as_template_dict() for m in messages], tools, parallel_tool_calls)
+            work = self.pre.chat(
+                [m.as_template_dict() for m in messages], tools, parallel_tool_calls
+            )
         elif prompt is None:
             raise invalid("prompt is required", "prompt")
         else:
             work = self.pre.encode(prompt)
         return await slot.stage("tokenize", TOKENIZE_DEADLINE_S, work)
 
-    async def check_constraints(self, slot: PreprocessSlot, constraints: list[tuple[str, StructuredOutputsParams]]) -> None:
+    async def check_constraints(
+        self, slot: PreprocessSlot, constraints: list[tuple[str, StructuredOutputsParams]]
+    ) -> None:
         """Compile the request's output constraints before it is admitted (400 for a bad one, or
         for constraints that take more than GRAMMAR_COMPILE_DEADLINE_S to compile)."""
         assert self.pre is not None
         if not constraints:
             return
         param = constraints[0][0].split(".")[0]  # "tools" for a tool's parameters
-        too_slow = invalid(f"{param}: the output constraints took more than {GRAMMAR_COMPILE_DEADLINE_S:g} s to "
-                           "compile; simplify them", param, "grammar_compile_timeout")  # fmt: skip
-        await slot.stage("grammar_compile", GRAMMAR_COMPILE_DEADLINE_S, self.pre.compile(constraints), too_slow)
+        too_slow = invalid(
+            f"{param}: the output constraints took more than {GRAMMAR_COMPILE_DEADLINE_S:g} s to "
+            "compile; simplify them",
+            param,
+            "grammar_compile_timeout",
+        )
+        await slot.stage(
+            "grammar_compile", GRAMMAR_COMPILE_DEADLINE_S, self.pre.compile(constraints), too_slow
+        )
 
-    def check_response_size(self, prompt_ids: list[int], n: int, logprobs: int | None, max_tokens: int | None,
-                            renames: dict[str, str] | None = None) -> None:  # fmt: skip
+    def check_response_size(
+        self,
+        prompt_ids: list[int],
+        n: int,
+        logprobs: int | None,
+        max_tokens: int | None,
+        renames: dict[str, str] | None = None,
+    ) -> None:
         """`protocol.check_response_size` with max_tokens resolved as the engine does (unset: the
         rest of the context)."""
         assert self.llm is not None
         rest = max(self.llm.engine.config.max_model_len - len(prompt_ids), 1)
-        check_response_size(n, logprobs, rest if max_tokens is None else max_tokens, max_tokens is not None, renames)
+        check_response_size(
+            n, logprobs, rest if max_tokens is None else max_tokens, max_tokens is not None, renames
+        )
 
     async def start(
         self,
@@ -294,8 +367,13 @@ class ServerState:
             code = "context_length_exceeded" if "max_model_len" in str(e) else None
             raise invalid(str(e), param_from_message(str(e), renames) or "prompt", code) from None
 
-    async def beam_search(self, prompt_ids: list[int], params: BeamSearchParams, arrival: float,
-                          cache_salt: str | None = None) -> BeamSearchOutput:  # fmt: skip
+    async def beam_search(
+        self,
+        prompt_ids: list[int],
+        params: BeamSearchParams,
+        arrival: float,
+        cache_salt: str | None = None,
+    ) -> BeamSearchOutput:
         """Run one beam search on the engine (`AsyncEngine.beam_search`), or raise the matching
         APIError: 429/503 as `start` (429 also past the concurrent beam rows), 400 for a search
         that refuses the request, 500 if it failed. `cache_salt` as `start`'s."""

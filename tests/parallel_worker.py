@@ -17,7 +17,9 @@ import json
 import sys
 
 # Small buckets: the programs compile in seconds (6 of them).
-ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, num_pages=64, use_tqdm=False)
+ENGINE = dict(
+    max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, num_pages=64, use_tqdm=False
+)
 PROMPTS = [[1] + list(range(3 + i, 30 + 3 * i)) for i in range(5)]
 TOKENS = 16
 
@@ -40,7 +42,9 @@ def engines(model: str) -> dict:
             "warm_compiles": warm,
             "compiles_after": [e.num_compiles for e in llm.engines],
             "requests_per_replica": [e.num_generated_tokens // TOKENS for e in llm.engines],
-            "cache_devices": [sorted(d.id for d in e.runner.cache.k.sharding.device_set) for e in llm.engines],
+            "cache_devices": [
+                sorted(d.id for d in e.runner.cache.k.sharding.device_set) for e in llm.engines
+            ],
         }
     return out
 
@@ -55,16 +59,30 @@ def server(model: str) -> dict:
     llm = LLM(model, data_parallel_size=2, **ENGINE)
     app = create_app(llm, model_name="tiny", max_queue=16)
     with TestClient(app) as client:
-        responses = [client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": TOKENS,
-                                                          "temperature": 0, "ignore_eos": True})  # fmt: skip
-                     for prompt in PROMPTS]  # fmt: skip
+        responses = [
+            client.post(
+                "/v1/completions",
+                json={
+                    "model": "tiny",
+                    "prompt": prompt,
+                    "max_tokens": TOKENS,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            )
+            for prompt in PROMPTS
+        ]
         metrics = client.get("/metrics").text
     return {
         "status": [r.status_code for r in responses],
         "texts": [r.json()["choices"][0]["text"] for r in responses],
-        "reference": [o.outputs[0].text for o in llm.generate(PROMPTS, _greedy_params(), use_tqdm=False)],
+        "reference": [
+            o.outputs[0].text for o in llm.generate(PROMPTS, _greedy_params(), use_tqdm=False)
+        ],
         "tokens_per_replica": [e.num_generated_tokens for e in llm.engines],
-        "metrics_compiles": [line for line in metrics.splitlines() if line.startswith("minivllm_compiles")],
+        "metrics_compiles": [
+            line for line in metrics.splitlines() if line.startswith("minivllm_compiles")
+        ],
     }
 
 
@@ -81,8 +99,10 @@ def hlo(model: str, tp: int) -> dict:
 
     llm = LLM(model, tensor_parallel_size=tp, warmup=False, **ENGINE)
     cfg = llm.engine.model_config
-    return {"measured": measured(llm.engine.runner._step_program(1, 1)),
-            "expected": expected(cfg.num_layers, cfg.hidden_size, cfg.vocab_size, tokens=1, seqs=1)}  # fmt: skip
+    return {
+        "measured": measured(llm.engine.runner._step_program(1, 1)),
+        "expected": expected(cfg.num_layers, cfg.hidden_size, cfg.vocab_size, tokens=1, seqs=1),
+    }
 
 
 def process(model: str, coordinator: str, num: int, pid: int) -> dict:
@@ -93,7 +113,9 @@ def process(model: str, coordinator: str, num: int, pid: int) -> dict:
 
     from minivllm_jax import LLM
 
-    llm = LLM(model, tensor_parallel_size=jax.device_count(), warmup=False, **ENGINE)  # compiles what it runs
+    llm = LLM(
+        model, tensor_parallel_size=jax.device_count(), warmup=False, **ENGINE
+    )  # compiles what it runs
     if pid != 0:
         llm.follow()
         return {"followed": True, "devices": jax.device_count()}
@@ -108,11 +130,15 @@ def smollm2() -> dict:
 
     prompts = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):"]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    settings = dict(ENGINE, max_model_len=256, num_pages=48, max_num_seqs=2, warmup=False)  # compiles what it runs
+    settings = dict(
+        ENGINE, max_model_len=256, num_pages=48, max_num_seqs=2, warmup=False
+    )  # compiles what it runs
     out = {}
     for tp in (1, 3):
         llm = LLM("smollm2-135m", tensor_parallel_size=tp, **settings)
-        out[f"tp{tp}"] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        out[f"tp{tp}"] = [
+            o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
+        ]
         del llm
     try:
         LLM("smollm2-135m", tensor_parallel_size=2, **settings)
@@ -126,8 +152,11 @@ def refusals(model: str) -> dict:
     from minivllm_jax import LLM
 
     errors = {}
-    for name, kwargs in {"tp3": dict(tensor_parallel_size=3), "int8": dict(tensor_parallel_size=2, quantization="int8"),
-                         "too_many": dict(tensor_parallel_size=4, data_parallel_size=2)}.items():  # fmt: skip
+    for name, kwargs in {
+        "tp3": dict(tensor_parallel_size=3),
+        "int8": dict(tensor_parallel_size=2, quantization="int8"),
+        "too_many": dict(tensor_parallel_size=4, data_parallel_size=2),
+    }.items():
         try:
             LLM(model, warmup=False, **kwargs, **ENGINE)
             errors[name] = None

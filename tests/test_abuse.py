@@ -57,10 +57,14 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 # enough that the module runs in well under a minute.
 FUZZ_EXAMPLES = 150
 FUZZ_SETTINGS = settings(
-    max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
-    phases=(Phase.explicit, Phase.generate), print_blob=False,
+    max_examples=FUZZ_EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    phases=(Phase.explicit, Phase.generate),
+    print_blob=False,
     suppress_health_check=list(HealthCheck),
-)  # fmt: skip
+)
 REQUEST_TIMEOUT_S = 30.0
 # The tool bomb: 15,000 minimal tools, about 800 KB, under the 1 MiB body limit. Before tools
 # were capped it froze the event loop for 8.9 s (/health took 8.4 s). The bound is 4x under that
@@ -81,7 +85,9 @@ class StrictUnicodeTokenizer(FakeTokenizer):
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:
-            raise TypeError("TextEncodeInput must be Union[TextInputSequence, Tuple[InputSequence, InputSequence]]")
+            raise TypeError(
+                "TextEncodeInput must be Union[TextInputSequence, Tuple[InputSequence, InputSequence]]"
+            ) from None
         return super().encode(text, add_special_tokens)
 
 
@@ -95,13 +101,21 @@ class LiveServer:
 @pytest.fixture(scope="module")
 def live() -> Iterator[LiveServer]:
     """The app over the FakeEngine, served by a real uvicorn on a free loopback port (a thread)."""
-    llm = SimpleNamespace(engine=FakeEngine(max_model_len=MAX_MODEL_LEN, step_seconds=STEP_SECONDS),
-                          tokenizer=StrictUnicodeTokenizer())  # fmt: skip
+    llm = SimpleNamespace(
+        engine=FakeEngine(max_model_len=MAX_MODEL_LEN, step_seconds=STEP_SECONDS),
+        tokenizer=StrictUnicodeTokenizer(),
+    )
     llm.engine.config.vocab_size = VOCAB  # what a real engine's config says
     app = create_app(llm, model_name=MODEL, api_key=API_KEY)
     port = _free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
-                            ws_max_size=DEFAULT_MAX_BODY_BYTES)  # fmt: skip
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        lifespan="on",
+        ws_max_size=DEFAULT_MAX_BODY_BYTES,
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="abuse-uvicorn", daemon=True)
     thread.start()
@@ -160,7 +174,9 @@ class GoodTraffic:
         self.completed: collections.Counter[str] = collections.Counter()
         self.failures: list[str] = []
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._loop, args=(kind,), daemon=True) for kind in ("sse", "ws")]
+        self._threads = [
+            threading.Thread(target=self._loop, args=(kind,), daemon=True) for kind in ("sse", "ws")
+        ]
 
     def alone(self) -> dict[str, str]:
         """The good request over each transport with nothing else running."""
@@ -203,8 +219,13 @@ class GoodTraffic:
     def check_since(self, before: collections.Counter[str]) -> None:
         """No good request failed, and both kinds completed while the caller's test ran."""
         assert not self.failures, "good traffic was harmed:\n" + "\n".join(self.failures[:10])
-        deadline = time.monotonic() + REQUEST_TIMEOUT_S  # the stream in progress finishes after the test
-        while not all(self.completed[k] > before[k] for k in ("sse", "ws")) and time.monotonic() < deadline:
+        deadline = (
+            time.monotonic() + REQUEST_TIMEOUT_S
+        )  # the stream in progress finishes after the test
+        while (
+            not all(self.completed[k] > before[k] for k in ("sse", "ws"))
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.01)
         assert all(self.completed[k] > before[k] for k in ("sse", "ws")), (before, self.completed)
 
@@ -334,15 +355,55 @@ def ws_problem(ws: ClientConnection) -> tuple[str, str | None]:
 
 # ---------------------------------------------------------------------- strategies
 
-HUGE_INTS = [2**31 - 1, 2**31, 2**32, 2**53 + 1, 2**63 - 1, 2**63, 2**64, -(2**31) - 1, -(2**63), -(2**63) - 1,
-             10**30, -(10**30)]  # fmt: skip
+HUGE_INTS = [
+    2**31 - 1,
+    2**31,
+    2**32,
+    2**53 + 1,
+    2**63 - 1,
+    2**63,
+    2**64,
+    -(2**31) - 1,
+    -(2**63),
+    -(2**63) - 1,
+    10**30,
+    -(10**30),
+]
 FLOAT_EXTREMES = [1e308, -1e308, 5e-324, -0.0, 1e-320, 3.4e38, 2.0**64]
-NOT_NUMBERS = ["NaN", "nan", "inf", "-inf", "Infinity", "-Infinity", "1e999", "0x10", "1_000", "", " 1"]
+NOT_NUMBERS = [
+    "NaN",
+    "nan",
+    "inf",
+    "-inf",
+    "Infinity",
+    "-Infinity",
+    "1e999",
+    "0x10",
+    "1_000",
+    "",
+    " 1",
+]
 # Lone UTF-16 halves: valid JSON escapes (json.dumps writes them so), no valid UTF-8 once decoded.
 SURROGATES = ["\ud800", "a\udfffb", "\udbff", "x\udc00y"]
-ODD_TEXT = ["\x00", "\u202e", "\ufeff", "ß" * 10, "🙂" * 10, "\n" * 100, "\\", "</s>", "<|im_start|>", "{{x}}"]
-BIG_VALUES = ["x" * 200_000, ["x"] * 20_000, list(range(50_000)), {f"k{i}": i for i in range(5_000)},
-              [{"role": "user", "content": "a"}] * 5_000]  # fmt: skip
+ODD_TEXT = [
+    "\x00",
+    "\u202e",
+    "\ufeff",
+    "ß" * 10,
+    "🙂" * 10,
+    "\n" * 100,
+    "\\",
+    "</s>",
+    "<|im_start|>",
+    "{{x}}",
+]
+BIG_VALUES = [
+    "x" * 200_000,
+    ["x"] * 20_000,
+    list(range(50_000)),
+    {f"k{i}": i for i in range(5_000)},
+    [{"role": "user", "content": "a"}] * 5_000,
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -380,15 +441,25 @@ def to_json_bytes(value: Any) -> bytes:
 
 
 scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False, allow_infinity=False),
-    st.text(max_size=24), st.sampled_from(HUGE_INTS + FLOAT_EXTREMES + NOT_NUMBERS + SURROGATES + ODD_TEXT),
-)  # fmt: skip
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=24),
+    st.sampled_from(HUGE_INTS + FLOAT_EXTREMES + NOT_NUMBERS + SURROGATES + ODD_TEXT),
+)
 json_values = st.recursive(
-    scalars, lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4),
+    scalars,
+    lambda kids: (
+        st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4)
+    ),
     max_leaves=10,
-)  # fmt: skip
-token_lists = st.lists(st.sampled_from([-1, 0, 1, VOCAB - 1, VOCAB, 2**31, 2**32, 2**63, 2**64, -(2**63), True, 1.5]),
-                       min_size=1, max_size=6)  # fmt: skip
+)
+token_lists = st.lists(
+    st.sampled_from([-1, 0, 1, VOCAB - 1, VOCAB, 2**31, 2**32, 2**63, 2**64, -(2**63), True, 1.5]),
+    min_size=1,
+    max_size=6,
+)
 deep_values = st.builds(Deep, st.integers(10, 50_000), st.sampled_from(["[", "{"]))
 big_values = st.sampled_from(BIG_VALUES)
 
@@ -400,30 +471,59 @@ def minimal_tools(n: int, name: str = "f{i}") -> list[dict[str, Any]]:
 tool_lists = st.one_of(
     st.integers(0, 300).map(minimal_tools),
     st.integers(2, 50).map(lambda n: minimal_tools(n, name="same")),  # duplicate names
-    st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
-        {"name": st.text(max_size=80), "parameters": json_values | deep_values})}), max_size=5),
-)  # fmt: skip
+    st.lists(
+        st.fixed_dictionaries(
+            {
+                "type": st.just("function"),
+                "function": st.fixed_dictionaries(
+                    {"name": st.text(max_size=80), "parameters": json_values | deep_values}
+                ),
+            }
+        ),
+        max_size=5,
+    ),
+)
 bad_values = st.one_of(json_values, token_lists, deep_values, big_values, tool_lists)
 
-messages = st.lists(st.fixed_dictionaries(
-    {"role": st.sampled_from(["user", "system", "assistant", "developer", "tool", "wizard"]),
-     "content": st.text(max_size=12) | st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]),
-                                                                         "text": st.text(max_size=8)}), max_size=3)}),
-    min_size=1, max_size=4)  # fmt: skip
+messages = st.lists(
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "system", "assistant", "developer", "tool", "wizard"]),
+            "content": st.text(max_size=12)
+            | st.lists(
+                st.fixed_dictionaries(
+                    {"type": st.sampled_from(["text", "image_url"]), "text": st.text(max_size=8)}
+                ),
+                max_size=3,
+            ),
+        }
+    ),
+    min_size=1,
+    max_size=4,
+)
 
 
 def sampling_fields() -> dict[str, st.SearchStrategy]:
     """Valid-looking optional sampling fields; mutations break them."""
     return {
-        "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1), "top_k": st.integers(-1, 100),
-        "min_p": st.floats(0, 1), "n": st.integers(1, 3), "seed": st.integers(0, 2**63 - 1),
-        "stop": st.text(min_size=1, max_size=4) | st.lists(st.text(min_size=1, max_size=4), max_size=3),
-        "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
-        "repetition_penalty": st.floats(0.5, 2), "ignore_eos": st.booleans(), "stream": st.booleans(),
-        "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=3), "user": st.text(max_size=8),
+        "temperature": st.floats(0, 2),
+        "top_p": st.floats(0.01, 1),
+        "top_k": st.integers(-1, 100),
+        "min_p": st.floats(0, 1),
+        "n": st.integers(1, 3),
+        "seed": st.integers(0, 2**63 - 1),
+        "stop": st.text(min_size=1, max_size=4)
+        | st.lists(st.text(min_size=1, max_size=4), max_size=3),
+        "presence_penalty": st.floats(-2, 2),
+        "frequency_penalty": st.floats(-2, 2),
+        "repetition_penalty": st.floats(0.5, 2),
+        "ignore_eos": st.booleans(),
+        "stream": st.booleans(),
+        "stop_token_ids": st.lists(st.integers(0, VOCAB - 1), max_size=3),
+        "user": st.text(max_size=8),
         "guided_choice": st.lists(st.text(min_size=1, max_size=4), min_size=1, max_size=3),
         "model": st.sampled_from([MODEL, "gpt-4", "", "\ud800"]),
-    }  # fmt: skip
+    }
 
 
 def field_names(model: type) -> list[str]:
@@ -435,10 +535,14 @@ def mutated(base: st.SearchStrategy, fields: list[str]) -> st.SearchStrategy:
     field, a field removed, or the whole body replaced by a non-object."""
     mutation = st.one_of(
         st.tuples(st.just("set"), st.sampled_from(fields), bad_values),
-        st.tuples(st.just("set"), st.text(min_size=1, max_size=20) | st.sampled_from(SURROGATES), json_values),
+        st.tuples(
+            st.just("set"),
+            st.text(min_size=1, max_size=20) | st.sampled_from(SURROGATES),
+            json_values,
+        ),
         st.tuples(st.just("del"), st.sampled_from(fields), st.none()),
         st.tuples(st.just("replace"), st.none(), json_values | deep_values | big_values),
-    )  # fmt: skip
+    )
 
     def apply(args: tuple[dict[str, Any], list[tuple[str, Any, Any]]]) -> Any:
         body: Any = dict(args[0])
@@ -454,23 +558,48 @@ def mutated(base: st.SearchStrategy, fields: list[str]) -> st.SearchStrategy:
     return st.tuples(base, st.lists(mutation, max_size=3)).map(apply)
 
 
-RAW_BODIES = [b"", b" ", b"\xff\xfe", b"\xc3\x28", b"{", b'{"prompt": "x",', b"null", b"1", b'"s"', b"[]", b"{}",
-              b"[" * 100_000, b'{"prompt": NaN}', b'{"prompt": "ab", "max_tokens": 1e999}',
-              b'{"prompt": "ab", "prompt": "cd"}', b'\xef\xbb\xbf{"prompt": "ab"}',
-              '{"prompt": "ab"}'.encode("utf-16"), b'{"prompt": "\\ud800"}', b'{"prompt": "ab"}\x00',
-              b"x" * (DEFAULT_MAX_BODY_BYTES + 1)]  # fmt: skip
+RAW_BODIES = [
+    b"",
+    b" ",
+    b"\xff\xfe",
+    b"\xc3\x28",
+    b"{",
+    b'{"prompt": "x",',
+    b"null",
+    b"1",
+    b'"s"',
+    b"[]",
+    b"{}",
+    b"[" * 100_000,
+    b'{"prompt": NaN}',
+    b'{"prompt": "ab", "max_tokens": 1e999}',
+    b'{"prompt": "ab", "prompt": "cd"}',
+    b'\xef\xbb\xbf{"prompt": "ab"}',
+    '{"prompt": "ab"}'.encode("utf-16"),
+    b'{"prompt": "\\ud800"}',
+    b'{"prompt": "ab"}\x00',
+    b"x" * (DEFAULT_MAX_BODY_BYTES + 1),
+]
 raw_bodies = st.sampled_from(RAW_BODIES) | st.binary(max_size=64)
 
 BAD_HEADERS = [
-    {**AUTH, "Content-Type": "text/plain"}, {**AUTH, "Content-Type": "application/x-www-form-urlencoded"},
-    {**AUTH, "Content-Type": "multipart/form-data; boundary=x"}, {**AUTH, "Content-Type": "application/jsonx"},
-    {**AUTH, "Content-Type": ""}, AUTH,
-    {"Content-Type": "application/json"}, {"Content-Type": "application/json", "Authorization": "Bearer nope"},
+    {**AUTH, "Content-Type": "text/plain"},
+    {**AUTH, "Content-Type": "application/x-www-form-urlencoded"},
+    {**AUTH, "Content-Type": "multipart/form-data; boundary=x"},
+    {**AUTH, "Content-Type": "application/jsonx"},
+    {**AUTH, "Content-Type": ""},
+    AUTH,
+    {"Content-Type": "application/json"},
+    {"Content-Type": "application/json", "Authorization": "Bearer nope"},
     {"Content-Type": "application/json", "Authorization": f"Basic {API_KEY}"},
-]  # fmt: skip
+]
 # Mostly well-formed headers (three branches in four), so most inputs reach the body's checks.
-headers = st.one_of(st.just(JSON_HEADERS), st.just(JSON_HEADERS),
-                    st.just({**AUTH, "Content-Type": "application/json; charset=utf-8"}), st.sampled_from(BAD_HEADERS))
+headers = st.one_of(
+    st.just(JSON_HEADERS),
+    st.just(JSON_HEADERS),
+    st.just({**AUTH, "Content-Type": "application/json; charset=utf-8"}),
+    st.sampled_from(BAD_HEADERS),
+)
 
 
 def http_cases(path: str, base: st.SearchStrategy, fields: list[str]) -> st.SearchStrategy:
@@ -480,47 +609,82 @@ def http_cases(path: str, base: st.SearchStrategy, fields: list[str]) -> st.Sear
 
 
 completion_base = st.fixed_dictionaries(
-    {"prompt": st.sampled_from(["ab", "hello", "x"]) | st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=4),
-     "max_tokens": st.integers(1, 8)},
-    optional={**sampling_fields(), "logprobs": st.integers(0, 5), "echo": st.booleans(), "best_of": st.integers(1, 3)},
-)  # fmt: skip
+    {
+        "prompt": st.sampled_from(["ab", "hello", "x"])
+        | st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=4),
+        "max_tokens": st.integers(1, 8),
+    },
+    optional={
+        **sampling_fields(),
+        "logprobs": st.integers(0, 5),
+        "echo": st.booleans(),
+        "best_of": st.integers(1, 3),
+    },
+)
 chat_base = st.fixed_dictionaries(
-    {"messages": st.just([{"role": "user", "content": "hi"}]) | messages, "max_tokens": st.integers(1, 8)},
-    optional={**sampling_fields(), "logprobs": st.booleans(), "top_logprobs": st.integers(0, 5),
-              "tools": tool_lists, "tool_choice": st.sampled_from(["auto", "none", "required"]),
-              "parallel_tool_calls": st.booleans(),
-              "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}])},
-)  # fmt: skip
+    {
+        "messages": st.just([{"role": "user", "content": "hi"}]) | messages,
+        "max_tokens": st.integers(1, 8),
+    },
+    optional={
+        **sampling_fields(),
+        "logprobs": st.booleans(),
+        "top_logprobs": st.integers(0, 5),
+        "tools": tool_lists,
+        "tool_choice": st.sampled_from(["auto", "none", "required"]),
+        "parallel_tool_calls": st.booleans(),
+        "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+    },
+)
 stream_base = st.one_of(
-    st.fixed_dictionaries({"prompt": st.sampled_from(["ab", "hello"]), "max_tokens": st.integers(1, 8)},
-                          optional={**sampling_fields(), "logprobs": st.integers(0, 5)}),
-    st.fixed_dictionaries({"messages": st.just([{"role": "user", "content": "hi"}]) | messages,
-                           "max_tokens": st.integers(1, 8)}, optional={"temperature": st.floats(0, 2)}),
-)  # fmt: skip
+    st.fixed_dictionaries(
+        {"prompt": st.sampled_from(["ab", "hello"]), "max_tokens": st.integers(1, 8)},
+        optional={**sampling_fields(), "logprobs": st.integers(0, 5)},
+    ),
+    st.fixed_dictionaries(
+        {
+            "messages": st.just([{"role": "user", "content": "hi"}]) | messages,
+            "max_tokens": st.integers(1, 8),
+        },
+        optional={"temperature": st.floats(0, 2)},
+    ),
+)
 
 
 # ---------------------------------------------------------------------- the fuzz tests
 
 
-def fuzz_http(live: LiveServer, tally: Tally, path: str, case: tuple[dict[str, str], bytes], problems: list[str]) -> None:
+def fuzz_http(
+    live: LiveServer,
+    tally: Tally,
+    path: str,
+    case: tuple[dict[str, str], bytes],
+    problems: list[str],
+) -> None:
     """Send one fuzz case; a wrong answer (or none) is added to `problems`."""
     headers, body = case
     key = f"http {path} {sorted(headers.items())}"
     try:
-        r = httpx.post(f"{live.url}{path}", content=body, headers=headers, timeout=REQUEST_TIMEOUT_S)
+        r = httpx.post(
+            f"{live.url}{path}", content=body, headers=headers, timeout=REQUEST_TIMEOUT_S
+        )
         problem, answer = http_problem(r), str(r.status_code)
     except httpx.HTTPError as e:
         problem, answer = f"no answer: {type(e).__name__}: {e}", "none"
     tally.record(key, body, answer)
     if problem is not None:
-        problems.append(f"POST {path} headers={headers} body={body[:300]!r}{'...' if len(body) > 300 else ''}\n"
-                        f"    -> {problem}")  # fmt: skip
+        problems.append(
+            f"POST {path} headers={headers} body={body[:300]!r}{'...' if len(body) > 300 else ''}\n"
+            f"    -> {problem}"
+        )
 
 
 # Always tried first (Hypothesis' explicit examples): inputs that once broke the server.
 KNOWN_BAD = {
     COMPLETIONS: b'{"prompt": "\\ud800", "max_tokens": 2}',
-    CHAT: to_json_bytes({"messages": [{"role": "user", "content": "hi"}], "tools": minimal_tools(300)}),
+    CHAT: to_json_bytes(
+        {"messages": [{"role": "user", "content": "hi"}], "tools": minimal_tools(300)}
+    ),
     "ws": b'{"prompt": "\\ud800", "max_tokens": 2}',
 }
 
@@ -530,10 +694,17 @@ def report(problems: list[str]) -> str:
     return f"{len(distinct)} bad answers:\n" + "\n".join(distinct[:25])
 
 
-@pytest.mark.parametrize("path, base, model", [
-    (COMPLETIONS, completion_base, CompletionRequest), (CHAT, chat_base, ChatCompletionRequest),
-], ids=["completions", "chat"])  # fmt: skip
-def test_http_fuzz_gets_json_4xx_or_valid_200_while_good_streams_complete(live, good, tally, path, base, model):
+@pytest.mark.parametrize(
+    "path, base, model",
+    [
+        (COMPLETIONS, completion_base, CompletionRequest),
+        (CHAT, chat_base, ChatCompletionRequest),
+    ],
+    ids=["completions", "chat"],
+)
+def test_http_fuzz_gets_json_4xx_or_valid_200_while_good_streams_complete(
+    live, good, tally, path, base, model
+):
     before, problems = good.snapshot(), []
 
     @FUZZ_SETTINGS
@@ -549,11 +720,15 @@ def test_http_fuzz_gets_json_4xx_or_valid_200_while_good_streams_complete(live, 
 
 def ws_frames() -> st.SearchStrategy:
     """A text frame (a mutated request, as JSON) or bytes for a binary frame."""
-    text = mutated(stream_base, field_names(StreamRequest)).map(lambda v: to_json_bytes(v).decode("ascii"))
+    text = mutated(stream_base, field_names(StreamRequest)).map(
+        lambda v: to_json_bytes(v).decode("ascii")
+    )
     return text | raw_bodies.filter(lambda b: len(b) <= DEFAULT_MAX_BODY_BYTES)
 
 
-def test_websocket_fuzz_gets_error_messages_or_valid_streams_while_good_streams_complete(live, good, tally):
+def test_websocket_fuzz_gets_error_messages_or_valid_streams_while_good_streams_complete(
+    live, good, tally
+):
     before, problems = good.snapshot(), []
     sockets: list[ClientConnection] = []
 
@@ -592,20 +767,36 @@ def test_websocket_fuzz_gets_error_messages_or_valid_streams_while_good_streams_
 # ---------------------------------------------------------------------- what issue 33 names, exactly
 
 OUT_OF_RANGE = [
-    (COMPLETIONS, "top_k", 2**31), (COMPLETIONS, "top_k", 2**32), (COMPLETIONS, "top_k", 2**63),
-    (COMPLETIONS, "seed", 2**63), (COMPLETIONS, "seed", 2**64), (COMPLETIONS, "seed", -(2**63)),
-    (COMPLETIONS, "n", 2**32), (COMPLETIONS, "logprobs", 2**32), (COMPLETIONS, "logprobs", -(2**63)),
-    (COMPLETIONS, "max_tokens", 2**63), (COMPLETIONS, "max_tokens", -(2**63)),
-    (COMPLETIONS, "presence_penalty", 1e308), (COMPLETIONS, "frequency_penalty", -1e308),
-    (COMPLETIONS, "stop_token_ids", [2**63]), (COMPLETIONS, "stop_token_ids", [2**64]),
+    (COMPLETIONS, "top_k", 2**31),
+    (COMPLETIONS, "top_k", 2**32),
+    (COMPLETIONS, "top_k", 2**63),
+    (COMPLETIONS, "seed", 2**63),
+    (COMPLETIONS, "seed", 2**64),
+    (COMPLETIONS, "seed", -(2**63)),
+    (COMPLETIONS, "n", 2**32),
+    (COMPLETIONS, "logprobs", 2**32),
+    (COMPLETIONS, "logprobs", -(2**63)),
+    (COMPLETIONS, "max_tokens", 2**63),
+    (COMPLETIONS, "max_tokens", -(2**63)),
+    (COMPLETIONS, "presence_penalty", 1e308),
+    (COMPLETIONS, "frequency_penalty", -1e308),
+    (COMPLETIONS, "stop_token_ids", [2**63]),
+    (COMPLETIONS, "stop_token_ids", [2**64]),
     (COMPLETIONS, "logit_bias", {"1": 1e308}),
-    (CHAT, "top_k", 2**32), (CHAT, "seed", 2**63), (CHAT, "top_logprobs", 2**32),
-    (CHAT, "max_completion_tokens", 2**63), (CHAT, "n", 2**63),
-]  # fmt: skip
+    (CHAT, "top_k", 2**32),
+    (CHAT, "seed", 2**63),
+    (CHAT, "top_logprobs", 2**32),
+    (CHAT, "max_completion_tokens", 2**63),
+    (CHAT, "n", 2**63),
+]
 
 
 def body_for(path: str, **fields: Any) -> dict[str, Any]:
-    base = {"prompt": "ab"} if path == COMPLETIONS else {"messages": [{"role": "user", "content": "hi"}]}
+    base = (
+        {"prompt": "ab"}
+        if path == COMPLETIONS
+        else {"messages": [{"role": "user", "content": "hi"}]}
+    )
     if path == CHAT and "top_logprobs" in fields:
         base["logprobs"] = True
     return {**base, "max_tokens": 4, **fields}
@@ -625,9 +816,13 @@ OUT_OF_RANGE_IDS = [f"{'chat' if p == CHAT else 'completions'}-{f}={v}" for p, f
 def test_out_of_range_numbers_are_400_naming_the_field(live, good, tally, path, field, value):
     before = good.snapshot()
     body = to_json_bytes(body_for(path, **{field: value}))
-    r = httpx.post(f"{live.url}{path}", content=body, headers=JSON_HEADERS, timeout=REQUEST_TIMEOUT_S)
+    r = httpx.post(
+        f"{live.url}{path}", content=body, headers=JSON_HEADERS, timeout=REQUEST_TIMEOUT_S
+    )
     tally.record(f"http {path} strict", body, str(r.status_code))
-    assert_400_naming(r, field, *(["max_tokens"] if field == "max_completion_tokens" else []))  # its older name
+    assert_400_naming(
+        r, field, *(["max_tokens"] if field == "max_completion_tokens" else [])
+    )  # its older name
     good.check_since(before)
 
 
@@ -647,7 +842,9 @@ def test_out_of_range_top_k_on_the_websocket_is_an_error_naming_it(live, good, t
 def test_token_id_prompts_out_of_the_vocabulary_are_400(live, good, tally, prompt):
     before = good.snapshot()
     body = to_json_bytes({"prompt": prompt, "max_tokens": 2})
-    r = httpx.post(f"{live.url}{COMPLETIONS}", content=body, headers=JSON_HEADERS, timeout=REQUEST_TIMEOUT_S)
+    r = httpx.post(
+        f"{live.url}{COMPLETIONS}", content=body, headers=JSON_HEADERS, timeout=REQUEST_TIMEOUT_S
+    )
     tally.record("http strict", body, str(r.status_code))
     assert_400_naming(r, "prompt")
     good.check_since(before)
@@ -655,7 +852,9 @@ def test_token_id_prompts_out_of_the_vocabulary_are_400(live, good, tally, promp
 
 def test_too_many_tools_is_400(live, good, tally):
     body = to_json_bytes(body_for(CHAT, tools=minimal_tools(MAX_TOOLS + 1)))
-    r = httpx.post(f"{live.url}{CHAT}", content=body, headers=JSON_HEADERS, timeout=REQUEST_TIMEOUT_S)
+    r = httpx.post(
+        f"{live.url}{CHAT}", content=body, headers=JSON_HEADERS, timeout=REQUEST_TIMEOUT_S
+    )
     tally.record("http strict", body, str(r.status_code))
     assert_400_naming(r, "tools")
 
@@ -669,7 +868,9 @@ def test_tool_bomb_is_400_while_health_keeps_answering(live, good, tally):
     answer: dict[str, httpx.Response] = {}
 
     def bomb() -> None:
-        answer["r"] = httpx.post(f"{live.url}{CHAT}", content=body, headers=JSON_HEADERS, timeout=60)
+        answer["r"] = httpx.post(
+            f"{live.url}{CHAT}", content=body, headers=JSON_HEADERS, timeout=60
+        )
 
     thread = threading.Thread(target=bomb)
     health = []
@@ -682,21 +883,33 @@ def test_tool_bomb_is_400_while_health_keeps_answering(live, good, tally):
         thread.join()
     tally.record("http strict", body, str(answer["r"].status_code))
     assert_400_naming(answer["r"], "tools")
-    assert max(health) < HEALTH_WORST_BOUND_S, f"/health took up to {max(health):.2f} s during a tool bomb"
+    assert max(health) < HEALTH_WORST_BOUND_S, (
+        f"/health took up to {max(health):.2f} s during a tool bomb"
+    )
     good.check_since(before)
 
 
-@pytest.mark.parametrize("path, body, param", [
-    (COMPLETIONS, {"prompt": "\ud800", "max_tokens": 2}, "prompt"),
-    (COMPLETIONS, {"prompt": ["a\udfffb"], "max_tokens": 2}, "prompt"),
-    (CHAT, {"messages": [{"role": "user", "content": "x\udc00y"}], "max_tokens": 2}, "messages"),
-], ids=["prompt", "prompt-list", "chat"])  # fmt: skip
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        (COMPLETIONS, {"prompt": "\ud800", "max_tokens": 2}, "prompt"),
+        (COMPLETIONS, {"prompt": ["a\udfffb"], "max_tokens": 2}, "prompt"),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": "x\udc00y"}], "max_tokens": 2},
+            "messages",
+        ),
+    ],
+    ids=["prompt", "prompt-list", "chat"],
+)
 def test_text_with_lone_surrogates_is_400(live, good, tally, path, body, param):
     """A lone UTF-16 half is a legal JSON escape but not Unicode text: tokenizers refuse it, and
     the client hears why (a 400), not a 500."""
     before = good.snapshot()
     raw = to_json_bytes(body)
-    r = httpx.post(f"{live.url}{path}", content=raw, headers=JSON_HEADERS, timeout=REQUEST_TIMEOUT_S)
+    r = httpx.post(
+        f"{live.url}{path}", content=raw, headers=JSON_HEADERS, timeout=REQUEST_TIMEOUT_S
+    )
     tally.record("http strict", raw, str(r.status_code))
     assert_400_naming(r, param)
     good.check_since(before)

@@ -24,8 +24,16 @@ def ids(seed: int, n: int) -> list[int]:
 
 
 def make_llm(path, async_scheduling: bool) -> LLM:
-    return LLM(str(path), max_num_seqs=6, max_model_len=160, page_size=8, num_pages=NUM_PAGES,
-               max_num_batched_tokens=32, async_scheduling=async_scheduling, use_tqdm=False)  # fmt: skip
+    return LLM(
+        str(path),
+        max_num_seqs=6,
+        max_model_len=160,
+        page_size=8,
+        num_pages=NUM_PAGES,
+        max_num_batched_tokens=32,
+        async_scheduling=async_scheduling,
+        use_tqdm=False,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -36,19 +44,43 @@ def engines(tiny_model_with_tokenizer):
 SHARED = ids(1, 20)  # a prefix several prompts share (prefix-cache hits)
 WORKLOAD = [
     (SHARED + ids(2, 5), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)),
-    (SHARED + ids(3, 9), SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=5, max_tokens=25, ignore_eos=True)),
+    (
+        SHARED + ids(3, 9),
+        SamplingParams(
+            temperature=0.8, top_p=0.9, top_k=20, seed=5, max_tokens=25, ignore_eos=True
+        ),
+    ),
     (ids(4, 50), SamplingParams(temperature=1.0, n=2, seed=9, max_tokens=20, ignore_eos=True)),
-    (ids(5, 12), SamplingParams(temperature=0.7, seed=3, repetition_penalty=1.3, presence_penalty=0.5,
-                                frequency_penalty=0.4, max_tokens=28, ignore_eos=True)),  # fmt: skip
+    (
+        ids(5, 12),
+        SamplingParams(
+            temperature=0.7,
+            seed=3,
+            repetition_penalty=1.3,
+            presence_penalty=0.5,
+            frequency_penalty=0.4,
+            max_tokens=28,
+            ignore_eos=True,
+        ),
+    ),
     (ids(6, 7), SamplingParams(temperature=0.0, logprobs=2, max_tokens=15, ignore_eos=True)),
-    (SHARED + ids(7, 3), SamplingParams(temperature=1.0, seed=11, stop_token_ids=list(range(3, 40)), max_tokens=40)),
-    (ids(8, 30), SamplingParams(temperature=1.0, seed=2, stop=["w5", "w6", "w7", "w8"], max_tokens=40)),
+    (
+        SHARED + ids(7, 3),
+        SamplingParams(temperature=1.0, seed=11, stop_token_ids=list(range(3, 40)), max_tokens=40),
+    ),
+    (
+        ids(8, 30),
+        SamplingParams(temperature=1.0, seed=2, stop=["w5", "w6", "w7", "w8"], max_tokens=40),
+    ),
     (ids(9, 64), SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)),
 ]
 
 
 def summary(outputs):
-    return [[(o.token_ids, o.text, o.finish_reason, o.stop_reason, o.logprobs) for o in out.outputs] for out in outputs]
+    return [
+        [(o.token_ids, o.text, o.finish_reason, o.stop_reason, o.logprobs) for o in out.outputs]
+        for out in outputs
+    ]
 
 
 def test_async_outputs_equal_sync(engines):
@@ -83,7 +115,9 @@ def test_async_outputs_equal_sync(engines):
 def test_streamed_outputs_never_show_placeholders(engines):
     fast, _ = engines
     engine = fast.engine
-    engine.add_request(ids(12, 10), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), request_id="s")
+    engine.add_request(
+        ids(12, 10), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), request_id="s"
+    )
     seen = []
     while engine.has_unfinished():
         seen += [o.outputs[0].token_ids for o in engine.step() if o.request_id == "s"]
@@ -101,7 +135,10 @@ def test_step_failing_while_running_fails_only_its_suspects(engines, monkeypatch
 
     def run(batch):
         pending = real_run(batch)
-        if any(MARK in seq.prompt_token_ids for seq in batch.seqs[batch.num_decodes :]) and not failed:
+        if (
+            any(MARK in seq.prompt_token_ids for seq in batch.seqs[batch.num_decodes :])
+            and not failed
+        ):
             failed.append({s.request_id for s in batch.seqs})
 
             def fetch():
@@ -121,5 +158,8 @@ def test_step_failing_while_running_fails_only_its_suspects(engines, monkeypatch
     assert failed and {a, b, "bad"} <= failed[0]
     assert "injected failure while running" in done["bad"].error
     assert done[a].error is None and done[b].error is None
-    assert [done[a].outputs[0].token_ids, done[b].outputs[0].token_ids] == expected  # recomputed, not lost
+    assert [
+        done[a].outputs[0].token_ids,
+        done[b].outputs[0].token_ids,
+    ] == expected  # recomputed, not lost
     assert engine.block_manager.num_free_pages == NUM_PAGES - 1

@@ -22,17 +22,23 @@ L, NUM_PAGES, KVH, G, HD, PS = 2, 96, 2, 3, 16, 4
 SPECS = [(5, 1), (0, 1), (17, 1), (0, 7), (9, 30), (3, 1), (140, 70), (0, 2), (64, 1)]
 
 
-def naive_attention(q, k_new, v_new, k_cache, v_cache, layer, specs, chunks, scale=HD**-0.5, softcap=None, window=0):
+def naive_attention(
+    q, k_new, v_new, k_cache, v_cache, layer, specs, chunks, scale=HD**-0.5, softcap=None, window=0
+):
     """Per token and head: softmax over its keys, at scale `scale`, scores soft-capped by `softcap`,
     only the keys at the `window` latest cache indices (itself included) when `window` > 0."""
     out = np.zeros_like(q)
     t = 0
     for (context, n), chunk in zip(specs, chunks):
         pages = np.asarray(chunk.pages)
-        k_past = np.concatenate([k_cache[layer, p].transpose(0, 2, 1) for p in pages], axis=1)[:, :context]
+        k_past = np.concatenate([k_cache[layer, p].transpose(0, 2, 1) for p in pages], axis=1)[
+            :, :context
+        ]
         v_past = np.concatenate([v_cache[layer, p] for p in pages], axis=1)[:, :context]
         for i in range(n):
-            keys = np.concatenate([k_past, k_new[t : t + i + 1].transpose(1, 0, 2)], axis=1)  # [KVH, c+i+1, hd]
+            keys = np.concatenate(
+                [k_past, k_new[t : t + i + 1].transpose(1, 0, 2)], axis=1
+            )  # [KVH, c+i+1, hd]
             values = np.concatenate([v_past, v_new[t : t + i + 1].transpose(1, 0, 2)], axis=1)
             for h in range(KVH * G):
                 s = keys[h // G] @ q[t + i, h] * scale
@@ -54,9 +60,15 @@ def random_cache(rng, page_dtype: str) -> tuple[KVCache, np.ndarray, np.ndarray]
         return KVCache(jnp.asarray(k_cache), jnp.asarray(v_cache)), k_cache, v_cache
     k_q = rng.integers(-127, 128, (L, NUM_PAGES, KVH, HD, PS)).astype(np.int8)
     v_q = rng.integers(-127, 128, (L, NUM_PAGES, KVH, PS, HD)).astype(np.int8)
-    k_scale, v_scale = (rng.uniform(0.002, 0.02, (L, NUM_PAGES, KVH, PS)).astype(np.float32) for _ in range(2))
+    k_scale, v_scale = (
+        rng.uniform(0.002, 0.02, (L, NUM_PAGES, KVH, PS)).astype(np.float32) for _ in range(2)
+    )
     cache = KVCache(*map(jnp.asarray, (k_q, v_q, k_scale, v_scale)))
-    return cache, k_q.astype(np.float32) * k_scale[:, :, :, None, :], v_q.astype(np.float32) * v_scale[..., None]
+    return (
+        cache,
+        k_q.astype(np.float32) * k_scale[:, :, :, None, :],
+        v_q.astype(np.float32) * v_scale[..., None],
+    )
 
 
 def round_as_int8(x: np.ndarray) -> np.ndarray:
@@ -91,14 +103,20 @@ def test_ragged_attention_matches_per_token_softmax(impl, page_dtype):
     real = sum(n for _, n in SPECS)
     for layer in range(L):
         got = np.asarray(attend(q, k_new, v_new, cache, jnp.int32(layer), batch))
-        stored = (lambda x: x) if page_dtype == "float32" else round_as_int8  # how the cache keeps new K/V
-        want = naive_attention(q, stored(k_new), stored(v_new), k_cache, v_cache, layer, SPECS, chunks)
+        stored = (
+            (lambda x: x) if page_dtype == "float32" else round_as_int8
+        )  # how the cache keeps new K/V
+        want = naive_attention(
+            q, stored(k_new), stored(v_new), k_cache, v_cache, layer, SPECS, chunks
+        )
         np.testing.assert_allclose(got[:real], want[:real], atol=2e-5, rtol=1e-5)
         assert not np.any(got[real:])  # padding tokens give zeros
 
 
 def test_unknown_attention_implementation_is_a_clear_error():
-    with pytest.raises(ValueError, match="unknown attention implementation 'flash'; available: native, reference"):
+    with pytest.raises(
+        ValueError, match="unknown attention implementation 'flash'; available: native, reference"
+    ):
         get_attention("flash")
 
 
@@ -117,13 +135,26 @@ def test_reference_honours_window_softcap_and_scale(page_dtype, windows):
     @jax.jit
     def attend(q, k_new, v_new, cache, layer, batch):
         window = jnp.asarray(windows, jnp.int32)[layer] if per_layer else windows[0]
-        return ATTENTION["reference"](q, k_new, v_new, cache, layer, batch, scale=scale, softcap=softcap, window=window)
+        return ATTENTION["reference"](
+            q, k_new, v_new, cache, layer, batch, scale=scale, softcap=softcap, window=window
+        )
 
     real = sum(n for _, n in SPECS)
     stored = (lambda x: x) if page_dtype == "float32" else round_as_int8
     for layer in range(L):
         got = np.asarray(attend(q, k_new, v_new, cache, jnp.int32(layer), batch))
-        args = (q, stored(k_new), stored(v_new), k_cache, v_cache, layer, SPECS, chunks, scale, softcap)
+        args = (
+            q,
+            stored(k_new),
+            stored(v_new),
+            k_cache,
+            v_cache,
+            layer,
+            SPECS,
+            chunks,
+            scale,
+            softcap,
+        )
         want = naive_attention(*args, window=windows[layer])
         np.testing.assert_allclose(got[:real], want[:real], atol=2e-5, rtol=1e-5)
         assert not np.any(got[real:])

@@ -16,26 +16,50 @@ from minivllm_jax.engine.block_manager import BlockManager
 from minivllm_jax.engine.sequence import Sequence
 from minivllm_jax.kv_cache import SCRATCH_PAGE, copy_pages, init_kv_cache
 
-CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                  head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=128)  # fmt: skip
+CFG = ModelConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    max_position_embeddings=128,
+)
 
 
-def hf_beams(model, prompt: list[int], k: int, max_tokens: int, length_penalty: float, early_stopping) -> list:
+def hf_beams(
+    model, prompt: list[int], k: int, max_tokens: int, length_penalty: float, early_stopping
+) -> list:
     """HF's k hypotheses, best first, each as (prompt + generated tokens, score)."""
     import torch
 
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), num_beams=k, num_return_sequences=k, do_sample=False,
-                             max_new_tokens=max_tokens, length_penalty=length_penalty, early_stopping=early_stopping,
-                             return_dict_in_generate=True, output_scores=True)  # fmt: skip
+        out = model.generate(
+            torch.tensor([prompt]),
+            num_beams=k,
+            num_return_sequences=k,
+            do_sample=False,
+            max_new_tokens=max_tokens,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
     lengths = (out.beam_indices != -1).sum(-1).tolist()  # the rest of each row is padding
-    return [(seq[: len(prompt) + n].tolist(), float(score))
-            for seq, n, score in zip(out.sequences, lengths, out.sequences_scores)]  # fmt: skip
+    return [
+        (seq[: len(prompt) + n].tolist(), float(score))
+        for seq, n, score in zip(out.sequences, lengths, out.sequences_scores)
+    ]
 
 
 def assert_same_as_hf(ours, ref) -> None:
     assert [s.tokens for s in ours.sequences] == [tokens for tokens, _ in ref]
-    np.testing.assert_allclose([s.score for s in ours.sequences], [score for _, score in ref], rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(
+        [s.score for s in ours.sequences], [score for _, score in ref], rtol=1e-3, atol=1e-4
+    )
 
 
 def assert_all_pages_free(llm: LLM) -> None:
@@ -47,8 +71,17 @@ def assert_all_pages_free(llm: LLM) -> None:
 # ---------------------------------------------------------------- params, pages, copy-on-write
 
 
-@pytest.mark.parametrize("kwargs", [dict(beam_width=0), dict(beam_width=11), dict(beam_width=2.0), dict(max_tokens=0),
-                                    dict(length_penalty=float("nan")), dict(early_stopping="sometimes")])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(beam_width=0),
+        dict(beam_width=11),
+        dict(beam_width=2.0),
+        dict(max_tokens=0),
+        dict(length_penalty=float("nan")),
+        dict(early_stopping="sometimes"),
+    ],
+)
 def test_bad_params_raise(kwargs):
     with pytest.raises(ValueError):
         BeamSearchParams(**{"beam_width": 2, "max_tokens": 8, **kwargs})
@@ -59,13 +92,18 @@ def test_copy_pages_copies_only_dst_pages():
     cache = init_kv_cache(CFG, 8, 4, jnp.float32, "int8")
     rng = np.random.default_rng(0)
     cache = jax.tree.map(lambda x: jnp.asarray((rng.random(x.shape) * 99).astype(x.dtype)), cache)
-    src, dst = np.array([3, 5, SCRATCH_PAGE]), np.array([6, 2, SCRATCH_PAGE])  # the last pair is padding
+    src, dst = (
+        np.array([3, 5, SCRATCH_PAGE]),
+        np.array([6, 2, SCRATCH_PAGE]),
+    )  # the last pair is padding
     out = jax.jit(copy_pages)(cache, src, dst)
     for before, after in zip(jax.tree.leaves(cache), jax.tree.leaves(out)):
         before, after = np.asarray(before), np.asarray(after)
         np.testing.assert_array_equal(after[:, [6, 2]], before[:, [3, 5]])
         keep = [p for p in range(8) if p not in (6, 2)]
-        np.testing.assert_array_equal(after[:, keep], before[:, keep])  # sources and other pages untouched
+        np.testing.assert_array_equal(
+            after[:, keep], before[:, keep]
+        )  # sources and other pages untouched
 
 
 def test_fork_copy_on_write_shares_full_pages_and_copies_the_partial_one():
@@ -96,11 +134,24 @@ def tiny(tiny_model_with_tokenizer):
     import transformers
 
     path = str(tiny_model_with_tokenizer)
-    llm = LLM(path, max_num_seqs=4, max_model_len=64, page_size=8, num_pages=19, warmup=False, use_tqdm=False)
+    llm = LLM(
+        path,
+        max_num_seqs=4,
+        max_model_len=64,
+        page_size=8,
+        num_pages=19,
+        warmup=False,
+        use_tqdm=False,
+    )
     return llm, transformers.AutoModelForCausalLM.from_pretrained(path).eval()
 
 
-TINY_PROMPTS = [[5, 17, 33, 9, 12], [40, 41, 3, 77, 8, 9, 100, 4, 5, 6, 7], [90, 12], [64, 3, 3, 3, 3, 3, 3, 3, 3]]
+TINY_PROMPTS = [
+    [5, 17, 33, 9, 12],
+    [40, 41, 3, 77, 8, 9, 100, 4, 5, 6, 7],
+    [90, 12],
+    [64, 3, 3, 3, 3, 3, 3, 3, 3],
+]
 
 
 @pytest.mark.parametrize("k, length_penalty, early_stopping", [(3, 1.0, False), (2, 2.0, True)])
@@ -119,15 +170,20 @@ def test_runner_copy_pages_copies_on_the_engine_cache(tiny):
     llm, _ = tiny
     runner = llm.engine.runner
     rng = np.random.default_rng(1)
-    runner.cache = jax.tree.map(lambda x: jnp.asarray(rng.random(x.shape, np.float32)), runner.cache)
+    runner.cache = jax.tree.map(
+        lambda x: jnp.asarray(rng.random(x.shape, np.float32)), runner.cache
+    )
     before = [np.asarray(x) for x in jax.tree.leaves(runner.cache)]
-    src, dst = [1, 2, 3, 4, 5], [6, 7, 8, 9, 10]  # more pairs than one call's arrays hold (max_num_seqs=4)
+    src, dst = (
+        [1, 2, 3, 4, 5],
+        [6, 7, 8, 9, 10],
+    )  # more pairs than one call's arrays hold (max_num_seqs=4)
     runner.copy_pages(src, dst)
     for old, new in zip(before, jax.tree.leaves(runner.cache)):
         new = np.asarray(new)
         np.testing.assert_array_equal(new[:, dst], old[:, src])
         np.testing.assert_array_equal(new[:, 11:], old[:, 11:])
-        np.testing.assert_array_equal(new[:, : 6], old[:, : 6])
+        np.testing.assert_array_equal(new[:, :6], old[:, :6])
     llm.engine.block_manager.clear_cache()  # the prefix cache's pages no longer hold what it thinks
 
 
@@ -143,9 +199,17 @@ def test_refuses_busy_engine_and_bad_prompts(tiny):
         llm.beam_search({"text": "w5 w6"}, BeamSearchParams(2, 4))
     with pytest.raises(ValueError):
         llm.beam_search([[5, 999]], BeamSearchParams(2, 4))  # token id out of the vocab
-    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3), use_tqdm=False)  # may leave a wasted step in flight
-    out = llm.beam_search("w5 w6 w7", BeamSearchParams(2, 4, ignore_eos=True))  # a text prompt, after a generate
-    assert len(out) == 1 and len(out[0].sequences) == 2 and all(len(s.tokens) == 3 + 4 for s in out[0].sequences)
+    llm.generate(
+        [[5, 6, 7]], SamplingParams(max_tokens=3), use_tqdm=False
+    )  # may leave a wasted step in flight
+    out = llm.beam_search(
+        "w5 w6 w7", BeamSearchParams(2, 4, ignore_eos=True)
+    )  # a text prompt, after a generate
+    assert (
+        len(out) == 1
+        and len(out[0].sequences) == 2
+        and all(len(s.tokens) == 3 + 4 for s in out[0].sequences)
+    )
     assert_all_pages_free(llm)
 
 
@@ -166,14 +230,41 @@ def test_prefix_cache_keeps_a_round_to_about_a_page_of_prefill_a_beam(tiny, monk
     engine = llm.engine
     lengths = []
     add_request = engine.add_request
-    monkeypatch.setattr(engine, "add_request", lambda ids, *a, **kw: lengths.append(len(ids)) or add_request(ids, *a, **kw))
+    monkeypatch.setattr(
+        engine,
+        "add_request",
+        lambda ids, *a, **kw: lengths.append(len(ids)) or add_request(ids, *a, **kw),
+    )
     before = engine.num_prompt_tokens
-    prompt = [40, 41, 3, 77, 8, 9, 100, 4, 5, 6, 7, 50, 51, 52, 53, 54, 55, 56, 57, 58]  # 2.5 pages of 8
+    prompt = [
+        40,
+        41,
+        3,
+        77,
+        8,
+        9,
+        100,
+        4,
+        5,
+        6,
+        7,
+        50,
+        51,
+        52,
+        53,
+        54,
+        55,
+        56,
+        57,
+        58,
+    ]  # 2.5 pages of 8
     llm.beam_search([prompt], BeamSearchParams(2, 12, ignore_eos=True))
     prefilled = engine.num_prompt_tokens - before
     page = engine.config.page_size
     assert len(lengths) > 12  # 12 rounds, two beams after the first
-    assert prefilled <= sum(min(n, page) for n in lengths[1:]) + lengths[0]  # the first round computes the prompt
+    assert (
+        prefilled <= sum(min(n, page) for n in lengths[1:]) + lengths[0]
+    )  # the first round computes the prompt
     assert prefilled < sum(lengths) / 2
     assert_all_pages_free(llm)
 
@@ -188,7 +279,10 @@ def test_state_is_engine_free_and_ranks_as_hf():
     state.advance([{2: lp(0.5), 5: lp(0.3), 6: lp(0.1), 7: lp(0.05), 8: lp(0.05)}])
     assert [h[1] for h in state.finished] == [[9, 2]] and state.beams() == [[9, 5], [9, 6]]
     state.advance([{2: lp(0.9), 5: lp(0.1)}, {2: lp(0.9), 6: lp(0.1)}])
-    assert state.done and [h[1] for h in state.finished] == [[9, 5, 2], [9, 2]]  # log(.27) / 2 > log(.5) / 1
+    assert state.done and [h[1] for h in state.finished] == [
+        [9, 5, 2],
+        [9, 2],
+    ]  # log(.27) / 2 > log(.5) / 1
     out = state.hypotheses(lambda ids: " ".join(map(str, ids)), frozenset({2}))
     assert [(s.text, s.finish_reason) for s in out.sequences] == [("5", "stop"), ("", "stop")]
     np.testing.assert_allclose(out.sequences[0].score, (lp(0.3) + lp(0.9)) / 2, rtol=1e-5)
@@ -208,11 +302,14 @@ def smollm2():
 def smollm2_prompts(llm: LLM) -> list[list[int]]:
     """Two plain prompts and a chat one whose beams end with EOS within the limit."""
     chat = llm.apply_chat_template([{"role": "user", "content": "What is 2+2?"}])
-    return [llm.tokenizer.encode(p) for p in ("The capital of France is", "def fibonacci(n):")] + [chat]
+    return [llm.tokenizer.encode(p) for p in ("The capital of France is", "def fibonacci(n):")] + [
+        chat
+    ]
 
 
-def hf_beams_batched(model, prompts: list[list[int]], k: int, max_tokens: int, length_penalty: float,
-                     early_stopping) -> list[list]:  # fmt: skip
+def hf_beams_batched(
+    model, prompts: list[list[int]], k: int, max_tokens: int, length_penalty: float, early_stopping
+) -> list[list]:
     """`hf_beams` of every prompt in one left-padded batch (HF's beam search keeps each prompt's
     beams apart; one call costs about what one prompt does)."""
     import torch
@@ -221,18 +318,31 @@ def hf_beams_batched(model, prompts: list[list[int]], k: int, max_tokens: int, l
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, num_beams=k, num_return_sequences=k, do_sample=False,
-                             max_new_tokens=max_tokens, length_penalty=length_penalty, early_stopping=early_stopping,
-                             return_dict_in_generate=True, output_scores=True)  # fmt: skip
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            num_beams=k,
+            num_return_sequences=k,
+            do_sample=False,
+            max_new_tokens=max_tokens,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
     lengths = (out.beam_indices != -1).sum(-1).tolist()
-    rows = [(p + out.sequences[r, width : width + lengths[r]].tolist(), float(out.sequences_scores[r]))
-            for r, p in enumerate(p for p in prompts for _ in range(k))]  # fmt: skip
+    rows = [
+        (p + out.sequences[r, width : width + lengths[r]].tolist(), float(out.sequences_scores[r]))
+        for r, p in enumerate(p for p in prompts for _ in range(k))
+    ]
     return [rows[i * k : (i + 1) * k] for i in range(len(prompts))]
 
 
 @pytest.mark.requires_smollm2
-@pytest.mark.parametrize("k, length_penalty, early_stopping", [(2, 1.0, False), (4, 1.0, True), (4, 2.0, False),
-                                                               (2, 0.5, "never")])  # fmt: skip
+@pytest.mark.parametrize(
+    "k, length_penalty, early_stopping",
+    [(2, 1.0, False), (4, 1.0, True), (4, 2.0, False), (2, 0.5, "never")],
+)
 def test_smollm2_matches_hf_generate(smollm2, smollm2_hf, k, length_penalty, early_stopping):
     """All k hypotheses of each prompt, in order, token for token; the prompts run together."""
     import torch
@@ -240,10 +350,16 @@ def test_smollm2_matches_hf_generate(smollm2, smollm2_hf, k, length_penalty, ear
     torch.set_num_threads(2)
     prompts = smollm2_prompts(smollm2)
     outs = smollm2.beam_search(prompts, BeamSearchParams(k, 16, length_penalty, early_stopping))
-    for out, ref in zip(outs, hf_beams_batched(smollm2_hf, prompts, k, 16, length_penalty, early_stopping)):
+    for out, ref in zip(
+        outs, hf_beams_batched(smollm2_hf, prompts, k, 16, length_penalty, early_stopping)
+    ):
         assert_same_as_hf(out, ref)
     ended = [s for s in outs[-1].sequences if s.finish_reason == "stop"]
-    assert ended or length_penalty > 1  # the EOS path was taken (a length penalty of 2 favours the long ones)
+    assert (
+        ended or length_penalty > 1
+    )  # the EOS path was taken (a length penalty of 2 favours the long ones)
     for s in ended:
-        assert s.tokens[-1] == 2 and s.text == smollm2.tokenizer.decode(s.tokens[len(prompts[-1]) : -1])
+        assert s.tokens[-1] == 2 and s.text == smollm2.tokenizer.decode(
+            s.tokens[len(prompts[-1]) : -1]
+        )
     assert_all_pages_free(smollm2)

@@ -15,12 +15,20 @@ from pathlib import Path
 
 import pytest
 
-
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = ["--max-num-batched-tokens", "32"]
 SERVER_ARGS = "--max-num-seqs 2 --max-model-len 128 --max-num-batched-tokens 32"
-LATENCY_KEYS = {"completed", "wall_s", "output_tokens", "output_tokens_per_s", "ttft_s", "tpot_s", "itl_s", "e2e_s",
-                "goodput"}  # fmt: skip
+LATENCY_KEYS = {
+    "completed",
+    "wall_s",
+    "output_tokens",
+    "output_tokens_per_s",
+    "ttft_s",
+    "tpot_s",
+    "itl_s",
+    "e2e_s",
+    "goodput",
+}
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +40,9 @@ def _run(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedP
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     cmd = [sys.executable, str(ROOT / "benchmarks" / script), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (
+        f"{script} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
     return proc
 
 
@@ -46,11 +56,24 @@ def _check_level(level: dict, requests: int) -> None:
 
 def test_bench_latency_quick(tiny_model, tmp_path):
     out = tmp_path / "latency.json"
-    proc = _run("bench_latency.py", "--quick", "--model", str(tiny_model), "--concurrency", "1", "2", *ENGINE,
-                "--out", str(out))  # fmt: skip
+    proc = _run(
+        "bench_latency.py",
+        "--quick",
+        "--model",
+        str(tiny_model),
+        "--concurrency",
+        "1",
+        "2",
+        *ENGINE,
+        "--out",
+        str(out),
+    )
     result = json.loads(out.read_text())
     assert out.with_suffix(".png").is_file()
-    assert result["concurrency"] == [1, 2] and {"machine", "timestamp", "workload", "slo"} <= result.keys()
+    assert (
+        result["concurrency"] == [1, 2]
+        and {"machine", "timestamp", "workload", "slo"} <= result.keys()
+    )
     n = result["workload"]["num_prompts"]
     assert result["ours"]["compiles_during_timed"] == 0 and result["ours"]["num_compiles"] > 0
     for side in ("ours", "hf"):
@@ -65,8 +88,20 @@ def test_bench_latency_quick(tiny_model, tmp_path):
 @pytest.mark.slow  # starting a server (load, compile) takes 30-80 s on 2 busy cores
 def test_load_test_launch_quick(tiny_model, tmp_path):
     out = tmp_path / "load.json"
-    _run("load_test.py", "--launch", "--quick", "--model", str(tiny_model), "--server-args", SERVER_ARGS,
-         "--concurrency-sweep", "1", "2", "--out", str(out))  # fmt: skip
+    _run(
+        "load_test.py",
+        "--launch",
+        "--quick",
+        "--model",
+        str(tiny_model),
+        "--server-args",
+        SERVER_ARGS,
+        "--concurrency-sweep",
+        "1",
+        "2",
+        "--out",
+        str(out),
+    )
     report = json.loads(out.read_text())
     assert out.with_suffix(".png").is_file()
     assert report["mode"] == "concurrency-sweep" and report["errors"] == 0
@@ -74,7 +109,9 @@ def test_load_test_launch_quick(tiny_model, tmp_path):
     for level in report["levels"]:
         assert level["errors"] == 0 and level["error_samples"] == []
         _check_level(level, report["workload"]["num_prompts"])
-        assert level["output_tokens"] == report["workload"]["output_tokens"]  # ignore_eos: exact lengths
+        assert (
+            level["output_tokens"] == report["workload"]["output_tokens"]
+        )  # ignore_eos: exact lengths
 
 
 @pytest.mark.slow  # two server starts
@@ -82,16 +119,37 @@ def test_bench_startup_quick(tiny_model, tmp_path):
     """Cold then warm: the warm server loads every program whole (the program cache works
     through the server's start-up path too)."""
     out = tmp_path / "startup.json"
-    _run("bench_startup.py", "--quick", "--model", str(tiny_model), "--server-args", SERVER_ARGS, "--out", str(out),
-         timeout=600)  # fmt: skip
+    _run(
+        "bench_startup.py",
+        "--quick",
+        "--model",
+        str(tiny_model),
+        "--server-args",
+        SERVER_ARGS,
+        "--out",
+        str(out),
+        timeout=600,
+    )
     r = json.loads(out.read_text())
     programs = r["cold"]["compiles_total"]
     assert programs > 0 and r["cold"]["programs_loaded_total"] == 0
-    assert [(x["compiles_total"], x["programs_loaded_total"]) for x in r["warm"]] == [(programs, programs)]
+    assert [(x["compiles_total"], x["programs_loaded_total"]) for x in r["warm"]] == [
+        (programs, programs)
+    ]
     assert r["cold_s"] > 0 and r["warm_s"] > 0
 
 
 def test_load_test_rejects_non_loopback():
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "load_test.py"), "--url", "http://10.0.0.1:8000"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "load_test.py"),
+            "--url",
+            "http://10.0.0.1:8000",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "loopback" in proc.stderr

@@ -8,7 +8,6 @@ import json
 import pytest
 
 
-
 @pytest.fixture(scope="module")
 def tiny_model(tiny_model_with_tokenizer):
     return tiny_model_with_tokenizer
@@ -23,19 +22,45 @@ def test_memory_quick(tiny_model, tmp_path):
     from benchmarks import bench_memory
 
     out = tmp_path / "memory.json"
-    assert bench_memory.main(["--quick", "--no-hf", "--model", str(tiny_model), "--out", str(out)]) == 0
+    assert (
+        bench_memory.main(["--quick", "--no-hf", "--model", str(tiny_model), "--out", str(out)])
+        == 0
+    )
     r = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 0
-    for key in ("params", "kv_pool", "host_rss", "device_memory", "run", "timeline", "fragmentation", "machine"):
+    for key in (
+        "params",
+        "kv_pool",
+        "host_rss",
+        "device_memory",
+        "run",
+        "timeline",
+        "fragmentation",
+        "machine",
+    ):
         assert key in r, key
-    assert r["params"]["bytes"] > 0 and r["kv_pool"]["bytes"] == r["kv_pool"]["num_pages"] * r["kv_pool"]["bytes_per_page"]
+    assert (
+        r["params"]["bytes"] > 0
+        and r["kv_pool"]["bytes"] == r["kv_pool"]["num_pages"] * r["kv_pool"]["bytes_per_page"]
+    )
     assert r["host_rss"]["peak_rss_bytes"] > 0
     assert r["device_memory"]["available"] is False  # tests run on the CPU
-    assert r["timeline"] and {"step", "running", "waiting", "pages_used", "swap_pages", "disk_pages",
-                              "seq_tokens"} <= set(r["timeline"][0])  # fmt: skip
+    assert r["timeline"] and {
+        "step",
+        "running",
+        "waiting",
+        "pages_used",
+        "swap_pages",
+        "disk_pages",
+        "seq_tokens",
+    } <= set(r["timeline"][0])
     tiers = r["tiers"]  # each KV tier: memory, the swap pool, disk, and the prefix hits per tier
     assert tiers["memory_pages_peak"] == r["kv_pool"]["peak_pages_used"] > 0
-    assert tiers["swap_pages_peak"] == 0 and tiers["disk_pages_end"] == 0 and tiers["memory_hit_tokens"] >= 0
+    assert (
+        tiers["swap_pages_peak"] == 0
+        and tiers["disk_pages_end"] == 0
+        and tiers["memory_hit_tokens"] >= 0
+    )
     allocators = {f["allocator"]: f for f in r["fragmentation"]}
     assert any(a.startswith("contiguous-") for a in allocators)
     # The page-16 row is computed from the timeline; it must equal the block manager's real count.
@@ -62,23 +87,49 @@ def test_ablations_quick(tiny_model, tmp_path):
     r = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 0
     names = [row["name"] for row in r["rows"]]
-    for name in ("baseline", "kv-cache-off", "static-batching", "paged-same-kv", "contiguous", "bucket-padding",
-                 "prefix-caching-on", "prefix-caching-off"):  # fmt: skip
+    for name in (
+        "baseline",
+        "kv-cache-off",
+        "static-batching",
+        "paged-same-kv",
+        "contiguous",
+        "bucket-padding",
+        "prefix-caching-on",
+        "prefix-caching-off",
+    ):
         assert name in names, name
-    assert any(n.startswith("chunked-prefill-") for n in names) and any(n.startswith("max-num-seqs-") for n in names)
+    assert any(n.startswith("chunked-prefill-") for n in names) and any(
+        n.startswith("max-num-seqs-") for n in names
+    )
     for row in r["rows"]:
-        assert {"description", "output_tok_s", "total_tok_s", "ttft_p50_s", "padded_token_pct", "metrics"} <= set(row)
+        assert {
+            "description",
+            "output_tok_s",
+            "total_tok_s",
+            "ttft_p50_s",
+            "padded_token_pct",
+            "metrics",
+        } <= set(row)
         assert row["output_tok_s"] > 0 and row["metrics"]["compiles_during_run"] == 0
     rows = {row["name"]: row["metrics"] for row in r["rows"]}
-    assert rows["kv-cache-off"]["tokens_matching_cached_pct"] == 100.0  # greedy recompute = cached decode
-    assert rows["contiguous"]["peak_running"] <= 2  # --quick's KV budget holds 2 max-length sequences
+    assert (
+        rows["kv-cache-off"]["tokens_matching_cached_pct"] == 100.0
+    )  # greedy recompute = cached decode
+    assert (
+        rows["contiguous"]["peak_running"] <= 2
+    )  # --quick's KV budget holds 2 max-length sequences
 
 
 def test_ablations_only_selects_by_prefix(tiny_model, tmp_path):
     from benchmarks import bench_ablations
 
     out = tmp_path / "only.json"
-    bench_ablations.main(["--quick", "--model", str(tiny_model), "--out", str(out), "--only", "chunked-prefill"])
-    assert [row["name"] for row in json.loads(out.read_text())["rows"]] == ["chunked-prefill-16", "chunked-prefill-32"]
+    bench_ablations.main(
+        ["--quick", "--model", str(tiny_model), "--out", str(out), "--only", "chunked-prefill"]
+    )
+    assert [row["name"] for row in json.loads(out.read_text())["rows"]] == [
+        "chunked-prefill-16",
+        "chunked-prefill-32",
+    ]
     with pytest.raises(SystemExit):
         bench_ablations.main(["--quick", "--model", str(tiny_model), "--only", "no-such-ablation"])

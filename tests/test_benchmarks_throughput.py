@@ -33,11 +33,21 @@ def test_throughput_quick(tiny_model, tmp_path):
     assert bench_throughput.main(args) == 0
     r = json.loads(out.read_text())
     assert r["benchmark"] == "offline_throughput" and r["dtypes"] == ["float32"]
-    assert r["workload"]["preset"] == "tiny" and r["output_tokens"] == r["workload"]["output_tokens"] > 0
+    assert (
+        r["workload"]["preset"] == "tiny"
+        and r["output_tokens"] == r["workload"]["output_tokens"] > 0
+    )
     side = r["by_dtype"]["float32"]
     ours, hf = side["ours"], side["hf"]
-    for key in ("startup_s", "warmup_s", "compiled_programs", "elapsed_s", "output_tok_s", "total_tok_s",
-                "usd_per_1m_output_tokens"):  # fmt: skip
+    for key in (
+        "startup_s",
+        "warmup_s",
+        "compiled_programs",
+        "elapsed_s",
+        "output_tok_s",
+        "total_tok_s",
+        "usd_per_1m_output_tokens",
+    ):
         assert _positive(ours[key]), key
     assert ours["compiles_during_run"] == 0
     for key in ("elapsed_s", "output_tok_s", "total_tok_s", "usd_per_1m_output_tokens"):
@@ -52,8 +62,22 @@ def test_throughput_quick(tiny_model, tmp_path):
 
 def test_throughput_without_peer(tiny_model, tmp_path):
     out = tmp_path / "t.json"
-    assert bench_throughput.main(["--quick", "--model", tiny_model, "--hf-batch", "0",
-                                  "--temperature", "0", "--out", str(out)]) == 0  # fmt: skip
+    assert (
+        bench_throughput.main(
+            [
+                "--quick",
+                "--model",
+                tiny_model,
+                "--hf-batch",
+                "0",
+                "--temperature",
+                "0",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     r = json.loads(out.read_text())
     assert "hf" not in r["by_dtype"]["float32"] and r["num_prompts"] == 8
     assert _positive(r["ours"]["output_tok_s"])
@@ -63,21 +87,40 @@ def test_roofline_quick(tiny_model, tmp_path):
     out = tmp_path / "roofline.json"
     assert bench_roofline.main(["--quick", "--model", tiny_model, "--out", str(out)]) == 0
     r = json.loads(out.read_text())
-    for key in ("bound_bandwidth_gb_s", "bound_peak_gflop_s", "param_bytes", "non_embedding_params",
-                "decode_bytes_per_token", "decode_bound_tok_s", "prefill_bound_tok_s", "prefill_step_s"):  # fmt: skip
+    for key in (
+        "bound_bandwidth_gb_s",
+        "bound_peak_gflop_s",
+        "param_bytes",
+        "non_embedding_params",
+        "decode_bytes_per_token",
+        "decode_bound_tok_s",
+        "prefill_bound_tok_s",
+        "prefill_step_s",
+    ):
         assert _positive(r[key]), key
     assert all(_positive(v) for v in r["bandwidth_gb_s"].values())
     assert _positive(r["greedy_stream"]["decode_tok_s"]) and _positive(r["engine"]["decode_tok_s"])
-    assert len(r["points"]) == 3 and all(_positive(p["fraction_of_bound"]) for p in r["points"].values())
+    assert len(r["points"]) == 3 and all(
+        _positive(p["fraction_of_bound"]) for p in r["points"].values()
+    )
     assert r["engine_matches_greedy_stream"] in (True, False)
     assert out.with_suffix(".png").stat().st_size > 0
 
 
 def test_decode_quick(tiny_model, tmp_path):
     out = tmp_path / "decode.json"
-    assert bench_decode.main(["--quick", "--model", tiny_model, "--prompt", "t5 t6 t7 t8", "--out", str(out)]) == 0
+    assert (
+        bench_decode.main(
+            ["--quick", "--model", tiny_model, "--prompt", "t5 t6 t7 t8", "--out", str(out)]
+        )
+        == 0
+    )
     r = json.loads(out.read_text())
-    assert _positive(r["ours"]["decode_tok_s"]) and _positive(r["hf"]["decode_tok_s"]) and _positive(r["speedup"])
+    assert (
+        _positive(r["ours"]["decode_tok_s"])
+        and _positive(r["hf"]["decode_tok_s"])
+        and _positive(r["speedup"])
+    )
 
 
 def test_energy_quick(tmp_path):
@@ -123,7 +166,12 @@ def test_summary_table_reads_results_and_dates_them(tmp_path, monkeypatch):
 
     monkeypatch.setattr(run_all, "RESULTS", tmp_path)
     assert "not run yet" in run_all.summary() and "| n/a | n/a |" in run_all.summary()
-    tp = {"ours": {"output_tok_s": 60.0}, "hf": {"output_tok_s": 20.0}, "speedup": 3.0, "timestamp": "2026-01-02T10:00:00"}
+    tp = {
+        "ours": {"output_tok_s": 60.0},
+        "hf": {"output_tok_s": 20.0},
+        "speedup": 3.0,
+        "timestamp": "2026-01-02T10:00:00",
+    }
     (tmp_path / "throughput.json").write_text(json.dumps(tp))
     table = run_all.summary()
     assert "| 60.0 | 20.0 | 3.00x |" in table and "Measured 2026-01-02T10:00:00 on" in table

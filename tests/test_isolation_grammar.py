@@ -41,7 +41,9 @@ def tokenizer(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("byte-tokenizer")
     vocab = save_byte_tokenizer(path)
-    return AutoTokenizer.from_pretrained(str(path)), vocab + 5  # ids the tokenizer lacks, as a model may have
+    return AutoTokenizer.from_pretrained(
+        str(path)
+    ), vocab + 5  # ids the tokenizer lacks, as a model may have
 
 
 @pytest.fixture
@@ -69,7 +71,9 @@ def test_batched_fill_gives_exactly_the_per_row_masks(compiler, tokenizer, monke
     mid-output; unconstrained rows between them) gets the same rows from one batched call as
     from filling each row alone, and the rows between stay all-ones."""
     hf, vocab = tokenizer
-    monkeypatch.setattr(so, "GRAMMAR_MASK_BUDGET_S", 60.0)  # this is about the masks, on any CPU load
+    monkeypatch.setattr(
+        so, "GRAMMAR_MASK_BUDGET_S", 60.0
+    )  # this is about the masks, on any CPU load
     cases = [
         (StructuredOutputsParams(json=WEATHER), ""),
         (StructuredOutputsParams(json=WEATHER), '{"city":"Par'),
@@ -84,7 +88,9 @@ def test_batched_fill_gives_exactly_the_per_row_masks(compiler, tokenizer, monke
     per_row = np.full((2 * len(cases) + 1, width), -1, np.int32)
     for grammar, row in rows:
         grammar.fill_bitmask(per_row, row)
-    twins = [(advanced(compiler, spec, text, hf), 2 * i + 1) for i, (spec, text) in enumerate(cases)]
+    twins = [
+        (advanced(compiler, spec, text, hf), 2 * i + 1) for i, (spec, text) in enumerate(cases)
+    ]
     batched = np.full_like(per_row, -1)
     assert fill_bitmasks(batched, twins) == [None] * len(cases)
     np.testing.assert_array_equal(batched, per_row)
@@ -97,7 +103,9 @@ def test_a_failed_row_does_not_stop_the_others(compiler, tokenizer, monkeypatch)
     """In one batched call, a grammar over a parser limit gets its error (naming the limit) and
     the rows beside it get their masks."""
     hf, vocab = tokenizer
-    monkeypatch.setattr(so, "GRAMMAR_MASK_BUDGET_S", 60.0)  # this is about the limit, on any CPU load
+    monkeypatch.setattr(
+        so, "GRAMMAR_MASK_BUDGET_S", 60.0
+    )  # this is about the limit, on any CPU load
     bad = advanced(compiler, StructuredOutputsParams(grammar=too_many_items_grammar()), "", hf)
     bad.accept(hf.encode("w", add_special_tokens=False)[0])  # now one row holds 2,500 items
     good = advanced(compiler, StructuredOutputsParams(regex="[ab]+"), "", hf)
@@ -132,7 +140,9 @@ def test_a_costly_grammar_is_refused_at_compile_naming_its_field(compiler):
     """Its first mask is computed on the compile thread: far over the budget, so a ValueError
     (a 400 on the server) names the field and the cost; it is not cached."""
     spec = StructuredOutputsParams(grammar=ambiguous_grammar(800))
-    with pytest.raises(ValueError, match=r"structured_outputs\.grammar (is too costly to follow|did not compile)"):
+    with pytest.raises(
+        ValueError, match=r"structured_outputs\.grammar (is too costly to follow|did not compile)"
+    ):
         compiler.compile(spec)
     assert spec.key not in compiler._cache and compiler.num_compiled == 0
 
@@ -140,12 +150,18 @@ def test_a_costly_grammar_is_refused_at_compile_naming_its_field(compiler):
 def test_a_compile_past_the_deadline_fails_its_waiter_and_not_the_next(compiler, monkeypatch):
     """The waiter gets a ValueError at the deadline, though llguidance runs on (it cannot be
     interrupted); another constraint still compiles meanwhile, on the other compile thread."""
-    compiler.compile(StructuredOutputsParams(regex="x"))  # the tokenizer, built once, is not the grammar's time
+    compiler.compile(
+        StructuredOutputsParams(regex="x")
+    )  # the tokenizer, built once, is not the grammar's time
     monkeypatch.setattr(so, "GRAMMAR_MASK_BUDGET_S", 60.0)  # only the deadline can end it
-    monkeypatch.setattr(so, "GRAMMAR_COMPILE_TIMEOUT_S", 0.02)  # a tenth of this compile on a fast CPU
+    monkeypatch.setattr(
+        so, "GRAMMAR_COMPILE_TIMEOUT_S", 0.02
+    )  # a tenth of this compile on a fast CPU
     slow = StructuredOutputsParams(grammar=ambiguous_grammar(600))
     start = time.monotonic()
-    with pytest.raises(ValueError, match=r"structured_outputs\.grammar did not compile within 0\.02 s"):
+    with pytest.raises(
+        ValueError, match=r"structured_outputs\.grammar did not compile within 0\.02 s"
+    ):
         compiler.compile(slow)
     assert time.monotonic() - start < 5  # the deadline, not the compile, ends the wait
     monkeypatch.setattr(so, "GRAMMAR_COMPILE_TIMEOUT_S", 60.0)
@@ -156,7 +172,9 @@ def test_the_parser_limits_are_passed_to_llguidance(compiler, monkeypatch):
     """GRAMMAR_LIMITS is what the matcher runs under: tightened, a grammar over it is an error
     naming the field and the limit."""
     monkeypatch.setitem(so.GRAMMAR_LIMITS, "max_grammar_size", 50)
-    rules = " ".join(f"r{i}" for i in range(60)) + "\n" + "\n".join(f'r{i}: "x{i}"' for i in range(60))
+    rules = (
+        " ".join(f"r{i}" for i in range(60)) + "\n" + "\n".join(f'r{i}: "x{i}"' for i in range(60))
+    )
     with pytest.raises(ValueError, match=r"invalid structured_outputs\.grammar: .*grammar size"):
         compiler.compile(StructuredOutputsParams(grammar="start: " + rules))
 
@@ -184,7 +202,9 @@ def run_beside(engine, bad_params: SamplingParams, good_prompt: str, good_params
 def test_a_grammar_failing_mid_output_fails_alone(llm, monkeypatch):
     """A grammar that reaches a parser limit after its first token fails its own request with
     the reason; the unconstrained request beside it gets exactly its tokens when run alone."""
-    monkeypatch.setattr(so, "GRAMMAR_MASK_BUDGET_S", 60.0)  # this is about the limit, on any CPU load
+    monkeypatch.setattr(
+        so, "GRAMMAR_MASK_BUDGET_S", 60.0
+    )  # this is about the limit, on any CPU load
     engine = llm.engine
     plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     [alone] = llm.generate(["The sea is"], plain)
@@ -203,8 +223,12 @@ def test_a_grammar_over_the_mask_budget_fails_alone_in_the_engine(llm, monkeypat
     spec = StructuredOutputsParams(regex="[a-z]{30}")
     engine.grammar_compiler.compile(spec)
     monkeypatch.setattr(so, "GRAMMAR_MASK_BUDGET_S", 0.0)  # then every mask is over it
-    bad, good = run_beside(engine, SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=spec),
-                           "The sea is", plain)  # fmt: skip
+    bad, good = run_beside(
+        engine,
+        SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=spec),
+        "The sea is",
+        plain,
+    )
     assert bad.outputs[0].finish_reason == "error" and "too costly to follow" in bad.error
     assert good.error is None and good.outputs[0].token_ids == alone.outputs[0].token_ids
 
@@ -216,9 +240,13 @@ def test_a_costly_grammar_is_refused_within_the_deadline_beside_a_request(llm):
     plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     [alone] = llm.generate(["The sea is"], plain)
     start = time.monotonic()
-    bad_params = SamplingParams(structured_outputs=StructuredOutputsParams(grammar=ambiguous_grammar(800)))
+    bad_params = SamplingParams(
+        structured_outputs=StructuredOutputsParams(grammar=ambiguous_grammar(800))
+    )
     bad, good = run_beside(engine, bad_params, "The sea is", plain)
-    assert time.monotonic() - start < so.GRAMMAR_COMPILE_TIMEOUT_S + 10  # the deadline, plus the plain request
+    assert (
+        time.monotonic() - start < so.GRAMMAR_COMPILE_TIMEOUT_S + 10
+    )  # the deadline, plus the plain request
     assert bad.outputs[0].finish_reason == "error"
     assert "structured_outputs.grammar is too costly" in bad.error or "did not compile" in bad.error
     assert good.error is None and good.outputs[0].token_ids == alone.outputs[0].token_ids
@@ -231,20 +259,36 @@ def test_the_server_refuses_a_costly_grammar_with_a_400_naming_the_field(llm, mo
 
     server = LiveServer(llm)
     try:
-        r = server.post("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                                                 "guided_grammar": ambiguous_grammar(800)})  # fmt: skip
+        r = server.post(
+            "/v1/chat/completions",
+            {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "hi"}],
+                "guided_grammar": ambiguous_grammar(800),
+            },
+        )
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == "guided_grammar", r.text
-        assert "too costly to follow" in err["message"] or "did not compile within" in err["message"]
+        assert (
+            "too costly to follow" in err["message"] or "did not compile within" in err["message"]
+        )
         monkeypatch.setattr(so, "GRAMMAR_MASK_BUDGET_S", 60.0)  # only the deadline can end it
         monkeypatch.setattr(so, "GRAMMAR_COMPILE_TIMEOUT_S", 0.02)
-        r = server.post("/v1/completions", {"model": "tiny", "prompt": "x", "guided_grammar": ambiguous_grammar(601)})
+        r = server.post(
+            "/v1/completions",
+            {"model": "tiny", "prompt": "x", "guided_grammar": ambiguous_grammar(601)},
+        )
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == "guided_grammar", r.text
         assert "did not compile within 0.02 s" in err["message"]
         monkeypatch.setattr(so, "GRAMMAR_COMPILE_TIMEOUT_S", 60.0)
-        r = server.post("/v1/completions", {"model": "tiny", "prompt": "The sea is", "max_tokens": 4})
-        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+        r = server.post(
+            "/v1/completions", {"model": "tiny", "prompt": "The sea is", "max_tokens": 4}
+        )
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in (
+            "length",
+            "stop",
+        )
         wait_idle(server)
     finally:
         server.stop()

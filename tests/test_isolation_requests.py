@@ -19,12 +19,30 @@ import server.state
 from server.app import create_app
 from server.preprocess import PROBE_CHARS_PER_TOKEN, PROBE_MARGIN_TOKENS, Preprocessor
 from server.protocol import (
-    MAX_CHOICE_CHARS, MAX_CHOICES, MAX_MESSAGES, MAX_RESPONSE_TOKEN_ENTRIES, MAX_SCHEMA_DEPTH, MAX_SCHEMA_NODES,
-    MAX_TOOL_CALLS_PER_MESSAGE, MAX_TOOLS, APIError, ChatCompletionRequest, CompletionRequest, StreamRequest,
-    parse_json, parse_request,
-)  # fmt: skip
+    MAX_CHOICE_CHARS,
+    MAX_CHOICES,
+    MAX_MESSAGES,
+    MAX_RESPONSE_TOKEN_ENTRIES,
+    MAX_SCHEMA_DEPTH,
+    MAX_SCHEMA_NODES,
+    MAX_TOOL_CALLS_PER_MESSAGE,
+    MAX_TOOLS,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    StreamRequest,
+    parse_json,
+    parse_request,
+)
 from server.responses import CompletionFormatter
-from tests.test_server_units import FakeEngine, FakeTokenizer, _app_client, expected_text, fake_llm, run
+from tests.test_server_units import (
+    FakeEngine,
+    FakeTokenizer,
+    _app_client,
+    expected_text,
+    fake_llm,
+    run,
+)
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -43,54 +61,88 @@ def nested_schema(depth: int) -> dict:
 # ---------------------------------------------------------------------- point 1: numeric ranges
 
 
-@pytest.mark.parametrize("model, body, param", [
-    (CompletionRequest, {"prompt": "x", "top_k": 4294967296}, "top_k"),  # overflowed the int32 row: a 500
-    (CompletionRequest, {"prompt": "x", "top_k": 2**63}, "top_k"),
-    (CompletionRequest, {"prompt": "x", "top_k": -2}, "top_k"),
-    (CompletionRequest, {"prompt": "x", "seed": 2**64}, "seed"),
-    (CompletionRequest, {"prompt": "x", "seed": -1}, "seed"),
-    (CompletionRequest, {"prompt": "x", "n": 17}, "n"),
-    (CompletionRequest, {"prompt": "x", "logprobs": 21}, "logprobs"),
-    (CompletionRequest, {"prompt": "x", "max_tokens": 2**31}, "max_tokens"),
-    (CompletionRequest, {"prompt": "x", "max_tokens": 0}, "max_tokens"),
-    (CompletionRequest, {"prompt": "x", "temperature": 1e30}, "temperature"),
-    (CompletionRequest, {"prompt": "x", "temperature": -0.5}, "temperature"),
-    (CompletionRequest, {"prompt": "x", "top_p": 0.0}, "top_p"),
-    (CompletionRequest, {"prompt": "x", "min_p": 1.5}, "min_p"),
-    (CompletionRequest, {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
-    (CompletionRequest, {"prompt": "x", "frequency_penalty": -3.0}, "frequency_penalty"),
-    (CompletionRequest, {"prompt": "x", "repetition_penalty": 0.0}, "repetition_penalty"),
-    (CompletionRequest, {"prompt": "x", "repetition_penalty": 1e300}, "repetition_penalty"),
-    (CompletionRequest, {"prompt": "x", "stop_token_ids": [2**31]}, "stop_token_ids.0"),
-    (CompletionRequest, {"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids.0"),
-    (CompletionRequest, {"prompt": "x", "use_beam_search": True, "n": 2, "length_penalty": 1e300}, "length_penalty"),
-    (CompletionRequest, {"prompt": "x", "logit_bias": {"5": 1e30}}, "logit_bias"),
-    (ChatCompletionRequest, {"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    (ChatCompletionRequest, {"messages": USER, "max_completion_tokens": 2**40}, "max_completion_tokens"),
-    (StreamRequest, {"prompt": "x", "logprobs": 2**40}, "logprobs"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "model, body, param",
+    [
+        (
+            CompletionRequest,
+            {"prompt": "x", "top_k": 4294967296},
+            "top_k",
+        ),  # overflowed the int32 row: a 500
+        (CompletionRequest, {"prompt": "x", "top_k": 2**63}, "top_k"),
+        (CompletionRequest, {"prompt": "x", "top_k": -2}, "top_k"),
+        (CompletionRequest, {"prompt": "x", "seed": 2**64}, "seed"),
+        (CompletionRequest, {"prompt": "x", "seed": -1}, "seed"),
+        (CompletionRequest, {"prompt": "x", "n": 17}, "n"),
+        (CompletionRequest, {"prompt": "x", "logprobs": 21}, "logprobs"),
+        (CompletionRequest, {"prompt": "x", "max_tokens": 2**31}, "max_tokens"),
+        (CompletionRequest, {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        (CompletionRequest, {"prompt": "x", "temperature": 1e30}, "temperature"),
+        (CompletionRequest, {"prompt": "x", "temperature": -0.5}, "temperature"),
+        (CompletionRequest, {"prompt": "x", "top_p": 0.0}, "top_p"),
+        (CompletionRequest, {"prompt": "x", "min_p": 1.5}, "min_p"),
+        (CompletionRequest, {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+        (CompletionRequest, {"prompt": "x", "frequency_penalty": -3.0}, "frequency_penalty"),
+        (CompletionRequest, {"prompt": "x", "repetition_penalty": 0.0}, "repetition_penalty"),
+        (CompletionRequest, {"prompt": "x", "repetition_penalty": 1e300}, "repetition_penalty"),
+        (CompletionRequest, {"prompt": "x", "stop_token_ids": [2**31]}, "stop_token_ids.0"),
+        (CompletionRequest, {"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids.0"),
+        (
+            CompletionRequest,
+            {"prompt": "x", "use_beam_search": True, "n": 2, "length_penalty": 1e300},
+            "length_penalty",
+        ),
+        (CompletionRequest, {"prompt": "x", "logit_bias": {"5": 1e30}}, "logit_bias"),
+        (
+            ChatCompletionRequest,
+            {"messages": USER, "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+        ),
+        (
+            ChatCompletionRequest,
+            {"messages": USER, "max_completion_tokens": 2**40},
+            "max_completion_tokens",
+        ),
+        (StreamRequest, {"prompt": "x", "logprobs": 2**40}, "logprobs"),
+    ],
+)
 def test_out_of_range_values_are_400s_naming_the_field(model, body, param):
     with pytest.raises(APIError) as e:
         parse_request(model, body)
     assert e.value.status == 400 and e.value.param == param, e.value.message
 
 
-@pytest.mark.parametrize("raw, param", [
-    (b'{"prompt": "x", "top_p": NaN}', "top_p"),
-    (b'{"prompt": "x", "metadata": {"a": Infinity}}', "metadata.a"),  # nested, in a field typed Any
-    (b'{"prompt": "x", "kv_compression": {"policy": "sink_window", "window_tokens": -Infinity}}',
-     "kv_compression.window_tokens"),
-    (b'{"prompt": "x", "guided_json": {"anyOf": [{"maximum": 1e999}]}}', "guided_json.anyOf.0.maximum"),  # inf
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "raw, param",
+    [
+        (b'{"prompt": "x", "top_p": NaN}', "top_p"),
+        (
+            b'{"prompt": "x", "metadata": {"a": Infinity}}',
+            "metadata.a",
+        ),  # nested, in a field typed Any
+        (
+            b'{"prompt": "x", "kv_compression": {"policy": "sink_window", "window_tokens": -Infinity}}',
+            "kv_compression.window_tokens",
+        ),
+        (
+            b'{"prompt": "x", "guided_json": {"anyOf": [{"maximum": 1e999}]}}',
+            "guided_json.anyOf.0.maximum",
+        ),  # inf
+    ],
+)
 def test_nan_and_infinity_are_refused_anywhere_in_a_body(raw, param):
     with pytest.raises(APIError) as e:
         parse_json(raw)
-    assert e.value.status == 400 and e.value.param == param and "NaN" in e.value.message, e.value.message
+    assert e.value.status == 400 and e.value.param == param and "NaN" in e.value.message, (
+        e.value.message
+    )
 
 
 def test_nan_in_a_schema_sent_as_json_text_is_refused():
     with pytest.raises(APIError) as e:
-        parse_request(CompletionRequest, {"prompt": "x", "guided_json": '{"type": "number", "maximum": NaN}'})
+        parse_request(
+            CompletionRequest, {"prompt": "x", "guided_json": '{"type": "number", "maximum": NaN}'}
+        )
     assert e.value.status == 400 and e.value.param == "guided_json", e.value.message
 
 
@@ -104,7 +156,9 @@ def test_overflowing_top_k_is_a_400_over_http():
             for top_k in (4294967296, 2**63):
                 r = await client.post("/v1/completions", json={"prompt": "ab", "top_k": top_k})
                 assert r.status_code == 400 and r.json()["error"]["param"] == "top_k", r.text
-            r = await client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 3, "temperature": 0})
+            r = await client.post(
+                "/v1/completions", json={"prompt": "ab", "max_tokens": 3, "temperature": 0}
+            )
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected_text("ab", 3)
 
     run(main())
@@ -113,47 +167,143 @@ def test_overflowing_top_k_is_a_400_over_http():
 # ---------------------------------------------------------------------- point 7: list caps, O(n) checks
 
 
-@pytest.mark.parametrize("model, body, param", [
-    (ChatCompletionRequest, {"messages": USER, "tools": minimal_tools(MAX_TOOLS + 1)}, "tools"),
-    (ChatCompletionRequest, {"messages": USER * (MAX_MESSAGES + 1)}, "messages"),
-    (ChatCompletionRequest, {"messages": [{"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}] * (MAX_TOOL_CALLS_PER_MESSAGE + 1)}]},
-     "messages.0.tool_calls"),
-    (CompletionRequest, {"prompt": "x", "guided_choice": ["a"] * (MAX_CHOICES + 1)}, "guided_choice"),
-    (CompletionRequest, {"prompt": "x", "guided_choice": ["a" * (MAX_CHOICE_CHARS + 1)]}, "guided_choice"),
-    (CompletionRequest, {"prompt": "x", "structured_outputs": {"choice": ["a"] * (MAX_CHOICES + 1)}},
-     "structured_outputs.choice"),
-    (CompletionRequest, {"prompt": "x", "guided_json": nested_schema(MAX_SCHEMA_DEPTH)}, "guided_json"),
-    (CompletionRequest, {"prompt": "x", "guided_json": json.dumps(nested_schema(MAX_SCHEMA_DEPTH))}, "guided_json"),
-    (CompletionRequest, {"prompt": "x", "guided_json": "[" * 100_000}, "guided_json"),  # a RecursionError: a 500
-    (CompletionRequest, {"prompt": "x", "structured_outputs": {"json": {"enum": list(range(MAX_SCHEMA_NODES))}}},
-     "structured_outputs.json"),
-    (ChatCompletionRequest, {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
-        "name": "deep", "schema": nested_schema(MAX_SCHEMA_DEPTH)}}}, "response_format.json_schema.schema"),
-    (ChatCompletionRequest, {"messages": USER, "tools": [
-        {"type": "function", "function": {"name": f"f{i}", "parameters": {"enum": list(range(MAX_SCHEMA_NODES // 8))}}}
-        for i in range(8)]}, "tools"),  # fmt: skip
-    (CompletionRequest, {"prompt": "x", "stop": ["s"] * 10_000}, "stop"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "model, body, param",
+    [
+        (ChatCompletionRequest, {"messages": USER, "tools": minimal_tools(MAX_TOOLS + 1)}, "tools"),
+        (ChatCompletionRequest, {"messages": USER * (MAX_MESSAGES + 1)}, "messages"),
+        (
+            ChatCompletionRequest,
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {
+                                "id": "c",
+                                "type": "function",
+                                "function": {"name": "f", "arguments": "{}"},
+                            }
+                        ]
+                        * (MAX_TOOL_CALLS_PER_MESSAGE + 1),
+                    }
+                ]
+            },
+            "messages.0.tool_calls",
+        ),
+        (
+            CompletionRequest,
+            {"prompt": "x", "guided_choice": ["a"] * (MAX_CHOICES + 1)},
+            "guided_choice",
+        ),
+        (
+            CompletionRequest,
+            {"prompt": "x", "guided_choice": ["a" * (MAX_CHOICE_CHARS + 1)]},
+            "guided_choice",
+        ),
+        (
+            CompletionRequest,
+            {"prompt": "x", "structured_outputs": {"choice": ["a"] * (MAX_CHOICES + 1)}},
+            "structured_outputs.choice",
+        ),
+        (
+            CompletionRequest,
+            {"prompt": "x", "guided_json": nested_schema(MAX_SCHEMA_DEPTH)},
+            "guided_json",
+        ),
+        (
+            CompletionRequest,
+            {"prompt": "x", "guided_json": json.dumps(nested_schema(MAX_SCHEMA_DEPTH))},
+            "guided_json",
+        ),
+        (
+            CompletionRequest,
+            {"prompt": "x", "guided_json": "[" * 100_000},
+            "guided_json",
+        ),  # a RecursionError: a 500
+        (
+            CompletionRequest,
+            {
+                "prompt": "x",
+                "structured_outputs": {"json": {"enum": list(range(MAX_SCHEMA_NODES))}},
+            },
+            "structured_outputs.json",
+        ),
+        (
+            ChatCompletionRequest,
+            {
+                "messages": USER,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "deep", "schema": nested_schema(MAX_SCHEMA_DEPTH)},
+                },
+            },
+            "response_format.json_schema.schema",
+        ),
+        (
+            ChatCompletionRequest,
+            {
+                "messages": USER,
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": f"f{i}",
+                            "parameters": {"enum": list(range(MAX_SCHEMA_NODES // 8))},
+                        },
+                    }
+                    for i in range(8)
+                ],
+            },
+            "tools",
+        ),
+        (CompletionRequest, {"prompt": "x", "stop": ["s"] * 10_000}, "stop"),
+    ],
+)
 def test_list_and_schema_caps_name_the_field(model, body, param):
     with pytest.raises(APIError) as e:
         parse_request(model, body)
     assert e.value.status == 400 and e.value.param == param, e.value.message
 
 
-@pytest.mark.parametrize("text", [
-    '{}', ' { } ', '{"a": 1, "a": 2}', '{"tools": [], "messages": [ {"role": "user"} , {"x": [1, {}]} ] }\n',
-    '{"stop": "x", "guided_choice": ["a", "b"]}', '{"k": "\\u00e9\\n", "tools": [{"n": null}]}', '[1]', '"x"',
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{}",
+        " { } ",
+        '{"a": 1, "a": 2}',
+        '{"tools": [], "messages": [ {"role": "user"} , {"x": [1, {}]} ] }\n',
+        '{"stop": "x", "guided_choice": ["a", "b"]}',
+        '{"k": "\\u00e9\\n", "tools": [{"n": null}]}',
+        "[1]",
+        '"x"',
+    ],
+)
 def test_capped_decoding_reads_bodies_as_json_loads_does(text):
     """The top level is decoded by hand (capped arrays item by item): the same values..."""
     assert parse_json(text.encode()) == json.loads(text)
 
 
-@pytest.mark.parametrize("text", [
-    '{', '{"a"}', '{"a":}', '{"a": 1,}', '{"tools": [1,]}', '{"tools": [1 2]}', '{"a": 1} x', '{,}',
-    '{"a": 1 "b": 2}', '{"tools": [', '{"tools": [1', "{'a': 1}", '{"a": 1}}', '{"a\u0001": 1}',
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{",
+        '{"a"}',
+        '{"a":}',
+        '{"a": 1,}',
+        '{"tools": [1,]}',
+        '{"tools": [1 2]}',
+        '{"a": 1} x',
+        "{,}",
+        '{"a": 1 "b": 2}',
+        '{"tools": [',
+        '{"tools": [1',
+        "{'a': 1}",
+        '{"a": 1}}',
+        '{"a\u0001": 1}',
+    ],
+)
 def test_capped_decoding_refuses_what_json_loads_refuses(text):
     """...and the same refusals."""
     with pytest.raises(ValueError):
@@ -164,12 +314,21 @@ def test_capped_decoding_refuses_what_json_loads_refuses(text):
 
 
 def test_lists_at_their_caps_are_accepted():
-    body = {"messages": USER * MAX_MESSAGES, "tools": minimal_tools(MAX_TOOLS), "tool_choice": {
-        "type": "function", "function": {"name": f"f{MAX_TOOLS - 1}"}}}  # fmt: skip
+    body = {
+        "messages": USER * MAX_MESSAGES,
+        "tools": minimal_tools(MAX_TOOLS),
+        "tool_choice": {"type": "function", "function": {"name": f"f{MAX_TOOLS - 1}"}},
+    }
     req = parse_request(ChatCompletionRequest, body)
-    assert len(req.constraints_to_check()) == MAX_TOOLS + 1  # each tool's schema, then the forced one
-    parse_request(CompletionRequest, {"prompt": "x", "guided_choice": ["a" * MAX_CHOICE_CHARS] * MAX_CHOICES})
-    parse_request(CompletionRequest, {"prompt": "x", "guided_json": nested_schema(MAX_SCHEMA_DEPTH // 2 - 1)})
+    assert (
+        len(req.constraints_to_check()) == MAX_TOOLS + 1
+    )  # each tool's schema, then the forced one
+    parse_request(
+        CompletionRequest, {"prompt": "x", "guided_choice": ["a" * MAX_CHOICE_CHARS] * MAX_CHOICES}
+    )
+    parse_request(
+        CompletionRequest, {"prompt": "x", "guided_json": nested_schema(MAX_SCHEMA_DEPTH // 2 - 1)}
+    )
 
 
 class LiveFakeServer:
@@ -183,12 +342,16 @@ class LiveFakeServer:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self._server = uvicorn.Server(
+            uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
         self._thread = threading.Thread(target=self._server.run, daemon=True)
         self._thread.start()
         deadline = time.monotonic() + 30
         while not self._server.started:
-            assert self._thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            assert self._thread.is_alive() and time.monotonic() < deadline, (
+                "the server did not start"
+            )
             time.sleep(0.02)
 
     @property
@@ -244,7 +407,11 @@ def test_tool_bomb_is_a_fast_400_while_health_keeps_answering(live):
         with httpx.Client(base_url=live.url, timeout=30) as client:
             for _ in range(3):
                 start = time.perf_counter()
-                r = client.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+                r = client.post(
+                    "/v1/chat/completions",
+                    content=body,
+                    headers={"Content-Type": "application/json"},
+                )
                 elapsed = time.perf_counter() - start
                 assert elapsed < 1.0, f"the tool bomb took {elapsed:.2f} s to refuse"
                 assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
@@ -258,8 +425,10 @@ def test_tool_bomb_is_a_fast_400_while_health_keeps_answering(live):
 def _send_partial(server: LiveFakeServer, body: bytes, sent: int) -> socket.socket:
     """A request whose body stops after `sent` bytes (a client still sending it)."""
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
     sock.sendall(head + body[:sent])
     return sock
 
@@ -285,8 +454,14 @@ def test_preprocessing_is_counted_and_refused_past_its_limit():
         thread = threading.Thread(target=tokenized_later)
         thread.start()
         wait_for(lambda: live.state.gate.active == 1)
-        r = httpx.post(f"{live.url}/v1/completions", json={"prompt": "cd", "max_tokens": 2}, timeout=30)
-        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full" and r.headers["Retry-After"]
+        r = httpx.post(
+            f"{live.url}/v1/completions", json={"prompt": "cd", "max_tokens": 2}, timeout=30
+        )
+        assert (
+            r.status_code == 429
+            and r.json()["error"]["code"] == "queue_full"
+            and r.headers["Retry-After"]
+        )
         assert "preprocessed" in r.json()["error"]["message"]
         assert httpx.get(f"{live.url}/health", timeout=30).status_code == 200  # not counted
         tokenizer.release.set()
@@ -295,8 +470,11 @@ def test_preprocessing_is_counted_and_refused_past_its_limit():
         assert first["response"].json()["choices"][0]["text"] == expected_text("ab", 2)
         wait_for(lambda: live.state.gate.active == 0)
         slow = _send_partial(live, json.dumps({"prompt": "ab"}).encode(), 5)
-        r = httpx.post(f"{live.url}/v1/completions", json={"prompt": "cd", "max_tokens": 2, "temperature": 0},
-                       timeout=30)  # fmt: skip
+        r = httpx.post(
+            f"{live.url}/v1/completions",
+            json={"prompt": "cd", "max_tokens": 2, "temperature": 0},
+            timeout=30,
+        )
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected_text("cd", 2)
     finally:
         tokenizer.release.set()
@@ -337,7 +515,9 @@ def test_a_stage_deadline_answers_the_client_and_keeps_the_place_until_the_work_
     async def main():
         async with app.router.lifespan_context(app), await _app_client(app) as client:
             r = await client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2})
-            assert r.status_code == 429 and r.json()["error"]["code"] == "preprocess_timeout", r.text
+            assert r.status_code == 429 and r.json()["error"]["code"] == "preprocess_timeout", (
+                r.text
+            )
             assert "tokenize" in r.json()["error"]["message"] and r.headers["Retry-After"]
             assert state.gate.active == 1  # the tokenizer is still at it
             tokenizer.release.set()
@@ -346,7 +526,9 @@ def test_a_stage_deadline_answers_the_client_and_keeps_the_place_until_the_work_
                     break
                 await asyncio.sleep(0.01)
             assert state.gate.active == 0
-            r = await client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2, "temperature": 0})
+            r = await client.post(
+                "/v1/completions", json={"prompt": "ab", "max_tokens": 2, "temperature": 0}
+            )
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected_text("ab", 2)
 
     run(main())
@@ -381,11 +563,16 @@ def test_a_too_long_prompt_is_refused_after_max_model_len_work():
     try:
         text = "word " * (10 * max_model_len)  # 3,200 tokens: 50x max_model_len
         assert len(text) < pre.max_prompt_chars  # the characters-only bound lets it through
-        for call in (lambda: pre.encode(text), lambda: pre.chat([{"role": "user", "content": text}])):
+        for call in (
+            lambda: pre.encode(text),
+            lambda: pre.chat([{"role": "user", "content": text}]),
+        ):
             tokenizer.chars = 0
             with pytest.raises(APIError) as e:
                 run(call())
-            assert e.value.status == 400 and e.value.code == "context_length_exceeded", e.value.message
+            assert e.value.status == 400 and e.value.code == "context_length_exceeded", (
+                e.value.message
+            )
             assert tokenizer.chars <= PROBE_CHARS_PER_TOKEN * max_model_len, tokenizer.chars
         # A prompt that fits is tokenized exactly as before (ids the tokenizer gives the whole text).
         fits = "ab " * ((max_model_len - PROBE_MARGIN_TOKENS) // 3)
@@ -400,12 +587,20 @@ def test_token_id_prompts_are_checked_before_they_are_used():
     async def main():
         async with app.router.lifespan_context(app), await _app_client(app) as client:
             r = await client.post("/v1/completions", json={"prompt": [5, 128], "max_tokens": 2})
-            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "128" in r.text, r.text
+            assert (
+                r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "128" in r.text
+            ), r.text
             r = await client.post("/v1/completions", json={"prompt": [5, -1], "max_tokens": 2})
             assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
-            r = await client.post("/v1/completions", json={"prompt": [5] * 100_000, "max_tokens": 2})
-            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
-            r = await client.post("/v1/completions", json={"prompt": [97, 98], "max_tokens": 2, "temperature": 0})
+            r = await client.post(
+                "/v1/completions", json={"prompt": [5] * 100_000, "max_tokens": 2}
+            )
+            assert (
+                r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+            ), r.text
+            r = await client.post(
+                "/v1/completions", json={"prompt": [97, 98], "max_tokens": 2, "temperature": 0}
+            )
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected_text("ab", 2)
 
     run(main())
@@ -421,22 +616,45 @@ def test_response_size_is_capped():
 
     async def main():
         async with app.router.lifespan_context(app), await _app_client(app) as client:
-            r = await client.post("/v1/completions", json={"prompt": "ab", "n": n, "logprobs": k, "max_tokens": too_many})
+            r = await client.post(
+                "/v1/completions",
+                json={"prompt": "ab", "n": n, "logprobs": k, "max_tokens": too_many},
+            )
             err = r.json()["error"]
-            assert r.status_code == 400 and err["param"] == "max_tokens" and err["code"] == "response_too_large"
+            assert (
+                r.status_code == 400
+                and err["param"] == "max_tokens"
+                and err["code"] == "response_too_large"
+            )
             assert str(MAX_RESPONSE_TOKEN_ENTRIES) in err["message"], err
             # Chat without max_tokens: the rest of the context counts.
-            r = await client.post("/v1/chat/completions", json={"messages": USER, "n": n, "logprobs": True,
-                                                                "top_logprobs": k})  # fmt: skip
+            r = await client.post(
+                "/v1/chat/completions",
+                json={"messages": USER, "n": n, "logprobs": True, "top_logprobs": k},
+            )
             err = r.json()["error"]
-            assert r.status_code == 400 and err["code"] == "response_too_large" and "top_logprobs" in err["message"]
+            assert (
+                r.status_code == 400
+                and err["code"] == "response_too_large"
+                and "top_logprobs" in err["message"]
+            )
             assert "unset" in err["message"], err
             # The limit names the field the client sent.
-            r = await client.post("/v1/chat/completions", json={"messages": USER, "n": n, "logprobs": True,
-                                                                "top_logprobs": k, "max_completion_tokens": too_many})
+            r = await client.post(
+                "/v1/chat/completions",
+                json={
+                    "messages": USER,
+                    "n": n,
+                    "logprobs": True,
+                    "top_logprobs": k,
+                    "max_completion_tokens": too_many,
+                },
+            )
             err = r.json()["error"]
             assert r.status_code == 400 and err["param"] == "max_completion_tokens", err
-            assert err["code"] == "response_too_large" and "max_completion_tokens" in err["message"], err
+            assert (
+                err["code"] == "response_too_large" and "max_completion_tokens" in err["message"]
+            ), err
             state = app.state.minivllm
             assert state.gate.active == 0 and state.engine.num_in_flight == 0
 
@@ -456,13 +674,19 @@ def test_large_json_bodies_are_built_off_the_event_loop(monkeypatch):
 
     async def main():
         async with app.router.lifespan_context(app), await _app_client(app) as client:
-            small = await client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 3, "temperature": 0})
-            big = await client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 60, "n": 16, "logprobs": 5})
+            small = await client.post(
+                "/v1/completions", json={"prompt": "ab", "max_tokens": 3, "temperature": 0}
+            )
+            big = await client.post(
+                "/v1/completions", json={"prompt": "ab", "max_tokens": 60, "n": 16, "logprobs": 5}
+            )
             return small, big
 
     small, big = run(main())
     assert small.status_code == 200 and big.status_code == 200, big.text
-    assert len(big.json()["choices"]) == 16 and all(len(c["text"]) == 60 for c in big.json()["choices"])
+    assert len(big.json()["choices"]) == 16 and all(
+        len(c["text"]) == 60 for c in big.json()["choices"]
+    )
     loop_thread, off_loop = threads
     assert loop_thread is threading.main_thread() and off_loop is not threading.main_thread()
 
@@ -470,10 +694,14 @@ def test_large_json_bodies_are_built_off_the_event_loop(monkeypatch):
 # ---------------------------------------------------------------------- point 17: parallel_tool_calls
 
 
-TWO_CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-             '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>')  # fmt: skip
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
-         {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]  # fmt: skip
+TWO_CALLS = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+)
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}},
+]
 
 
 class ScriptedEngine(FakeEngine):
@@ -502,15 +730,23 @@ def _stream_calls(text: str) -> tuple[list[dict], list[str]]:
 
 
 def test_parallel_tool_calls_false_returns_only_the_first_call():
-    app = create_app(SimpleNamespace(engine=ScriptedEngine(TWO_CALLS), tokenizer=FakeTokenizer()), model_name="fake")
+    app = create_app(
+        SimpleNamespace(engine=ScriptedEngine(TWO_CALLS), tokenizer=FakeTokenizer()),
+        model_name="fake",
+    )
     body = {"messages": USER, "tools": TOOLS, "max_tokens": 500}
 
     async def main():
         async with app.router.lifespan_context(app), await _app_client(app) as client:
             both = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]
-            one = (await client.post("/v1/chat/completions", json={**body, "parallel_tool_calls": False})).json()
-            streamed = await client.post("/v1/chat/completions", json={**body, "parallel_tool_calls": False,
-                                                                       "stream": True})  # fmt: skip
+            one = (
+                await client.post(
+                    "/v1/chat/completions", json={**body, "parallel_tool_calls": False}
+                )
+            ).json()
+            streamed = await client.post(
+                "/v1/chat/completions", json={**body, "parallel_tool_calls": False, "stream": True}
+            )
             return both, one["choices"][0], streamed.text
 
     both, one, streamed = run(main())
@@ -519,7 +755,9 @@ def test_parallel_tool_calls_false_returns_only_the_first_call():
     assert json.loads(one["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
     assert one["finish_reason"] == "tool_calls" and not one["message"]["content"]
     calls, reasons = _stream_calls(streamed)
-    assert {c["index"] for c in calls} == {0} and [c["function"]["name"] for c in calls if "id" in c] == ["get_weather"]
+    assert {c["index"] for c in calls} == {0} and [
+        c["function"]["name"] for c in calls if "id" in c
+    ] == ["get_weather"]
     assert json.loads("".join(c["function"]["arguments"] for c in calls)) == {"city": "Paris"}
     assert reasons == ["tool_calls"]
 
@@ -546,17 +784,25 @@ def test_websocket_requests_get_the_same_bounds():
         assert app.state.minivllm.gate.active == 0
 
 
-@pytest.mark.parametrize("raw, param", [
-    (b'{"prompt": "\\ud800", "max_tokens": 2}', "prompt"),  # tokenizers raise on it: it was a 500
-    (b'{"prompt": ["a\\udfffb"]}', "prompt.0"),
-    (b'{"messages": [{"role": "user", "content": "\\udbff"}]}', "messages.0.content"),
-    (b'{"prompt": "x", "stop": ["\\ud800"]}', "stop.0"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "raw, param",
+    [
+        (
+            b'{"prompt": "\\ud800", "max_tokens": 2}',
+            "prompt",
+        ),  # tokenizers raise on it: it was a 500
+        (b'{"prompt": ["a\\udfffb"]}', "prompt.0"),
+        (b'{"messages": [{"role": "user", "content": "\\udbff"}]}', "messages.0.content"),
+        (b'{"prompt": "x", "stop": ["\\ud800"]}', "stop.0"),
+    ],
+)
 def test_lone_surrogates_are_400s_naming_the_field(raw, param):
     with pytest.raises(APIError) as e:
         parse_json(raw)
     assert e.value.status == 400 and e.value.param == param, e.value.message
-    assert parse_json(b'{"prompt": "\\ud83d\\ude00"}') == {"prompt": "\U0001F600"}  # a surrogate pair is one character
+    assert parse_json(b'{"prompt": "\\ud83d\\ude00"}') == {
+        "prompt": "\U0001f600"
+    }  # a surrogate pair is one character
 
 
 def test_a_websocket_request_that_breaks_the_server_fails_alone():
@@ -569,7 +815,9 @@ def test_a_websocket_request_that_breaks_the_server_fails_alone():
     with TestClient(app) as client, client.websocket_connect("/v1/stream") as ws:
         pre = app.state.minivllm.pre
         encode = pre._tokenizer.encode
-        pre._tokenizer.encode = lambda text, **kw: (_ for _ in ()).throw(RuntimeError("tokenizer bug"))
+        pre._tokenizer.encode = lambda text, **kw: (_ for _ in ()).throw(
+            RuntimeError("tokenizer bug")
+        )
         ws.send_json({"prompt": "ab", "max_tokens": 2})
         err = ws.receive_json()
         assert err["type"] == "error" and err["status"] == 500 and err["code"] == "internal_error"

@@ -9,11 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.conftest import in_ci, requires_smollm2
 from minivllm_jax import LLM, SamplingParams, kernels
 from minivllm_jax.attention import get_attention, resolve_attention
 from minivllm_jax.batch import Chunk, build_step_batch
 from minivllm_jax.kv_cache import KVCache
+from tests.conftest import in_ci, requires_smollm2
 
 # (kv heads, group size, head_dim, page_size): GQA and MHA on small shapes (the general code
 # path) and SmolLM2's shape (the fixed-shape path: head_dim 64, page_size 16).
@@ -36,11 +36,25 @@ def random_pages(rng, kvh, hd, ps, num_pages, layers, pages) -> KVCache:
         return KVCache(jnp.asarray(k_cache), jnp.asarray(v_cache))
     k_q = rng.integers(-127, 128, (layers, num_pages, kvh, hd, ps), dtype=np.int8)
     v_q = rng.integers(-127, 128, (layers, num_pages, kvh, ps, hd), dtype=np.int8)
-    k_scale, v_scale = (rng.uniform(0.002, 0.02, (layers, num_pages, kvh, ps)).astype(np.float32) for _ in range(2))
+    k_scale, v_scale = (
+        rng.uniform(0.002, 0.02, (layers, num_pages, kvh, ps)).astype(np.float32) for _ in range(2)
+    )
     return KVCache(*map(jnp.asarray, (k_q, v_q, k_scale, v_scale)))
 
 
-def random_step(rng, kvh, g, hd, ps, specs, num_pages=160, layers=2, extra_tokens=5, extra_seqs=3, pages="float32"):
+def random_step(
+    rng,
+    kvh,
+    g,
+    hd,
+    ps,
+    specs,
+    num_pages=160,
+    layers=2,
+    extra_tokens=5,
+    extra_seqs=3,
+    pages="float32",
+):
     cache = random_pages(rng, kvh, hd, ps, num_pages, layers, pages)
     free = list(rng.permutation(np.arange(1, num_pages)))
     chunks = []
@@ -55,7 +69,10 @@ def random_step(rng, kvh, g, hd, ps, specs, num_pages=160, layers=2, extra_token
     return q, k_new, v_new, cache, batch
 
 
-@pytest.mark.skipif(not kernels.native_available(), reason="native kernels not available (not built, or MINIVLLM_KERNELS=reference)")
+@pytest.mark.skipif(
+    not kernels.native_available(),
+    reason="native kernels not available (not built, or MINIVLLM_KERNELS=reference)",
+)
 @pytest.mark.parametrize("kvh,g,hd,ps", SHAPES)
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("decodes", ["many", "few"])
@@ -69,7 +86,14 @@ def test_native_attention_equals_reference(kvh, g, hd, ps, seed, decodes, pages)
     boundary = [(ps * k + d, 1) for k in (1, 3) for d in (-1, 0, 1)]
     if decodes == "few":
         boundary = boundary[1:3]
-    specs = boundary + [(0, 1), (0, 7), (2 * ps, 37), (5 * ps + 1, 20), (int(rng.integers(1, 90)), 1), (0, 18)]
+    specs = boundary + [
+        (0, 1),
+        (0, 7),
+        (2 * ps, 37),
+        (5 * ps + 1, 20),
+        (int(rng.integers(1, 90)), 1),
+        (0, 18),
+    ]
     q, k_new, v_new, cache, batch = random_step(rng, kvh, g, hd, ps, specs, pages=pages)
     native, reference = jax.jit(get_attention("native")), jax.jit(get_attention("reference"))
     real = sum(n for _, n in specs)
@@ -91,13 +115,28 @@ def test_registry_auto_and_forced_reference(monkeypatch):
 
 
 @requires_smollm2
-@pytest.mark.skipif(not kernels.native_available(), reason="native kernels not available (not built, or MINIVLLM_KERNELS=reference)")
+@pytest.mark.skipif(
+    not kernels.native_available(),
+    reason="native kernels not available (not built, or MINIVLLM_KERNELS=reference)",
+)
 def test_engine_on_native_attention_matches_hf_and_is_batch_invariant(smollm2_greedy):
-    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea, "
-               "there lived an old fisherman who " * 4, "Q: What is 2 + 2?\nA:"]  # fmt: skip
+    prompts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time, in a small village by the sea, there lived an old fisherman who " * 4,
+        "Q: What is 2 + 2?\nA:",
+    ]
     greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    llm = LLM("smollm2-135m", max_num_seqs=4, max_model_len=256, max_num_batched_tokens=32, num_pages=64,
-              attention="native", use_tqdm=False, warmup=False)  # fmt: skip  (32-token budget: the long prompt is chunked; compiles what it runs)
+    llm = LLM(
+        "smollm2-135m",
+        max_num_seqs=4,
+        max_model_len=256,
+        max_num_batched_tokens=32,
+        num_pages=64,
+        attention="native",
+        use_tqdm=False,
+        warmup=False,
+    )  # 32-token budget: the long prompt is chunked; compiles what it runs
     assert llm.engine.config.attention == "native"
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
     alone = [llm.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
@@ -106,8 +145,13 @@ def test_engine_on_native_attention_matches_hf_and_is_batch_invariant(smollm2_gr
         assert ours == smollm2_greedy(llm.tokenizer(prompt)["input_ids"], 32)[0], prompt
 
 
-@pytest.mark.skipif(not kernels.native_available(), reason="native kernels not available (not built, or MINIVLLM_KERNELS=reference)")
-@pytest.mark.parametrize("scheme,group_size", [("int8", 32), ("int4", 32), ("int4", 64), ("int4", 128)])
+@pytest.mark.skipif(
+    not kernels.native_available(),
+    reason="native kernels not available (not built, or MINIVLLM_KERNELS=reference)",
+)
+@pytest.mark.parametrize(
+    "scheme,group_size", [("int8", 32), ("int4", 32), ("int4", 64), ("int4", 128)]
+)
 @pytest.mark.parametrize("rows", [1, 3, 4, 6, 16, 64])
 def test_native_quantized_matmul_equals_reference(scheme, group_size, rows):
     """Every row-pass size (1-4, and passes of 4 with a remainder), each scheme and int4 group."""
@@ -115,14 +159,19 @@ def test_native_quantized_matmul_equals_reference(scheme, group_size, rows):
 
     rng = np.random.default_rng(rows)
     w = rng.standard_normal((256, 192)).astype(np.float32)
-    p = to_panels(quantize_projection({"kernel": w}, scheme, group_size))  # the layout the kernel reads
+    p = to_panels(
+        quantize_projection({"kernel": w}, scheme, group_size)
+    )  # the layout the kernel reads
     x = jnp.asarray(rng.standard_normal((rows, 256)).astype(np.float32))
     got = np.asarray(jax.jit(MATMUL["native"])(x, p))
     want = np.asarray(jax.jit(MATMUL["reference"])(x, p))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-@pytest.mark.skipif(not kernels.native_available(), reason="native kernels not available (not built, or MINIVLLM_KERNELS=reference)")
+@pytest.mark.skipif(
+    not kernels.native_available(),
+    reason="native kernels not available (not built, or MINIVLLM_KERNELS=reference)",
+)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
 @pytest.mark.parametrize("n_in,n_out", [(256, 192), (37, 64)])
 def test_native_float_matmul_equals_reference(rows, n_in, n_out):
@@ -141,10 +190,15 @@ def test_native_float_matmul_equals_reference(rows, n_in, n_out):
     assert uses_kernel == (1 < rows <= MAX_NATIVE_ROWS)
     odd = {"kernel": p["kernel"][:, :40]}
     assert "minivllm_matmul_f32" not in native.lower(x, odd).as_text()
-    np.testing.assert_allclose(np.asarray(native(x, odd)), want[:, :40], rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_allclose(
+        np.asarray(native(x, odd)), want[:, :40], rtol=1e-5, atol=1e-5 * np.abs(want).max()
+    )
 
 
-@pytest.mark.skipif(not kernels.native_available(), reason="native kernels not available (not built, or MINIVLLM_KERNELS=reference)")
+@pytest.mark.skipif(
+    not kernels.native_available(),
+    reason="native kernels not available (not built, or MINIVLLM_KERNELS=reference)",
+)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
 def test_native_transposed_float_matmul_equals_reference(rows):
     """A tied output head (`x @ embedding.T`) for every row-pass size; 1 row and rows past the
@@ -157,11 +211,16 @@ def test_native_transposed_float_matmul_equals_reference(rows):
     native = jax.jit(float_matmul_transposed_native)
     got, want = np.asarray(native(x, w)), np.asarray(x @ w.T)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-    assert ("minivllm_matmul_f32_t" in native.lower(x, w).as_text()) == (1 < rows <= MAX_NATIVE_ROWS)
+    assert ("minivllm_matmul_f32_t" in native.lower(x, w).as_text()) == (
+        1 < rows <= MAX_NATIVE_ROWS
+    )
 
 
 @requires_smollm2
-@pytest.mark.skipif(not kernels.native_available(), reason="native kernels not available (not built, or MINIVLLM_KERNELS=reference)")
+@pytest.mark.skipif(
+    not kernels.native_available(),
+    reason="native kernels not available (not built, or MINIVLLM_KERNELS=reference)",
+)
 def test_engine_quantized_native_matmul_matches_reference_matmul(monkeypatch):
     """SmolLM2 on int4 (its own Q4_1 grid) through the engine: the native matmul gives the
     reference's greedy tokens (int8 has the same code path; its kernel is checked above)."""
@@ -169,11 +228,20 @@ def test_engine_quantized_native_matmul_matches_reference_matmul(monkeypatch):
     for impl in ("native", "reference"):
         if impl == "reference":
             monkeypatch.setenv(kernels.FORCE_REFERENCE_ENV, "reference")
-        llm = LLM("smollm2-135m", quantization="int4", max_num_seqs=2, max_model_len=128,
-                  max_num_batched_tokens=32, use_tqdm=False, warmup=False)  # fmt: skip  (compiles what it runs)
+        llm = LLM(
+            "smollm2-135m",
+            quantization="int4",
+            max_num_seqs=2,
+            max_model_len=128,
+            max_num_batched_tokens=32,
+            use_tqdm=False,
+            warmup=False,
+        )  # compiles what it runs
         assert llm.engine.runner.matmul == impl
         prompts = ["The capital of France is", "def fibonacci(n):"]
-        res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+        res = llm.generate(
+            prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False
+        )
         outs[impl] = [o.outputs[0].token_ids for o in res]
         monkeypatch.delenv(kernels.FORCE_REFERENCE_ENV, raising=False)
     assert outs["native"] == outs["reference"]

@@ -14,8 +14,18 @@ from minivllm_jax import LLM, SamplingParams
 from minivllm_jax.config import EngineConfig, ModelConfig
 from minivllm_jax.kv_cache import as_stored, init_kv_cache, kv_bytes_per_token, write_kv
 
-CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                  head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=128)  # fmt: skip
+CFG = ModelConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    max_position_embeddings=128,
+)
 
 
 def test_write_kv_stores_int8_with_a_scale_per_token_and_head():
@@ -30,15 +40,27 @@ def test_write_kv_stores_int8_with_a_scale_per_token_and_head():
     cache = write_kv(cache, jnp.asarray(new_k), jnp.asarray(new_v), jnp.asarray(slots[None]))
     for i, slot in enumerate(slots):
         page, off = divmod(int(slot), 4)
-        k = np.asarray(cache.k[:, page, :, :, off], np.float32) * np.asarray(cache.k_scale[:, page, :, off])[..., None]
-        v = np.asarray(cache.v[:, page, :, off], np.float32) * np.asarray(cache.v_scale[:, page, :, off])[..., None]
+        k = (
+            np.asarray(cache.k[:, page, :, :, off], np.float32)
+            * np.asarray(cache.k_scale[:, page, :, off])[..., None]
+        )
+        v = (
+            np.asarray(cache.v[:, page, :, off], np.float32)
+            * np.asarray(cache.v_scale[:, page, :, off])[..., None]
+        )
         for got, want in ((k, new_k[:, 0, i]), (v, new_v[:, 0, i])):
             step = np.abs(want).max(-1, keepdims=True) / 127.0
             assert np.all(np.abs(got - want) <= step / 2 + 1e-7)
             np.testing.assert_array_equal(got, np.asarray(as_stored(cache, jnp.asarray(want))))
     untouched = np.ones(6 * 4, bool)
     untouched[slots] = False
-    assert not np.asarray(cache.k).reshape(2, 6, 2, 16, 4).transpose(0, 1, 4, 2, 3).reshape(2, 24, -1)[:, untouched].any()
+    assert (
+        not np.asarray(cache.k)
+        .reshape(2, 6, 2, 16, 4)
+        .transpose(0, 1, 4, 2, 3)
+        .reshape(2, 24, -1)[:, untouched]
+        .any()
+    )
 
 
 def test_kv_bytes_per_token_counts_values_and_scales():
@@ -57,14 +79,24 @@ def test_16_bit_float_pages_hold_the_bits_of_the_values_written(dtype):
     assert cache.k.dtype == cache.v.dtype == jnp.uint16 and not cache.quantized
     new_k, new_v = (jnp.asarray(rng.standard_normal((2, 1, 2, 2, 16)), dtype) for _ in range(2))
     cache = write_kv(cache, new_k, new_v, jnp.asarray([[9, 22]]))  # (page 2, offset 1), (5, 2)
-    got_k = jax.lax.bitcast_convert_type(cache.k[:, jnp.asarray([2, 5]), :, :, jnp.asarray([1, 2])], dtype)
-    got_v = jax.lax.bitcast_convert_type(cache.v[:, jnp.asarray([2, 5]), :, jnp.asarray([1, 2])], dtype)
-    np.testing.assert_array_equal(np.asarray(got_k, np.float32), np.asarray(new_k[:, 0].swapaxes(0, 1), np.float32))
-    np.testing.assert_array_equal(np.asarray(got_v, np.float32), np.asarray(new_v[:, 0].swapaxes(0, 1), np.float32))
+    got_k = jax.lax.bitcast_convert_type(
+        cache.k[:, jnp.asarray([2, 5]), :, :, jnp.asarray([1, 2])], dtype
+    )
+    got_v = jax.lax.bitcast_convert_type(
+        cache.v[:, jnp.asarray([2, 5]), :, jnp.asarray([1, 2])], dtype
+    )
+    np.testing.assert_array_equal(
+        np.asarray(got_k, np.float32), np.asarray(new_k[:, 0].swapaxes(0, 1), np.float32)
+    )
+    np.testing.assert_array_equal(
+        np.asarray(got_v, np.float32), np.asarray(new_v[:, 0].swapaxes(0, 1), np.float32)
+    )
 
 
 def test_bad_kv_cache_dtype_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'int8'\), got 'fp8'"):
+    with pytest.raises(
+        ValueError, match=r"kv_cache_dtype must be one of \('auto', 'int8'\), got 'fp8'"
+    ):
         EngineConfig(kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         LLM(str(tmp_path / "not-loaded"), kv_cache_dtype="int4")  # refused before any loading
@@ -80,7 +112,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
 def _llm(model: str, kv_cache_dtype: str, **kw) -> LLM:
-    args = dict(max_num_seqs=4, max_model_len=128, num_pages=64, max_num_batched_tokens=32, use_tqdm=False)
+    args = dict(
+        max_num_seqs=4, max_model_len=128, num_pages=64, max_num_batched_tokens=32, use_tqdm=False
+    )
     return LLM(model, kv_cache_dtype=kv_cache_dtype, **{**args, **kw})
 
 
@@ -104,7 +138,13 @@ def test_engine_on_int8_pages_agrees_with_fp32_and_is_invariant(tiny_model):
     assert [_tokens(llm, [p])[0] for p in PROMPTS] == batched
     assert _tokens(llm, PROMPTS) == batched  # the second time the prompts hit the prefix cache
     assert _tokens(_llm(tiny_model, "int8", max_num_batched_tokens=16), PROMPTS) == batched
-    assert _tokens(_llm(tiny_model, "int8", max_num_batched_tokens=64, enable_prefix_caching=False), PROMPTS) == batched
+    assert (
+        _tokens(
+            _llm(tiny_model, "int8", max_num_batched_tokens=64, enable_prefix_caching=False),
+            PROMPTS,
+        )
+        == batched
+    )
     assert llm.engine.block_manager.num_free_pages == llm.engine.config.num_pages - 1
 
 

@@ -26,8 +26,10 @@ def page(seed: int, quantized: bool = True) -> dict[str, np.ndarray]:
     """One page's arrays (`leaf[:, i]` of the cache): int8 K/V with float32 scales, or float32 K/V."""
     rng = np.random.default_rng(seed)
     if not quantized:
-        return {"k": rng.standard_normal((L, KVH, HD, PS), np.float32),
-                "v": rng.standard_normal((L, KVH, PS, HD), np.float32)}  # fmt: skip
+        return {
+            "k": rng.standard_normal((L, KVH, HD, PS), np.float32),
+            "v": rng.standard_normal((L, KVH, PS, HD), np.float32),
+        }
     return {
         "k": rng.integers(-127, 128, (L, KVH, HD, PS), dtype=np.int8),
         "v": rng.integers(-127, 128, (L, KVH, PS, HD), dtype=np.int8),
@@ -40,7 +42,9 @@ def chain(n: int, start: int = 0) -> list[tuple[bytes, bytes, tuple[int, ...]]]:
     """`n` chained pages (digest, parent, tokens) as the block manager keys them."""
     out, parent = [], ROOT_DIGEST
     for i in range(n):
-        tokens = tuple(range(1000 + (start + i) * PS, 1000 + (start + i + 1) * PS))  # 4 digits: equal file sizes
+        tokens = tuple(
+            range(1000 + (start + i) * PS, 1000 + (start + i + 1) * PS)
+        )  # 4 digits: equal file sizes
         digest = page_digest(parent, tokens)
         out.append((digest, parent, tokens))
         parent = digest
@@ -124,13 +128,18 @@ def test_wrong_parent_or_tokens_is_a_miss(store):
 
 @pytest.mark.parametrize(
     "damage, reason",
-    [("flip_payload", "HMAC mismatch"), ("truncate", "HMAC mismatch"), ("garbage_header", "HMAC mismatch"),
-     ("bad_magic", "magic"), ("empty", "unreadable")],
-)  # fmt: skip
+    [
+        ("flip_payload", "HMAC mismatch"),
+        ("truncate", "HMAC mismatch"),
+        ("garbage_header", "HMAC mismatch"),
+        ("bad_magic", "magic"),
+        ("empty", "unreadable"),
+    ],
+)
 def test_corrupt_file_is_a_miss_and_removed(store, caplog, damage, reason):
-    (d, p, t), = chain(1)  # fmt: skip
+    ((d, p, t),) = chain(1)
     assert store.save(d, p, t, page(0))
-    path, = page_files(store)  # fmt: skip
+    (path,) = page_files(store)
     data = bytearray(path.read_bytes())
     if damage == "flip_payload":
         data[-5] ^= 0x01
@@ -215,7 +224,7 @@ def test_restart_keeps_newest_by_mtime_and_cleans_stale_temp_files(tmp_path, sto
 
 
 def test_threads_saving_the_same_page(store):
-    (d, p, t), = chain(1)  # fmt: skip
+    ((d, p, t),) = chain(1)
     barrier, results = threading.Barrier(8), []
 
     def save() -> None:

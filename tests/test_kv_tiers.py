@@ -14,7 +14,15 @@ import pytest
 from minivllm_jax import SamplingParams
 from minivllm_jax.engine.block_manager import ROOT_DIGEST, page_digest
 from minivllm_jax.engine.engine import LLMEngine
-from tests.test_engine_paths import MAX_LEN, PAGE, greedy, idle_free_pages, llm, random_ids, run_all, side_engine, tiny  # noqa: F401
+from tests.test_engine_paths import (
+    MAX_LEN,
+    PAGE,
+    greedy,
+    idle_free_pages,
+    random_ids,
+    run_all,
+    side_engine,
+)  # noqa: F401
 
 TIGHT_PAGES = 1 + MAX_LEN // PAGE  # one full-length sequence: four prompts preempt each other
 
@@ -48,12 +56,19 @@ def ample_outputs(llm, pressure_workload):  # noqa: F811
 
 @pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
 @pytest.mark.parametrize("async_scheduling", [True, False])
-def test_preemption_modes_give_the_same_tokens(llm, pressure_workload, ample_outputs, mode, async_scheduling):  # noqa: F811
+def test_preemption_modes_give_the_same_tokens(
+    llm, pressure_workload, ample_outputs, mode, async_scheduling
+):  # noqa: F811
     """Under page pressure (pages for one full-length sequence, four prompts) every request
     finishes with the tokens of an unpressured run, in every preemption mode; swap and auto
     really swap, and the pool and pages are all back afterwards."""
-    engine = side_engine(llm, num_pages=TIGHT_PAGES, max_num_batched_tokens=64, preemption_mode=mode,
-                         async_scheduling=async_scheduling)  # fmt: skip
+    engine = side_engine(
+        llm,
+        num_pages=TIGHT_PAGES,
+        max_num_batched_tokens=64,
+        preemption_mode=mode,
+        async_scheduling=async_scheduling,
+    )
     got = run_all(engine, *pressure_workload)
     assert_same_tokens(got, ample_outputs)
     assert engine.scheduler.num_preemptions > 0
@@ -67,27 +82,42 @@ def test_preemption_modes_give_the_same_tokens(llm, pressure_workload, ample_out
 
 def test_full_swap_pool_falls_back_to_recompute(llm, pressure_workload, ample_outputs):  # noqa: F811
     """A pool too small for any sequence's pages: preemption recomputes instead, same tokens."""
-    engine = side_engine(llm, num_pages=TIGHT_PAGES, max_num_batched_tokens=64, preemption_mode="swap",
-                         swap_space_gb=1e-9)  # fmt: skip
+    engine = side_engine(
+        llm,
+        num_pages=TIGHT_PAGES,
+        max_num_batched_tokens=64,
+        preemption_mode="swap",
+        swap_space_gb=1e-9,
+    )
     got = run_all(engine, *pressure_workload)
     assert_same_tokens(got, ample_outputs)
     assert engine.scheduler.swap_pool.capacity_pages == 0
-    assert engine.scheduler.swap_pool.num_swap_outs == 0 and engine.scheduler.swap_pool.num_recomputes > 0
+    assert (
+        engine.scheduler.swap_pool.num_swap_outs == 0
+        and engine.scheduler.swap_pool.num_recomputes > 0
+    )
     assert_idle(engine)
 
 
 def test_auto_recomputes_when_copies_cost_more(llm, pressure_workload, ample_outputs):  # noqa: F811
     """The cost model: with page copies made to look slower than prefill, auto recomputes."""
-    engine = side_engine(llm, num_pages=TIGHT_PAGES, max_num_batched_tokens=64, preemption_mode="auto")
+    engine = side_engine(
+        llm, num_pages=TIGHT_PAGES, max_num_batched_tokens=64, preemption_mode="auto"
+    )
     engine.scheduler.swap_pool.bytes_per_second = 1.0  # a copy of any page takes "forever"
     engine.scheduler.costs.observe(64, 0.01)  # and a prompt token has been measured
     got = run_all(engine, *pressure_workload)
     assert_same_tokens(got, ample_outputs)
-    assert engine.scheduler.swap_pool.num_swap_outs == 0 and engine.scheduler.swap_pool.num_recomputes > 0
+    assert (
+        engine.scheduler.swap_pool.num_swap_outs == 0
+        and engine.scheduler.swap_pool.num_recomputes > 0
+    )
 
 
 def test_abort_while_swapped_out_frees_the_pool(llm, pressure_workload):  # noqa: F811
-    engine = side_engine(llm, num_pages=TIGHT_PAGES, max_num_batched_tokens=64, preemption_mode="swap")
+    engine = side_engine(
+        llm, num_pages=TIGHT_PAGES, max_num_batched_tokens=64, preemption_mode="swap"
+    )
     prompts, params = pressure_workload
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     while not any(s.swapped is not None for s in engine.scheduler.waiting):
@@ -172,7 +202,9 @@ def test_evicted_pages_reach_disk_and_come_back(llm, tmp_path):  # noqa: F811
     prompts = shared_prefix_prompts(1) + [random_ids(4400 + i, 150) for i in range(3)]
     params = [greedy(8)] * len(prompts)
     want = run_all(side_engine(llm), prompts + prompts[:1], params + params[:1])
-    engine = disk_engine(llm, tmp_path, num_pages=TIGHT_PAGES, max_num_batched_tokens=64, max_num_seqs=1)
+    engine = disk_engine(
+        llm, tmp_path, num_pages=TIGHT_PAGES, max_num_batched_tokens=64, max_num_seqs=1
+    )
     got = run_all(engine, prompts, params)
     engine.tiers.disk.flush()
     assert engine.tiers.disk.num_written >= 5
@@ -201,10 +233,17 @@ def test_disk_budget_holds(llm, tmp_path):  # noqa: F811
 # ---------------------------------------------------------------- KV compression in the engine
 
 WINDOW = {"policy": "sink_window", "sink_tokens": 4, "window_tokens": 2 * PAGE}
-SCORES = {"policy": "page_scores", "sink_tokens": 4, "window_tokens": 2 * PAGE, "budget_tokens": 5 * PAGE}
+SCORES = {
+    "policy": "page_scores",
+    "sink_tokens": 4,
+    "window_tokens": 2 * PAGE,
+    "budget_tokens": 5 * PAGE,
+}
 
 
-def pages_per_step(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> tuple[list[int], list]:
+def pages_per_step(
+    engine: LLMEngine, prompt: list[int], params: SamplingParams
+) -> tuple[list[int], list]:
     """Pages the request holds after each step, and its output."""
     request_id = engine.add_request(prompt, params)
     held, out = [], None
@@ -236,10 +275,14 @@ def test_compression_is_per_request_and_leaves_other_rows_alone(llm):  # noqa: F
     prompts = [random_ids(4700, 30), random_ids(4701, 30)]
     solo = run_all(side_engine(llm), prompts, [greedy(200)] * 2)
     engine = side_engine(llm, allow_request_kv_compression=True)
-    compressed = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, kv_compression=WINDOW)
+    compressed = SamplingParams(
+        temperature=0.0, max_tokens=200, ignore_eos=True, kv_compression=WINDOW
+    )
     got = run_all(engine, prompts, [compressed, greedy(200)])
     assert got[1].outputs[0].token_ids == solo[1].outputs[0].token_ids
-    first_drop = 4 * PAGE - 30  # 4 full pages exist before the sink page + 2 window pages are exceeded
+    first_drop = (
+        4 * PAGE - 30
+    )  # 4 full pages exist before the sink page + 2 window pages are exceeded
     assert got[0].outputs[0].token_ids[:first_drop] == solo[0].outputs[0].token_ids[:first_drop]
     assert engine.num_dropped_pages > 0
     assert_idle(engine)

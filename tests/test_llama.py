@@ -65,9 +65,19 @@ def test_full_sequence_logits_match_hf(variant):
 def test_per_layer_params_are_read_in_place():
     """The layer loop must not slice weights out of a stacked array: XLA copies such a slice on
     every step (about half of a batch-1 decode step on this CPU)."""
-    cfg = ModelConfig(vocab_size=128, hidden_size=48, intermediate_size=80, num_layers=3, num_heads=4,
-                      num_kv_heads=2, head_dim=12, rms_norm_eps=1e-5, rope_theta=1e4,
-                      max_position_embeddings=64, tie_word_embeddings=True)  # fmt: skip
+    cfg = ModelConfig(
+        vocab_size=128,
+        hidden_size=48,
+        intermediate_size=80,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=12,
+        rms_norm_eps=1e-5,
+        rope_theta=1e4,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
     params = init_params(cfg, jax.random.PRNGKey(0))
     serving = unstack_layers(params)
     assert len(serving["layers"]) == cfg.num_layers and unstack_layers(serving) is serving
@@ -79,7 +89,9 @@ def test_per_layer_params_are_read_in_place():
         hlo = forward_jit.lower(p, cache, batch, cfg).compile().as_text()
         ops = [line.split(" = ", 1)[1].split(" ", 1) for line in hlo.splitlines() if " = " in line]
         copies = ("fusion(", "slice(", "dynamic-slice(", "copy(")
-        return sum(shape.split("{")[0] in mlp_kernels and rest.startswith(copies) for shape, rest in ops)
+        return sum(
+            shape.split("{")[0] in mlp_kernels and rest.startswith(copies) for shape, rest in ops
+        )
 
     assert weight_copies(params) > 0  # the check sees the copies the stacked layout makes
     assert weight_copies(serving) == 0
@@ -96,7 +108,9 @@ def test_incremental_decode_matches_full_forward(variant):
     logits, cache = forward_jit(params, cache, single_sequence_batch(ids[:13], 0, pages, 4), cfg)
     np.testing.assert_allclose(np.asarray(logits[0]), ref[12], atol=1e-4, rtol=0)
     for t in range(13, len(ids)):
-        logits, cache = forward_jit(params, cache, single_sequence_batch(ids[t : t + 1], t, pages, 4), cfg)
+        logits, cache = forward_jit(
+            params, cache, single_sequence_batch(ids[t : t + 1], t, pages, 4), cfg
+        )
         np.testing.assert_allclose(np.asarray(logits[0]), ref[t], atol=1e-4, rtol=0)
 
 
@@ -105,7 +119,11 @@ def test_greedy_32_tokens_match_hf_generate(variant):
     prompt = np.random.RandomState(2).randint(3, cfg.vocab_size, size=11)
     with torch.no_grad():
         out = hf.generate(
-            torch.tensor(prompt[None]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0
+            torch.tensor(prompt[None]),
+            max_new_tokens=32,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
         )
     expected = out[0, len(prompt) :].tolist()
     assert greedy_generate(params, cfg, prompt.tolist(), 32, page_size=4) == expected
@@ -114,6 +132,8 @@ def test_greedy_32_tokens_match_hf_generate(variant):
 def test_scratch_page_is_untouched_by_real_tokens(variant):
     _, cfg, params = variant
     cache = init_kv_cache(cfg, num_pages=4, page_size=4, dtype=jnp.float32)
-    _, cache = forward_jit(params, cache, single_sequence_batch(np.arange(3, 10), 0, [2, 3], 4), cfg)
+    _, cache = forward_jit(
+        params, cache, single_sequence_batch(np.arange(3, 10), 0, [2, 3], 4), cfg
+    )
     assert float(jnp.abs(cache.k[:, 0]).max()) == 0.0
     assert float(jnp.abs(cache.k[:, 2]).max()) > 0.0

@@ -14,7 +14,9 @@ from convert.reader import read_checkpoint
 from tests.conftest import make_tiny_llama, requires_smollm2
 from tests.test_convert import write_tiny_gguf
 
-has_llama_cpp = pytest.mark.skipif(not llamacpp_peer.available()[0], reason=llamacpp_peer.INSTALL_HINT)
+has_llama_cpp = pytest.mark.skipif(
+    not llamacpp_peer.available()[0], reason=llamacpp_peer.INSTALL_HINT
+)
 
 
 def _leaves(params) -> dict:
@@ -32,7 +34,12 @@ def test_f32_gguf_loads_to_the_same_params_as_q4_1(tmp_path):
     reader, copy = gguf.GGUFReader(str(src)), gguf.GGUFReader(str(dst))
     assert {t.tensor_type.name for t in copy.tensors} == {"F32"}
     assert copy.fields["general.file_type"].contents() == gguf.LlamaFileType.ALL_F32
-    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.chat_template", "llama.rope.freq_base"):
+    for key in (
+        "tokenizer.ggml.tokens",
+        "tokenizer.ggml.merges",
+        "tokenizer.chat_template",
+        "llama.rope.freq_base",
+    ):
         assert copy.fields[key].contents() == reader.fields[key].contents(), key
     want_cfg, want = read_checkpoint(src, progress=False)
     got_cfg, got = read_checkpoint(dst, progress=False)
@@ -50,7 +57,10 @@ def test_f16_gguf_keeps_norms_f32(tmp_path):
     dst = llamacpp_peer.write_dequantized_gguf(src, tmp_path / "tiny-F16.gguf", "f16")
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(dst)).tensors}
     assert types["blk.0.attn_norm.weight"] == "F32" and types["blk.0.attn_q.weight"] == "F16"
-    want, got = _leaves(read_checkpoint(src, progress=False)[1]), _leaves(read_checkpoint(dst, progress=False)[1])
+    want, got = (
+        _leaves(read_checkpoint(src, progress=False)[1]),
+        _leaves(read_checkpoint(dst, progress=False)[1]),
+    )
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-3, atol=1e-4, err_msg=name)
     with pytest.raises(ValueError, match="f16 or f32"):
@@ -73,7 +83,10 @@ def _peer_args(*argv: str) -> argparse.Namespace:
 
 
 def test_peer_skip_reasons(tmp_path, monkeypatch):
-    assert llamacpp_peer.peer_models(_peer_args("--model", "x", "--no-llamacpp")) == ({}, "--no-llamacpp")
+    assert llamacpp_peer.peer_models(_peer_args("--model", "x", "--no-llamacpp")) == (
+        {},
+        "--no-llamacpp",
+    )
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if not installed
     paths, why = llamacpp_peer.peer_models(_peer_args("--model", str(tmp_path)))
     assert paths == {} and "pip install -e '.[peer]' or make bench" in why
@@ -97,7 +110,9 @@ def test_batched_run_gives_exact_lengths_and_batch1_tokens():
     with llamacpp_peer.LlamaCppPeer(llamacpp_peer.source_gguf("smollm2-135m"), threads=1) as peer:
         batched = peer.run(prompts, lens, n_parallel=2)
         single = [peer.run([p], [n], n_parallel=1).token_ids[0] for p, n in zip(prompts, lens)]
-    assert [len(t) for t in batched.token_ids] == lens and [len(t) for t in batched.token_times] == lens
+    assert [len(t) for t in batched.token_ids] == lens and [
+        len(t) for t in batched.token_times
+    ] == lens
     # Batched and single runs take different matmul paths; greedy tokens still start the same.
     assert [t[0] for t in batched.token_ids] == [t[0] for t in single]
     assert all(llamacpp_peer.common_prefix(a, b) >= 2 for a, b in zip(batched.token_ids, single))

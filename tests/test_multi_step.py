@@ -14,24 +14,42 @@ def model_dir(tiny_model_with_tokenizer):
 
 
 def _llm(path, k: int, **kw) -> LLM:
-    return LLM(str(path), max_num_seqs=8, max_model_len=96, max_num_batched_tokens=32, num_scheduler_steps=k,
-               use_tqdm=False, **kw)  # fmt: skip
+    return LLM(
+        str(path),
+        max_num_seqs=8,
+        max_model_len=96,
+        max_num_batched_tokens=32,
+        num_scheduler_steps=k,
+        use_tqdm=False,
+        **kw,
+    )
 
 
 PROMPTS = [[3 + (i * 7 + j) % 100 for j in range(5 + 3 * i)] for i in range(7)]
 PARAMS = [
     SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
     SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=25, ignore_eos=True),
-    SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[50, 60, 70, 80], ignore_eos=True),
+    SamplingParams(
+        temperature=0.0, max_tokens=40, stop_token_ids=[50, 60, 70, 80], ignore_eos=True
+    ),
     SamplingParams(temperature=1.0, seed=1, max_tokens=40, logprobs=2),
-    SamplingParams(temperature=0.0, max_tokens=33, repetition_penalty=1.3, frequency_penalty=0.4, ignore_eos=True),
+    SamplingParams(
+        temperature=0.0,
+        max_tokens=33,
+        repetition_penalty=1.3,
+        frequency_penalty=0.4,
+        ignore_eos=True,
+    ),
     SamplingParams(temperature=0.0, max_tokens=1),
     SamplingParams(temperature=0.9, seed=5, n=3, max_tokens=21, stop=["w9", "w11"]),
 ]
 
 
 def _summary(outputs):
-    return [[(c.token_ids, c.finish_reason, c.stop_reason, c.text, c.logprobs) for c in o.outputs] for o in outputs]
+    return [
+        [(c.token_ids, c.finish_reason, c.stop_reason, c.text, c.logprobs) for c in o.outputs]
+        for o in outputs
+    ]
 
 
 @pytest.fixture(scope="module")

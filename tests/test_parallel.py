@@ -17,26 +17,39 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import make_tiny_llama, requires_smollm2, save_tiny_tokenizer
 from minivllm_jax.config import ModelConfig
 from minivllm_jax.engine.router import PrefixRouter
 from minivllm_jax.parallel import check_tensor_parallel, kv_replicas, local_config, stored_config
+from tests.conftest import make_tiny_llama, requires_smollm2, save_tiny_tokenizer
 
 WORKER = Path(__file__).with_name("parallel_worker.py")
 ROOT = WORKER.parents[1]
 
 
 def run_worker(*args: str, devices: int = 4, env: dict | None = None, timeout: float = 600) -> dict:
-    environ = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-               "PYTHONPATH": str(ROOT), **(env or {})}  # fmt: skip
-    proc = subprocess.run([sys.executable, str(WORKER), *args], capture_output=True, text=True, env=environ,
-                          timeout=timeout, cwd=ROOT)  # fmt: skip
+    environ = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "PYTHONPATH": str(ROOT),
+        **(env or {}),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), *args],
+        capture_output=True,
+        text=True,
+        env=environ,
+        timeout=timeout,
+        cwd=ROOT,
+    )
     return _result(proc.returncode, proc.stdout, proc.stderr)
 
 
 def _result(returncode: int, stdout: str, stderr: str) -> dict:
     lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
-    assert returncode == 0 and lines, f"worker failed ({returncode}):\n{stdout[-3000:]}\n{stderr[-5000:]}"
+    assert returncode == 0 and lines, (
+        f"worker failed ({returncode}):\n{stdout[-3000:]}\n{stderr[-5000:]}"
+    )
     return json.loads(lines[-1][len("RESULT ") :])
 
 
@@ -50,9 +63,19 @@ def gqa_model(tmp_path_factory) -> str:
 
 
 def smollm2_config() -> ModelConfig:
-    return ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-                       num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=1e5, max_position_embeddings=8192,
-                       tie_word_embeddings=True)  # fmt: skip
+    return ModelConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_theta=1e5,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    )
 
 
 # ------------------------------------------------------------------------ host-side units
@@ -61,15 +84,30 @@ def smollm2_config() -> ModelConfig:
 def test_sizes_that_do_not_divide_the_heads_are_refused_naming_those_that_do():
     cfg = smollm2_config()
     check_tensor_parallel(cfg, 3)  # 3 query heads and 1 KV head a device
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide num_attention_heads=9.*splits \[1, 3\] ways"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor_parallel_size=2 does not divide num_attention_heads=9.*splits \[1, 3\] ways",
+    ):
         check_tensor_parallel(cfg, 2)
-    with pytest.raises(ValueError, match="intermediate_size=1536"):  # 9 divides the heads, not the MLP
+    with pytest.raises(
+        ValueError, match="intermediate_size=1536"
+    ):  # 9 divides the heads, not the MLP
         check_tensor_parallel(cfg, 9)
 
 
 def test_fewer_kv_heads_than_devices_repeats_each_kv_head():
-    cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=2,
-                      head_dim=8, rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=512)  # fmt: skip
+    cfg = ModelConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-5,
+        rope_theta=1e4,
+        max_position_embeddings=512,
+    )
     assert kv_replicas(cfg, 2) == 1 and kv_replicas(cfg, 4) == 2 and kv_replicas(cfg, 8) == 4
     stored = stored_config(cfg, 4)
     assert stored.num_kv_heads == 4
@@ -103,7 +141,9 @@ def test_router_keeps_a_prefix_on_its_replica_and_balances_the_rest():
 def test_more_devices_than_exist_is_a_clear_error():
     from minivllm_jax.llm import replica_meshes
 
-    with pytest.raises(ValueError, match="needs 2 devices; 1 cpu device.*xla_force_host_platform_device_count"):
+    with pytest.raises(
+        ValueError, match="needs 2 devices; 1 cpu device.*xla_force_host_platform_device_count"
+    ):
         replica_meshes(2, 1)
     with pytest.raises(ValueError, match="data_parallel_size must be >= 1"):
         replica_meshes(1, 0)
@@ -134,10 +174,16 @@ def test_tensor_parallel_step_has_two_all_reduces_a_layer(gqa_model):
     vocabulary-split embedding lookup, and one all-gather of the vocabulary-split logits."""
     result = run_worker("hlo", gqa_model, "2")
     measured, expected = result["measured"], result["expected"]
-    assert measured["all-reduce"]["count"] == expected["all-reduce"]["count"] == 2 * 2 + 1  # 2 layers
-    assert measured["all-reduce"]["bytes_each"] == [expected["all-reduce"]["bytes_each"]] == [64 * 4]
+    assert (
+        measured["all-reduce"]["count"] == expected["all-reduce"]["count"] == 2 * 2 + 1
+    )  # 2 layers
+    assert (
+        measured["all-reduce"]["bytes_each"] == [expected["all-reduce"]["bytes_each"]] == [64 * 4]
+    )
     assert measured["all-gather"]["count"] == expected["all-gather"]["count"] == 1
-    assert measured["all-gather"]["bytes_each"] == [expected["all-gather"]["bytes_each"]] == [128 * 4]
+    assert (
+        measured["all-gather"]["bytes_each"] == [expected["all-gather"]["bytes_each"]] == [128 * 4]
+    )
     for op in ("reduce-scatter", "all-to-all", "collective-permute"):
         assert measured[op]["count"] == 0, op
 
@@ -161,11 +207,21 @@ def test_two_processes_generate_the_tokens_of_one(gqa_model):
     from minivllm_jax import LLM
 
     coordinator = f"127.0.0.1:{_free_port()}"
-    environ = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
-               "PYTHONPATH": str(ROOT)}  # fmt: skip
+    environ = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+        "PYTHONPATH": str(ROOT),
+    }
     procs = [
-        subprocess.Popen([sys.executable, str(WORKER), "process", gqa_model, coordinator, "2", str(pid)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ, cwd=ROOT)  # fmt: skip
+        subprocess.Popen(
+            [sys.executable, str(WORKER), "process", gqa_model, coordinator, "2", str(pid)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=environ,
+            cwd=ROOT,
+        )
         for pid in (0, 1)
     ]
     try:

@@ -27,9 +27,13 @@ def _args(n: int = 8):
 
 
 def test_stored_program_loads_and_computes_the_same(tmp_path):
-    first, loaded = ProgramCache(tmp_path).load_or_compile(("f",), scale_and_add, _args(), {"factor": 3.0})
+    first, loaded = ProgramCache(tmp_path).load_or_compile(
+        ("f",), scale_and_add, _args(), {"factor": 3.0}
+    )
     assert not loaded and len(list(tmp_path.glob("*.program"))) == 1
-    again, loaded = ProgramCache(tmp_path).load_or_compile(("f",), scale_and_add, _args(), {"factor": 3.0})
+    again, loaded = ProgramCache(tmp_path).load_or_compile(
+        ("f",), scale_and_add, _args(), {"factor": 3.0}
+    )
     assert loaded
     for out_a, out_b in zip(first(*_args()), again(*_args())):
         np.testing.assert_array_equal(out_a, out_b)
@@ -38,7 +42,9 @@ def test_stored_program_loads_and_computes_the_same(tmp_path):
 
 def test_donation_survives_the_round_trip(tmp_path):
     ProgramCache(tmp_path).load_or_compile(("f",), scale_and_add, _args(), {"factor": 2.0})
-    program, loaded = ProgramCache(tmp_path).load_or_compile(("f",), scale_and_add, _args(), {"factor": 2.0})
+    program, loaded = ProgramCache(tmp_path).load_or_compile(
+        ("f",), scale_and_add, _args(), {"factor": 2.0}
+    )
     x, y = _args()
     assert loaded
     program(x, y)
@@ -66,14 +72,20 @@ def test_corrupt_file_is_a_logged_miss(tmp_path, caplog, damage):
         blob[len(blob) // 2] ^= 0xFF
     path.write_bytes(bytes(blob))
     with caplog.at_level(logging.WARNING, logger="minivllm_jax.program_cache"):
-        program, loaded = ProgramCache(tmp_path).load_or_compile(("f",), scale_and_add, _args(), {"factor": 2.0})
+        program, loaded = ProgramCache(tmp_path).load_or_compile(
+            ("f",), scale_and_add, _args(), {"factor": 2.0}
+        )
     assert not loaded and "checksum mismatch" in caplog.text
     np.testing.assert_array_equal(program(*_args())[0], np.arange(8) * 2.0 + 1)
-    assert ProgramCache(tmp_path).load_or_compile(("f",), scale_and_add, _args(), {"factor": 2.0})[1]  # rewritten
+    assert ProgramCache(tmp_path).load_or_compile(("f",), scale_and_add, _args(), {"factor": 2.0})[
+        1
+    ]  # rewritten
 
 
 def test_without_a_directory_it_only_compiles(tmp_path):
-    program, loaded = ProgramCache(None).load_or_compile(("f",), scale_and_add, _args(), {"factor": 2.0})
+    program, loaded = ProgramCache(None).load_or_compile(
+        ("f",), scale_and_add, _args(), {"factor": 2.0}
+    )
     assert not loaded
     np.testing.assert_array_equal(program(*_args())[0], np.arange(8) * 2.0 + 1)
 
@@ -85,17 +97,27 @@ def test_engine_warm_start_loads_every_program(tiny_model_with_tokenizer, tmp_pa
     attention too: its kernels must be registered before a program that calls them loads."""
     if attention == "native" and not kernels.native_available():
         pytest.skip("native kernels not available (not built, or MINIVLLM_KERNELS=reference)")
-    kwargs = dict(max_num_seqs=4, max_model_len=128, num_pages=24, use_tqdm=False, compilation_cache_dir=str(tmp_path),
-                  attention=attention)  # fmt: skip
+    kwargs = dict(
+        max_num_seqs=4,
+        max_model_len=128,
+        num_pages=24,
+        use_tqdm=False,
+        compilation_cache_dir=str(tmp_path),
+        attention=attention,
+    )
     prompts = [[5, 6, 7, 8, 9], list(range(10, 40))]
-    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
-              SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)]  # fmt: skip
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True),
+    ]
     cold = LLM(str(tiny_model_with_tokenizer), **kwargs)
     assert cold.engine.num_programs_loaded == 0 and cold.engine.num_compiles > 0
     expected = [o.outputs[0].token_ids for o in cold.generate(prompts, params, use_tqdm=False)]
     warm = LLM(str(tiny_model_with_tokenizer), **kwargs)
     assert warm.engine.num_programs_loaded == warm.engine.num_compiles == cold.engine.num_compiles
-    assert [o.outputs[0].token_ids for o in warm.generate(prompts, params, use_tqdm=False)] == expected
+    assert [
+        o.outputs[0].token_ids for o in warm.generate(prompts, params, use_tqdm=False)
+    ] == expected
     assert warm.engine.num_compiles == cold.engine.num_compiles  # nothing compiled after warm-up
 
 
@@ -123,14 +145,22 @@ def test_program_from_xlas_cache_is_used_not_stored(tmp_path):
 
     def run(*argv: str) -> str:
         cmd = [sys.executable, "-c", XLA_CACHE_SCRIPT, str(tmp_path / "xla"), *argv]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        proc = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         return proc.stdout.split()
 
     fresh = tmp_path / "fresh"
     run("xla-only", "")  # XLA's cache now holds f
     assert run("program-cache", str(tmp_path / "programs")) == ["False", "4951.0"]
-    assert list((tmp_path / "programs").glob("*.program")) == []  # came from XLA's cache: not stored
+    assert (
+        list((tmp_path / "programs").glob("*.program")) == []
+    )  # came from XLA's cache: not stored
     (tmp_path / "xla").rename(tmp_path / "xla-old")  # now XLA compiles it afresh: stored, and loads
     assert run("program-cache", str(fresh)) == ["False", "4951.0"]
     assert run("program-cache", str(fresh)) == ["True", "4951.0"]

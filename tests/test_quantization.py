@@ -14,6 +14,7 @@ from minivllm_jax import LLM, SamplingParams, kernels
 from minivllm_jax.models.llama import init_params, unstack_layers
 from minivllm_jax.quantization import (
     dequantize,
+    from_panels,
     lookup_embedding,
     pack_int4,
     pack_vnni,
@@ -24,7 +25,6 @@ from minivllm_jax.quantization import (
     quantize_projection,
     quantize_w8a8,
     serving_layout,
-    from_panels,
     to_panels,
     unpack_int4,
     unpack_vnni,
@@ -32,17 +32,23 @@ from minivllm_jax.quantization import (
 )
 from tests.conftest import make_tiny_llama, save_tiny_tokenizer
 
-requires_native = pytest.mark.skipif(not kernels.native_available(),
-                                     reason="native kernels not available (not built, or MINIVLLM_KERNELS=reference)")
+requires_native = pytest.mark.skipif(
+    not kernels.native_available(),
+    reason="native kernels not available (not built, or MINIVLLM_KERNELS=reference)",
+)
 
 
 def test_int8_error_is_at_most_half_a_step_per_channel():
-    w = np.random.default_rng(0).standard_normal((96, 40)).astype(np.float32) * np.linspace(0.01, 3, 40)
+    w = np.random.default_rng(0).standard_normal((96, 40)).astype(np.float32) * np.linspace(
+        0.01, 3, 40
+    )
     p = quantize_int8(w)
     assert p["qweight"].dtype == np.int8 and p["scales"].shape == (40,)
     err = np.abs(np.asarray(dequantize(p)) - w)
     assert np.all(err <= np.asarray(p["scales"]) / 2 + 1e-6)
-    assert np.abs(np.asarray(p["qweight"])).max() == 127  # each column's largest weight uses the full range
+    assert (
+        np.abs(np.asarray(p["qweight"])).max() == 127
+    )  # each column's largest weight uses the full range
 
 
 def test_int4_packing_round_trips_exactly():
@@ -74,12 +80,27 @@ def test_bad_schemes_and_shapes_are_refused():
 def test_policy_quantizes_every_projection_and_shrinks_them():
     from minivllm_jax.config import ModelConfig
 
-    cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=256,
-                      tie_word_embeddings=True)  # fmt: skip
-    untied = quantize_params(init_params(dataclasses.replace(cfg, tie_word_embeddings=False), jax.random.PRNGKey(0)),
-                             "int4")  # fmt: skip
-    assert untied["lm_head"]["qweight"].shape == (64, 128) and untied["embed_tokens"].dtype == np.float32
+    cfg = ModelConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=1e4,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    untied = quantize_params(
+        init_params(dataclasses.replace(cfg, tie_word_embeddings=False), jax.random.PRNGKey(0)),
+        "int4",
+    )
+    assert (
+        untied["lm_head"]["qweight"].shape == (64, 128)
+        and untied["embed_tokens"].dtype == np.float32
+    )
     stacked = init_params(cfg, jax.random.PRNGKey(0))
     params = unstack_layers(stacked)
     expected = {  # bytes of one [in, out] projection: weights, then scales (and int4's minimums)
@@ -91,22 +112,31 @@ def test_policy_quantizes_every_projection_and_shrinks_them():
         q = quantize_params(params, scheme)
         # The tied embedding becomes the int8 head [hidden, vocab] (+ a scale per entry), whatever the
         # scheme; the lookup reads it back within half a step of each entry.
-        assert param_bytes(q["embed_tokens"]) == 128 * 64 + 4 * 128 and q["embed_tokens"]["qweight"].shape == (64, 128)
+        assert param_bytes(q["embed_tokens"]) == 128 * 64 + 4 * 128 and q["embed_tokens"][
+            "qweight"
+        ].shape == (64, 128)
         tokens = jax.numpy.asarray([0, 5, 127, 5])
         rows = np.asarray(lookup_embedding(q["embed_tokens"], tokens, np.float32))
         err = np.abs(rows - np.asarray(params["embed_tokens"])[np.asarray(tokens)])
-        assert np.all(err <= np.asarray(q["embed_tokens"]["scales"])[np.asarray(tokens)][:, None] / 2 + 1e-6)
+        assert np.all(
+            err <= np.asarray(q["embed_tokens"]["scales"])[np.asarray(tokens)][:, None] / 2 + 1e-6
+        )
         for lp, qp in zip(params["layers"], q["layers"]):
             for name, proj in lp.items():
                 if not (isinstance(proj, dict) and "kernel" in proj):
                     assert param_bytes(qp[name]) == param_bytes(proj)  # norms stay as they are
                     continue
                 assert "kernel" not in qp[name]  # no full-precision copy
-                assert param_bytes(qp[name]) == size(*proj["kernel"].shape) + param_bytes(proj.get("bias", ()))
+                assert param_bytes(qp[name]) == size(*proj["kernel"].shape) + param_bytes(
+                    proj.get("bias", ())
+                )
         # Quantizing the stored (stacked) layout, as loading and converting do, gives the same arrays
         # (unstacking lays them out as panels for the kernels).
         served = serving_layout(q)
-        for a, b in zip(jax.tree.leaves(unstack_layers(quantize_params(stacked, scheme))), jax.tree.leaves(served)):
+        for a, b in zip(
+            jax.tree.leaves(unstack_layers(quantize_params(stacked, scheme))),
+            jax.tree.leaves(served),
+        ):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -123,14 +153,25 @@ def _greedy(model: str, quantization: str | None):
 
 
 def _greedy_outputs(model: str, quantization: str | None, logprobs: int | None = None):
-    llm = LLM(model, quantization=quantization, max_num_seqs=2, max_model_len=128, num_pages=64,
-              max_num_batched_tokens=32, use_tqdm=False)  # fmt: skip
+    llm = LLM(
+        model,
+        quantization=quantization,
+        max_num_seqs=2,
+        max_model_len=128,
+        num_pages=64,
+        max_num_batched_tokens=32,
+        use_tqdm=False,
+    )
     compiles = llm.engine.runner.num_compiles
-    assert llm.engine.runner.cache.k.dtype == np.float32  # the model's dtype, never a quantized leaf's
+    assert (
+        llm.engine.runner.cache.k.dtype == np.float32
+    )  # the model's dtype, never a quantized leaf's
     prompts = [[3 + (7 * i + j) % 120 for j in range(5 + 3 * i)] for i in range(6)]
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=logprobs)
     outs = llm.generate(prompts, greedy, use_tqdm=False)
-    assert llm.engine.runner.num_compiles == compiles  # quantized weights add no program after warm-up
+    assert (
+        llm.engine.runner.num_compiles == compiles
+    )  # quantized weights add no program after warm-up
     return [o.outputs[0] for o in outs]
 
 
@@ -150,10 +191,14 @@ def test_engine_int8_greedy_agrees_with_fp32_and_int4_runs(tiny_model):
 
 
 def test_vnni_packing_round_trips_and_pads_the_inputs():
-    q = np.random.default_rng(3).integers(-127, 128, (2, 70, 48)).astype(np.int8)  # stacked, in not a multiple of 4
+    q = (
+        np.random.default_rng(3).integers(-127, 128, (2, 70, 48)).astype(np.int8)
+    )  # stacked, in not a multiple of 4
     packed = pack_vnni(q)
     assert packed.shape == (2, 18, 4 * 48) and packed.dtype == np.int8
-    assert packed[0, 5, 4 * 7 + 2] == q[0, 4 * 5 + 2, 7]  # element (k, 4 o + j) is input row 4 k + j of column o
+    assert (
+        packed[0, 5, 4 * 7 + 2] == q[0, 4 * 5 + 2, 7]
+    )  # element (k, 4 o + j) is input row 4 k + j of column o
     unpacked = np.asarray(unpack_vnni(jax.numpy.asarray(packed[1])))
     np.testing.assert_array_equal(unpacked[:70], q[1])
     assert not unpacked[70:].any()
@@ -164,7 +209,9 @@ def test_vnni_packing_round_trips_and_pads_the_inputs():
     last = np.asarray(panels["qweight_a8_panels"])[1]  # columns 64..79, then zeros
     np.testing.assert_array_equal(last[:, : 4 * 16], np.asarray(p["qweight_a8"])[:, 4 * 64 :])
     assert not last[:, 4 * 16 :].any()
-    np.testing.assert_array_equal(np.asarray(from_panels(panels)["qweight_a8"]), np.asarray(p["qweight_a8"]))
+    np.testing.assert_array_equal(
+        np.asarray(from_panels(panels)["qweight_a8"]), np.asarray(p["qweight_a8"])
+    )
     np.testing.assert_array_equal(np.asarray(dequantize(panels)), np.asarray(dequantize(p)))
 
 
@@ -173,8 +220,12 @@ def test_w8a8_reference_equals_integer_math(n_in, rows):
     """Per-row activation scales (a zero row included), round half to even, exact int32 sums,
     then the two scales: the reference's numbers exactly, computed here in numpy."""
     rng = np.random.default_rng(n_in + rows)
-    w = rng.standard_normal((n_in, 48)).astype(np.float32) * np.linspace(0.01, 3, 48, dtype=np.float32)
-    x = rng.standard_normal((rows, n_in)).astype(np.float32) * rng.uniform(0.01, 20, (rows, 1)).astype(np.float32)
+    w = rng.standard_normal((n_in, 48)).astype(np.float32) * np.linspace(
+        0.01, 3, 48, dtype=np.float32
+    )
+    x = rng.standard_normal((rows, n_in)).astype(np.float32) * rng.uniform(
+        0.01, 20, (rows, 1)
+    ).astype(np.float32)
     x[-1] = 0.0 if rows > 1 else x[-1]
     x[0, :4] = [0.5, -0.5, 1.5, 2.5]  # with max|x| = 127 below: ties, rounded to even
     x[0, 4] = 127.0
@@ -204,13 +255,17 @@ def test_native_w8a8_equals_reference_exactly(rows, n_in, n_out):
 
     rng = np.random.default_rng(rows * n_in)
     p = to_panels(quantize_w8a8(rng.standard_normal((n_in, n_out)).astype(np.float32)))  # as served
-    x = rng.standard_normal((rows, n_in)).astype(np.float32) * rng.uniform(0.01, 20, (rows, 1)).astype(np.float32)
+    x = rng.standard_normal((rows, n_in)).astype(np.float32) * rng.uniform(
+        0.01, 20, (rows, 1)
+    ).astype(np.float32)
     x[rows // 2] = 0.0
     x = jax.numpy.asarray(x)
     assert TARGET in jax.jit(MATMUL["native"]).lower(x, p).as_text()
     got = np.asarray(jax.jit(MATMUL["native"])(x, p))
     np.testing.assert_array_equal(got, np.asarray(jax.jit(MATMUL["reference"])(x, p)))
-    np.testing.assert_array_equal(np.asarray(jax.jit(MATMUL["native"])(x[None], p)), got[None])  # leading axes
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(MATMUL["native"])(x[None], p)), got[None]
+    )  # leading axes
 
 
 @requires_native
@@ -220,13 +275,19 @@ def test_native_w8a8_falls_back_to_the_reference_where_the_kernel_does_not_apply
     from minivllm_jax.quantization import MATMUL
 
     rng = np.random.default_rng(9)
-    for n_out, dtype, served in [(40, np.float32, True), (64, jax.numpy.bfloat16, True), (64, np.float32, False)]:
+    for n_out, dtype, served in [
+        (40, np.float32, True),
+        (64, jax.numpy.bfloat16, True),
+        (64, np.float32, False),
+    ]:
         p = quantize_w8a8(rng.standard_normal((64, n_out)).astype(np.float32))
         p = to_panels(p) if served else p
         x = jax.numpy.asarray(rng.standard_normal((5, 64)), dtype)
         assert "custom_call" not in jax.jit(MATMUL["native"]).lower(x, p).as_text()
-        np.testing.assert_array_equal(np.asarray(jax.jit(MATMUL["native"])(x, p), np.float32),
-                                      np.asarray(w8a8_matmul_reference(x, p), np.float32))  # fmt: skip
+        np.testing.assert_array_equal(
+            np.asarray(jax.jit(MATMUL["native"])(x, p), np.float32),
+            np.asarray(w8a8_matmul_reference(x, p), np.float32),
+        )
 
 
 def test_engine_w8a8_greedy_agrees_with_fp32(tiny_model):
@@ -241,7 +302,9 @@ def test_engine_w8a8_greedy_agrees_with_fp32(tiny_model):
     agree = np.mean([a == b for x, y in zip(fp32, w8a8) for a, b in zip(x.token_ids, y.token_ids)])
     assert agree >= 0.75, agree
     for ref, ours in zip(fp32, w8a8):
-        turn = next((i for i, (a, b) in enumerate(zip(ref.token_ids, ours.token_ids)) if a != b), None)
+        turn = next(
+            (i for i, (a, b) in enumerate(zip(ref.token_ids, ours.token_ids)) if a != b), None
+        )
         if turn is not None:
             top = ref.logprobs[turn]
             assert max(top.values()) - top.get(ours.token_ids[turn], -np.inf) < 0.01, (turn, top)
@@ -281,10 +344,17 @@ def test_gguf_int4_blocks_equal_the_gguf_dequantizer(type_name):
     q, scales, mins = int4_blocks(data, type_name, 6, 96)
     assert q.max() <= 15 and scales.shape == mins.shape == (6, 3)
     want = gguf.quants.dequantize(data, qtype).reshape(6, 96)
-    np.testing.assert_array_equal(q.reshape(6, 3, 32) * scales[..., None] + mins[..., None], want.reshape(6, 3, 32))
+    np.testing.assert_array_equal(
+        q.reshape(6, 3, 32) * scales[..., None] + mins[..., None], want.reshape(6, 3, 32)
+    )
     # and through our layout ([in, out], packed) and the traceable dequantize
-    ours = dequantize({"qweight4": jax.numpy.asarray(pack_int4(q.T)), "scales": jax.numpy.asarray(scales.T),
-                       "mins": jax.numpy.asarray(mins.T)})  # fmt: skip
+    ours = dequantize(
+        {
+            "qweight4": jax.numpy.asarray(pack_int4(q.T)),
+            "scales": jax.numpy.asarray(scales.T),
+            "mins": jax.numpy.asarray(mins.T),
+        }
+    )
     np.testing.assert_allclose(np.asarray(ours), want.T, rtol=1e-6, atol=1e-7)
 
 
@@ -294,7 +364,10 @@ def q4_gguf(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("q4gguf")
     model = make_tiny_llama(folder / "hf", seed=6, tie_word_embeddings=True)
-    return {t: write_tiny_gguf(model, folder / f"tiny-{t}.gguf", projection_type=t) for t in ("Q4_1", "Q8_0")}
+    return {
+        t: write_tiny_gguf(model, folder / f"tiny-{t}.gguf", projection_type=t)
+        for t in ("Q4_1", "Q8_0")
+    }
 
 
 def test_gguf_projections_come_back_exactly_and_serve_like_their_float_conversion(q4_gguf):
@@ -310,15 +383,22 @@ def test_gguf_projections_come_back_exactly_and_serve_like_their_float_conversio
     for name, arrays in blocks.items():
         for layer in range(2):
             got = dequantize({k: jax.numpy.asarray(v[layer]) for k, v in arrays.items()})
-            np.testing.assert_allclose(np.asarray(got), float_params["layers"][name]["kernel"][layer], rtol=1e-6,
-                                       atol=1e-7, err_msg=f"{name}[{layer}]")  # fmt: skip
+            np.testing.assert_allclose(
+                np.asarray(got),
+                float_params["layers"][name]["kernel"][layer],
+                rtol=1e-6,
+                atol=1e-7,
+                err_msg=f"{name}[{layer}]",
+            )
     fp32 = _greedy(str(q4_gguf["Q4_1"]), None)
     gguf = _greedy(str(q4_gguf["Q4_1"]), "gguf")
     assert np.mean([a == b for x, y in zip(fp32, gguf) for a, b in zip(x, y)]) >= 0.9
 
 
 def test_gguf_quantization_refuses_other_block_types_and_non_gguf_models(q4_gguf, tiny_model):
-    with pytest.raises(Exception, match="Q8_0, not one of Q4_0, Q4_1; use quantization='int4' or 'int8'"):
+    with pytest.raises(
+        Exception, match="Q8_0, not one of Q4_0, Q4_1; use quantization='int4' or 'int8'"
+    ):
         LLM(str(q4_gguf["Q8_0"]), quantization="gguf", use_tqdm=False)
     with pytest.raises(ValueError, match="is not a GGUF model"):
         LLM(tiny_model, quantization="gguf", use_tqdm=False)
@@ -327,7 +407,9 @@ def test_gguf_quantization_refuses_other_block_types_and_non_gguf_models(q4_gguf
 # ---------------------------------------------------------------- quantized checkpoints
 
 
-def test_quantized_checkpoints_round_trip_and_load_without_quantizing_again(tiny_model, q4_gguf, tmp_path):
+def test_quantized_checkpoints_round_trip_and_load_without_quantizing_again(
+    tiny_model, q4_gguf, tmp_path
+):
     """`minivllm-convert --quantize` stores the quantized arrays and the scheme: LLM(OUT) holds
     exactly what quantizing at load gives (int8 here), or the GGUF's own blocks (gguf), and
     refuses to quantize them a second way."""
@@ -358,9 +440,14 @@ def test_quantized_checkpoints_round_trip_and_load_without_quantizing_again(tiny
         LLM(str(out8x8), quantization="int8", use_tqdm=False)
 
     out4 = tmp_path / "gguf"
-    assert convert_main([str(q4_gguf["Q4_1"]), str(out4), "--quantize", "gguf", "--no-progress"]) == 0
+    assert (
+        convert_main([str(q4_gguf["Q4_1"]), str(out4), "--quantize", "gguf", "--no-progress"]) == 0
+    )
     assert _greedy(str(out4), None) == _greedy(str(q4_gguf["Q4_1"]), "gguf")
-    assert convert_main([tiny_model, str(tmp_path / "bad"), "--quantize", "gguf", "--no-progress"]) == 2
+    assert (
+        convert_main([tiny_model, str(tmp_path / "bad"), "--quantize", "gguf", "--no-progress"])
+        == 2
+    )
     assert not (tmp_path / "bad").exists()
 
 
@@ -384,13 +471,24 @@ def test_serving_panels_round_trip_and_stand_for_the_same_weights(scheme, key, n
     if scheme == "int4" and n_out % 64:
         assert panels is p  # stays as it is (the native kernel takes multiples of 64 only)
         return
-    assert key not in panels and panels[f"{key}_panels"].shape == (-(-n_out // 64), p[key].shape[0], 64)
-    assert not np.any(np.asarray(panels[f"{key}_panels"])[-1, :, n_out % 64 or 64 :])  # padding is zeros
+    assert key not in panels and panels[f"{key}_panels"].shape == (
+        -(-n_out // 64),
+        p[key].shape[0],
+        64,
+    )
+    assert not np.any(
+        np.asarray(panels[f"{key}_panels"])[-1, :, n_out % 64 or 64 :]
+    )  # padding is zeros
     back = from_panels(panels)
     for name in p:
         np.testing.assert_array_equal(np.asarray(back[name]), np.asarray(p[name]))
     if scheme == "int4":
-        assert "scales" not in panels and panels["scales_mins_panels"].shape == (n_out // 64, 64 // 32, 2, 64)
+        assert "scales" not in panels and panels["scales_mins_panels"].shape == (
+            n_out // 64,
+            64 // 32,
+            2,
+            64,
+        )
         # byte 8j + 2k + e of a panel row holds column 16k + 2j + e
         got, rows = np.asarray(panels["qweight4_panels"]), np.asarray(p["qweight4"])
         for pos, col in [(0, 0), (1, 1), (2, 16), (8, 2), (15, 51), (63, 63)]:
@@ -400,9 +498,19 @@ def test_serving_panels_round_trip_and_stand_for_the_same_weights(scheme, key, n
 def test_served_params_are_panels_and_the_embedding_lookup_reads_them():
     from minivllm_jax.config import ModelConfig
 
-    cfg = ModelConfig(vocab_size=200, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=256,
-                      tie_word_embeddings=True)  # fmt: skip
+    cfg = ModelConfig(
+        vocab_size=200,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=1e4,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
     stacked = quantize_params(init_params(cfg, jax.random.PRNGKey(0)), "int8")
     served = unstack_layers(stacked)
     for lp in served["layers"]:
@@ -410,5 +518,7 @@ def test_served_params_are_panels_and_the_embedding_lookup_reads_them():
     head = served["embed_tokens"]
     assert head["qweight_panels"].shape == (4, 64, 64)  # vocab 200 -> 4 panels
     tokens = jax.numpy.asarray([0, 5, 63, 64, 199, 5])
-    np.testing.assert_array_equal(np.asarray(lookup_embedding(head, tokens, np.float32)),
-                                  np.asarray(lookup_embedding(stacked["embed_tokens"], tokens, np.float32)))  # fmt: skip
+    np.testing.assert_array_equal(
+        np.asarray(lookup_embedding(head, tokens, np.float32)),
+        np.asarray(lookup_embedding(stacked["embed_tokens"], tokens, np.float32)),
+    )

@@ -22,8 +22,15 @@ def ids(seed: int, n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_with_tokenizer):
-    return LLM(str(tiny_model_with_tokenizer), max_num_seqs=8, max_model_len=320, page_size=16, num_pages=200,
-               max_num_batched_tokens=64, use_tqdm=False)  # fmt: skip
+    return LLM(
+        str(tiny_model_with_tokenizer),
+        max_num_seqs=8,
+        max_model_len=320,
+        page_size=16,
+        num_pages=200,
+        max_num_batched_tokens=64,
+        use_tqdm=False,
+    )
 
 
 def run_with_traffic(llm, target_prompt, target_params, others):
@@ -51,20 +58,34 @@ def run_with_traffic(llm, target_prompt, target_params, others):
             step += 1
     finally:
         engine.runner.__dict__.pop("run", None)
-    mixed = [(b, ctx) for b, ctx in batches if any(s.request_id == rid for s in b.seqs[: b.num_decodes])
-             and b.num_decodes < len(b.seqs)]  # fmt: skip
+    mixed = [
+        (b, ctx)
+        for b, ctx in batches
+        if any(s.request_id == rid for s in b.seqs[: b.num_decodes]) and b.num_decodes < len(b.seqs)
+    ]
     return done.outputs[0].token_ids, mixed
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
-                                    SamplingParams(temperature=0.9, top_p=0.8, seed=7, max_tokens=40, ignore_eos=True)],
-                         ids=["greedy", "seeded"])  # fmt: skip
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.8, seed=7, max_tokens=40, ignore_eos=True),
+    ],
+    ids=["greedy", "seeded"],
+)
 def test_tokens_do_not_depend_on_mixed_step_mates(llm, params):
     prompt = ids(1, 30)
     alone = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     before = llm.engine.num_compiles
-    others = [(ids(10 + i, n), SamplingParams(temperature=0.5, seed=i, max_tokens=12, ignore_eos=True), at)
-              for i, (n, at) in enumerate([(150, 2), (20, 3), (70, 5), (9, 5), (200, 12)])]  # fmt: skip
+    others = [
+        (
+            ids(10 + i, n),
+            SamplingParams(temperature=0.5, seed=i, max_tokens=12, ignore_eos=True),
+            at,
+        )
+        for i, (n, at) in enumerate([(150, 2), (20, 3), (70, 5), (9, 5), (200, 12)])
+    ]
     mixed_tokens, mixed = run_with_traffic(llm, prompt, params, others)
     assert len(mixed) >= 3  # it decoded beside prompt chunks, some of them chunk continuations
     assert any(c > 0 for _, ctx in mixed for c in ctx)
@@ -74,8 +95,12 @@ def test_tokens_do_not_depend_on_mixed_step_mates(llm, params):
 
 def test_streams_keep_decoding_while_a_long_prompt_prefills(llm):
     engine = llm.engine
-    streams = [engine.add_request(ids(30 + i, 12), SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
-               for i in range(3)]  # fmt: skip
+    streams = [
+        engine.add_request(
+            ids(30 + i, 12), SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+        )
+        for i in range(3)
+    ]
     seen = set()
     while len(seen) < 3:
         seen |= {o.request_id for o in engine.step() if o.outputs[0].token_ids}
@@ -83,7 +108,9 @@ def test_streams_keep_decoding_while_a_long_prompt_prefills(llm):
     run = engine.runner.run
     engine.runner.run = lambda b: batches.append(b) or run(b)
     try:
-        long_id = engine.add_request(ids(40, 250), SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        long_id = engine.add_request(
+            ids(40, 250), SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        )
         while not any(o.request_id == long_id and o.outputs[0].token_ids for o in engine.step()):
             pass
     finally:
@@ -92,15 +119,25 @@ def test_streams_keep_decoding_while_a_long_prompt_prefills(llm):
     assert sum(b.num_tokens - b.num_decodes for b in prompt_steps) == 250
     # Every step decodes the three streams first (with async scheduling the last step recorded
     # is dispatched before the long prompt's first token is read: it decodes that one too).
-    assert all(b.num_decodes >= 3 and {s.request_id for s in b.seqs[:3]} == set(streams) for b in batches)
+    assert all(
+        b.num_decodes >= 3 and {s.request_id for s in b.seqs[:3]} == set(streams) for b in batches
+    )
     assert all(b.num_decodes == 3 for b in batches[:-1])
     while engine.has_unfinished():
         engine.step()
 
 
 def test_held_admissions_wait_for_max_batch_wait(tiny_model_with_tokenizer):
-    llm = LLM(str(tiny_model_with_tokenizer), max_num_seqs=4, max_model_len=128, page_size=16, num_pages=40,
-              max_num_batched_tokens=64, max_batch_wait_ms=150, use_tqdm=False)  # fmt: skip
+    llm = LLM(
+        str(tiny_model_with_tokenizer),
+        max_num_seqs=4,
+        max_model_len=128,
+        page_size=16,
+        num_pages=40,
+        max_num_batched_tokens=64,
+        max_batch_wait_ms=150,
+        use_tqdm=False,
+    )
     engine = llm.engine
     start = time.monotonic()
     engine.add_request(ids(50, 10), SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from minivllm_jax.sampler import FILTER_K, Penalties, apply_penalties, make_sampling_arrays, sample
-from minivllm_jax.sampling_params import MAX_LOGPROBS, SamplingParams as SP
+from minivllm_jax.sampling_params import MAX_LOGPROBS
+from minivllm_jax.sampling_params import SamplingParams as SP
 
 V = 49_152  # the real vocab: exercises the chunked paths
 sample_jit = jax.jit(sample)
@@ -37,7 +38,9 @@ def test_greedy_is_argmax_including_ties(mixed):
     assert np.asarray(out.tokens[2:]).tolist() == [7 * i for i in range(2, 8)]
 
 
-@pytest.mark.parametrize("params", [SP(temperature=100.0, top_k=1), SP(temperature=5.0, top_p=1e-6), SP(min_p=1.0)])
+@pytest.mark.parametrize(
+    "params", [SP(temperature=100.0, top_k=1), SP(temperature=5.0, top_p=1e-6), SP(min_p=1.0)]
+)
 def test_filters_that_leave_only_the_top_token_are_greedy(params):
     x = logits(8, seed=1)
     out = draw(x, [(params, seed, 3) for seed in range(8)])
@@ -46,8 +49,17 @@ def test_filters_that_leave_only_the_top_token_are_greedy(params):
 
 def test_seed_and_step_alone_fix_the_token():
     """Same (seed, step) -> same token whatever the batch mates, row position or batch size."""
-    mates = [SP(temperature=1.0, top_p=0.999), SP(temperature=0.0), SP(top_k=500), SP(min_p=0.2, logprobs=3)]
-    cases = [(SP(temperature=0.8, top_p=0.9), 1.0), (SP(temperature=0.8, top_p=0.9), 5.0), (SP(temperature=1.2), 1.0)]
+    mates = [
+        SP(temperature=1.0, top_p=0.999),
+        SP(temperature=0.0),
+        SP(top_k=500),
+        SP(min_p=0.2, logprobs=3),
+    ]
+    cases = [
+        (SP(temperature=0.8, top_p=0.9), 1.0),
+        (SP(temperature=0.8, top_p=0.9), 5.0),
+        (SP(temperature=1.2), 1.0),
+    ]
     for me, scale in cases:  # a deep top-p cut, a cut inside the best FILTER_K, no cut
         x = logits(1, seed=2, scale=scale)[0]
         for seed in range(4):
@@ -76,7 +88,9 @@ def chi_square(tokens: np.ndarray, probs: np.ndarray) -> float:
     return float(((counts[nz] - expected[nz]) ** 2 / expected[nz]).sum())
 
 
-@pytest.mark.parametrize("vocab,limit", [(8, 30.0), (200, 300.0)])  # ~p=1e-4 for df=7; mean+5sd for df=199
+@pytest.mark.parametrize(
+    "vocab,limit", [(8, 30.0), (200, 300.0)]
+)  # ~p=1e-4 for df=7; mean+5sd for df=199
 def test_frequencies_match_softmax(vocab, limit):
     base = np.random.RandomState(3).randn(vocab).astype(np.float32)
     n, t = 8192, 0.7
@@ -88,7 +102,9 @@ def test_frequencies_match_softmax(vocab, limit):
 def test_top_k_and_top_p_frequencies_are_renormalized():
     base = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -1.0, -2.0, -3.0], np.float32)
     n = 8192
-    p = np.exp(base) / np.exp(base).sum()  # top_k=4 keeps 4; top_p=0.75 keeps the first 3 (cum .42 .68 .84)
+    p = (
+        np.exp(base) / np.exp(base).sum()
+    )  # top_k=4 keeps 4; top_p=0.75 keeps the first 3 (cum .42 .68 .84)
     for params, keep in [(SP(top_k=4), 4), (SP(top_p=0.75), 3), (SP(top_k=4, top_p=0.85), 3)]:
         tokens = draw(np.tile(base, (n, 1)), [(params, seed, 0) for seed in range(n)]).tokens
         want = np.where(np.arange(8) < keep, p, 0.0)
@@ -103,7 +119,14 @@ def allowed(x: np.ndarray, top_k: int, top_p: float) -> set[int]:
     return set(order[: n + 1].tolist())  # +1: slack for float rounding at the exact edge
 
 
-CUTS = [(5, 1.0, 3.0), (1000, 1.0, 3.0), (-1, 0.9, 5.0), (-1, 0.8, 3.0), (-1, 0.5, 0.2), (300, 0.7, 0.2)]
+CUTS = [
+    (5, 1.0, 3.0),
+    (1000, 1.0, 3.0),
+    (-1, 0.9, 5.0),
+    (-1, 0.8, 3.0),
+    (-1, 0.5, 0.2),
+    (300, 0.7, 0.2),
+]
 
 
 @pytest.mark.parametrize("top_k,top_p,scale", CUTS)
@@ -127,10 +150,14 @@ def test_logprobs():
     assert top.shape == (4, MAX_LOGPROBS)
     assert np.all(np.diff(top[:, :16], axis=-1) <= 0)
     np.testing.assert_array_equal(np.asarray(out.top_ids)[:, 16:], -1)
-    np.testing.assert_allclose(jax.nn.logsumexp(out.top_logprobs, -1), 0.0, atol=1e-5)  # covers the whole vocab
+    np.testing.assert_allclose(
+        jax.nn.logsumexp(out.top_logprobs, -1), 0.0, atol=1e-5
+    )  # covers the whole vocab
     np.testing.assert_allclose(top[:, :16], np.sort(ref, -1)[:, ::-1], rtol=1e-5, atol=1e-5)
     assert out.tokens[0] == out.top_ids[0, 0] and out.logprobs[0] == out.top_logprobs[0, 0]
-    np.testing.assert_allclose(out.logprobs, ref[np.arange(4), np.asarray(out.tokens)], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        out.logprobs, ref[np.arange(4), np.asarray(out.tokens)], rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("vocab", [V, 32_001])  # 32_001: not a multiple of the chunk size
@@ -138,7 +165,11 @@ def test_big_vocab_argmax_and_logprobs_match_lax(vocab):
     x = logits(4, vocab, seed=6)
     x[1] = np.round(x[1])  # many ties across chunks: lower ids must still come first
     x[2] = -10.0
-    x[2, [10, 30_000, 30_001]] = [5.0, 9.0, 5.0]  # the tie's lower id sits in the chunk with the lower max
+    x[2, [10, 30_000, 30_001]] = [
+        5.0,
+        9.0,
+        5.0,
+    ]  # the tie's lower id sits in the chunk with the lower max
     out = draw(x, [(SP(temperature=0.0, logprobs=20), i, 0) for i in range(4)])
     np.testing.assert_array_equal(out.tokens, np.argmax(x, -1))
     vals, ids = jax.lax.top_k(jax.nn.log_softmax(jnp.asarray(x), -1), MAX_LOGPROBS)
@@ -150,7 +181,9 @@ def test_penalties_follow_hf_and_openai():
     x = np.array([[2.0, 1.5, -1.0, 0.5]], np.float32)
     counts = np.array([[3.0, 0.0, 1.0, 0.0]], np.float32)
     seen = np.array([[True, False, True, True]])
-    a = make_sampling_arrays([(SP(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25), 0, 0, 0)], 1, 4)
+    a = make_sampling_arrays(
+        [(SP(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25), 0, 0, 0)], 1, 4
+    )
     got = apply_penalties(jnp.asarray(x), a, Penalties(jnp.asarray(counts), jnp.asarray(seen)))
     want = [2.0 / 2 - 0.75 - 0.5, 1.5, -1.0 * 2 - 0.25 - 0.5, 0.5 / 2]
     np.testing.assert_allclose(np.asarray(got)[0], want, rtol=1e-6)
@@ -158,7 +191,9 @@ def test_penalties_follow_hf_and_openai():
 
 def test_repetition_penalty_flips_greedy_choice():
     x = np.array([[3.0, 2.0, 0.0, -1.0]], np.float32)
-    pen = Penalties(jnp.asarray([[1.0, 0, 0, 0]], jnp.float32), jnp.asarray([[True, False, False, False]]))
+    pen = Penalties(
+        jnp.asarray([[1.0, 0, 0, 0]], jnp.float32), jnp.asarray([[True, False, False, False]])
+    )
     assert int(draw(x, [(SP(temperature=0.0, repetition_penalty=1.2), 0, 0)], pen).tokens[0]) == 0
     assert int(draw(x, [(SP(temperature=0.0, repetition_penalty=2.0), 0, 0)], pen).tokens[0]) == 1
     neutral = draw(x, [(SP(temperature=0.0), 0, 0)], pen)  # default penalties change nothing
@@ -189,8 +224,14 @@ def test_sample_index_gets_its_own_stream_not_the_next_seed():
 def test_logprobs_are_raw_even_with_penalties():
     """OpenAI/vLLM report the model's log-softmax; penalties change the choice, not the report."""
     x = np.array([[3.0, 2.0, 0.0, -1.0]], np.float32)
-    pen = Penalties(jnp.asarray([[1.0, 0, 0, 0]], jnp.float32), jnp.asarray([[True, False, False, False]]))
-    out = draw(x, [(SP(temperature=0.0, repetition_penalty=2.0, presence_penalty=1.0, logprobs=4), 0, 0)], pen)
+    pen = Penalties(
+        jnp.asarray([[1.0, 0, 0, 0]], jnp.float32), jnp.asarray([[True, False, False, False]])
+    )
+    out = draw(
+        x,
+        [(SP(temperature=0.0, repetition_penalty=2.0, presence_penalty=1.0, logprobs=4), 0, 0)],
+        pen,
+    )
     assert int(out.tokens[0]) == 1  # the penalty flipped the greedy choice...
     ref = np.asarray(jax.nn.log_softmax(jnp.asarray(x), -1))[0]
     np.testing.assert_allclose(float(out.logprobs[0]), ref[1], rtol=1e-6)  # ...but not its logprob

@@ -14,14 +14,25 @@ from minivllm_jax.sampling_params import SamplingParams
 
 
 def make(num_pages=64, max_num_batched_tokens=32, max_model_len=64, **kw) -> Scheduler:
-    cfg = EngineConfig(page_size=4, num_pages=num_pages, max_model_len=max_model_len,
-                       max_num_batched_tokens=max_num_batched_tokens, **kw)  # fmt: skip
+    cfg = EngineConfig(
+        page_size=4,
+        num_pages=num_pages,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens,
+        **kw,
+    )
     return Scheduler(cfg, BlockManager(cfg.num_pages, cfg.page_size))
 
 
 def request(n_prompt, max_tokens=4, priority=0, arrival=0.0, first=0, streaming=True) -> Sequence:
-    return Sequence("r", list(range(first, first + n_prompt)), SamplingParams(max_tokens=max_tokens),
-                    priority=priority, arrival_time=arrival, streaming=streaming)  # fmt: skip
+    return Sequence(
+        "r",
+        list(range(first, first + n_prompt)),
+        SamplingParams(max_tokens=max_tokens),
+        priority=priority,
+        arrival_time=arrival,
+        streaming=streaming,
+    )
 
 
 def fake_step(s: Scheduler, now: float | None = None) -> ScheduledBatch:
@@ -65,8 +76,12 @@ def run_all(s: Scheduler, limit=500) -> list[ScheduledBatch]:
 
 def decoding(s: Scheduler, n: int, streaming=True, max_tokens=100, n_prompt=1) -> list[Sequence]:
     """`n` sequences past their prompt: each feeds one token a step from now on."""
-    seqs = [request(n_prompt, max_tokens=max_tokens, first=10 * i, arrival=float(i), streaming=streaming)
-            for i in range(n)]  # fmt: skip
+    seqs = [
+        request(
+            n_prompt, max_tokens=max_tokens, first=10 * i, arrival=float(i), streaming=streaming
+        )
+        for i in range(n)
+    ]
     for q in seqs:
         s.add(q)
     batch = fake_step(s)
@@ -83,9 +98,15 @@ def test_prompts_then_decodes_and_pages_return():
     for q in seqs:
         s.add(q)
     first = fake_step(s)
-    assert first.num_decodes == 0 and first.seqs == tuple(seqs) and first.num_new_tokens == (5, 5, 5)
+    assert (
+        first.num_decodes == 0 and first.seqs == tuple(seqs) and first.num_new_tokens == (5, 5, 5)
+    )
     second = fake_step(s)
-    assert second.num_decodes == 3 and second.seqs == tuple(seqs) and second.num_new_tokens == (1, 1, 1)
+    assert (
+        second.num_decodes == 3
+        and second.seqs == tuple(seqs)
+        and second.num_new_tokens == (1, 1, 1)
+    )
     run_all(s)
     assert all(q.status == SequenceStatus.FINISHED and len(q.output_token_ids) == 4 for q in seqs)
     assert s.block_manager.num_free_pages == s.block_manager.num_usable_pages
@@ -110,7 +131,9 @@ def test_long_prompt_is_prefilled_in_chunks():
     q = request(50, max_tokens=2)
     s.add(q)
     b1 = fake_step(s)
-    assert b1.num_new_tokens == (32,) and b1.num_decodes == 0 and not q.output_token_ids  # a chunk samples nothing
+    assert (
+        b1.num_new_tokens == (32,) and b1.num_decodes == 0 and not q.output_token_ids
+    )  # a chunk samples nothing
     assert not b1.samples_next_token(0)
     b2 = fake_step(s)
     assert b2.num_decodes == 0 and b2.num_new_tokens == (18,) and q.output_token_ids == [7]
@@ -125,7 +148,9 @@ def test_a_step_mixes_decodes_and_a_prompt_chunk_up_to_the_budget():
     s.add(q)
     batch = fake_step(s)
     assert batch.seqs == (a, b, q) and batch.num_decodes == 2
-    assert batch.num_new_tokens == (1, 1, 30) and batch.num_tokens == s.config.max_num_batched_tokens
+    assert (
+        batch.num_new_tokens == (1, 1, 30) and batch.num_tokens == s.config.max_num_batched_tokens
+    )
     batch = fake_step(s)
     assert batch.seqs == (a, b, q) and batch.num_new_tokens == (1, 1, 20)
 
@@ -145,16 +170,29 @@ def test_prompt_chunks_share_the_token_budget():
     first = fake_step(s)
     assert first.seqs == (p[0], p[1]) and first.num_new_tokens == (20, 12)
     second = fake_step(s)
-    assert second.seqs == tuple(p) and second.num_decodes == 1 and second.num_new_tokens == (1, 8, 20)
+    assert (
+        second.seqs == tuple(p) and second.num_decodes == 1 and second.num_new_tokens == (1, 8, 20)
+    )
 
 
 def test_every_step_fits_the_token_budget():
     """A mixed workload (long and short prompts, streaming and offline, priorities, page
     pressure): every step's tokens fit `max_num_batched_tokens` (checked in `fake_step`)."""
-    s = make(num_pages=34, max_num_batched_tokens=24, max_model_len=128, max_num_seqs=6)  # 33 pages: one sequence fits
+    s = make(
+        num_pages=34, max_num_batched_tokens=24, max_model_len=128, max_num_seqs=6
+    )  # 33 pages: one sequence fits
     lengths = [3, 70, 11, 1, 40, 17, 5, 90, 2, 23, 8, 60]
-    seqs = [request(n, max_tokens=4 + 5 * (i % 4), priority=i % 3, arrival=float(i), first=100 * i,
-                    streaming=i % 2 == 0) for i, n in enumerate(lengths)]  # fmt: skip
+    seqs = [
+        request(
+            n,
+            max_tokens=4 + 5 * (i % 4),
+            priority=i % 3,
+            arrival=float(i),
+            first=100 * i,
+            streaming=i % 2 == 0,
+        )
+        for i, n in enumerate(lengths)
+    ]
     for q in seqs[:6]:
         s.add(q)
     batches = [fake_step(s) for _ in range(3)]
@@ -179,7 +217,9 @@ def test_decodes_are_never_stalled_by_a_prompt():
     while q.num_computed_tokens < len(q.prompt_token_ids):
         batch = fake_step(s)
         steps += 1
-        assert batch.seqs[:3] == tuple(decodes) and batch.num_decodes == 3 and batch.seqs[3:] == (q,)
+        assert (
+            batch.seqs[:3] == tuple(decodes) and batch.num_decodes == 3 and batch.seqs[3:] == (q,)
+        )
     assert steps > 1 and all(len(d.output_token_ids) == steps + 1 for d in decodes)
 
 
@@ -266,9 +306,13 @@ def shared_prefix_hits(with_long_prompt: bool, scheduler_cls=Scheduler) -> int:
         s.add(Sequence("warm", prefix + [1, 2], SamplingParams(max_tokens=2)))
         run_all(s)
     if with_long_prompt:
-        s.add(Sequence("long", list(range(300, 360)), SamplingParams(max_tokens=2), arrival_time=0.0))
+        s.add(
+            Sequence("long", list(range(300, 360)), SamplingParams(max_tokens=2), arrival_time=0.0)
+        )
         fake_step(s)  # the long prompt is now being chunked
-    a = Sequence("a", prefix_a + list(range(400, 430)), SamplingParams(max_tokens=2), arrival_time=1.0)
+    a = Sequence(
+        "a", prefix_a + list(range(400, 430)), SamplingParams(max_tokens=2), arrival_time=1.0
+    )
     s.add(a)
     run_all(s)
     b = Sequence("b", prefix_b + [5, 6], SamplingParams(max_tokens=2), arrival_time=2.0)
@@ -307,7 +351,11 @@ def test_auto_tpot_budget_keeps_the_step_within_1_5x_a_decode_only_step():
     s, decodes, q = slo_scheduler()
     batch = s.schedule(now=100.0)
     limit = AUTO_TPOT_FACTOR * COSTS[4]
-    within = max(b for b in s.config.token_buckets if s.costs.estimate(b) is not None and s.costs.estimate(b) <= limit)
+    within = max(
+        b
+        for b in s.config.token_buckets
+        if s.costs.estimate(b) is not None and s.costs.estimate(b) <= limit
+    )
     assert within == 24
     assert batch.seqs == (*decodes, q) and batch.num_decodes == 4
     assert batch.num_new_tokens == (1, 1, 1, 1, within - 4)
@@ -330,7 +378,13 @@ def test_offline_decodes_leave_the_whole_budget_to_prompts():
 
 def test_a_prompt_past_its_ttft_target_gets_the_whole_budget():
     s, _, _ = slo_scheduler(target_ttft_ms=100)
-    assert s.schedule(now=100.05).num_new_tokens == (1, 1, 1, 1, 20)  # waited 50 ms: TPOT limit holds
+    assert s.schedule(now=100.05).num_new_tokens == (
+        1,
+        1,
+        1,
+        1,
+        20,
+    )  # waited 50 ms: TPOT limit holds
     s, _, _ = slo_scheduler(target_ttft_ms=100)
     assert s.schedule(now=101.0).num_new_tokens == (1, 1, 1, 1, 60)  # waited 1 s
 
@@ -347,7 +401,9 @@ def test_a_prompt_always_progresses_by_at_least_min_prompt_chunk():
     assert s.schedule(now=100.0).num_new_tokens == (1, 1, 1, 1, 20)
     # With a 32-token budget only 16 tokens (0.19 s) fit 0.2 s, 12 after the decodes: the
     # progress floor wins.
-    s, _, _ = slo_scheduler(costs={4: 0.1, 8: 0.12, 12: 0.15, 16: 0.19, 24: 0.3, 32: 0.4}, max_num_batched_tokens=32)
+    s, _, _ = slo_scheduler(
+        costs={4: 0.1, 8: 0.12, 12: 0.15, 16: 0.19, 24: 0.3, 32: 0.4}, max_num_batched_tokens=32
+    )
     batch = s.schedule(now=100.0)
     assert batch.num_new_tokens == (1, 1, 1, 1, 20) and batch.num_new_tokens[-1] >= MIN_PROMPT_CHUNK
 
@@ -360,7 +416,9 @@ def test_many_streaming_decodes_near_the_token_budget(target_tpot_ms):
     q = request(40, first=1000, arrival=100.0)
     s.add(q)
     batch = fake_step(s, now=100.0)
-    assert batch.seqs[:20] == tuple(decodes) and batch.num_decodes == 20 and batch.num_tokens == 32  # the rest: prompt
+    assert (
+        batch.seqs[:20] == tuple(decodes) and batch.num_decodes == 20 and batch.num_tokens == 32
+    )  # the rest: prompt
 
 
 # ---------------------------------------------------------------- admission hold
@@ -417,10 +475,16 @@ def test_token_buckets_cover_the_budget_with_bounded_padding():
         for budget in (16, 32, 96, 100, 512, 1000):
             cfg = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
             buckets = cfg.token_buckets
-            assert list(buckets) == sorted(set(buckets)) and buckets[0] == 1 and buckets[-1] == budget
+            assert (
+                list(buckets) == sorted(set(buckets)) and buckets[0] == 1 and buckets[-1] == budget
+            )
             for t in range(1, budget + 1):
                 padded = bucket_for(t, buckets)
-                assert t <= padded <= (1.5 if t <= min(max_num_seqs, budget) else 2) * t, (max_num_seqs, budget, t)
+                assert t <= padded <= (1.5 if t <= min(max_num_seqs, budget) else 2) * t, (
+                    max_num_seqs,
+                    budget,
+                    t,
+                )
 
 
 def test_seq_buckets_hold_every_step():
@@ -428,7 +492,9 @@ def test_seq_buckets_hold_every_step():
         cfg = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=128)
         for t in cfg.token_buckets:
             seqs = cfg.seq_buckets(t)
-            assert min(t, max_num_seqs) in seqs and all(1 <= n <= min(t, max_num_seqs) for n in seqs)
+            assert min(t, max_num_seqs) in seqs and all(
+                1 <= n <= min(t, max_num_seqs) for n in seqs
+            )
         shapes = cfg.step_shapes()
         assert len(shapes) == len(set(shapes))
         assert {t for t, _ in shapes} == set(cfg.token_buckets)
@@ -443,8 +509,11 @@ def test_grammar_rows_never_run_multi_step_or_speculate():
     draft while one runs; the same batch without it runs multi-step and may draft."""
     from minivllm_jax.speculative import SpeculativeConfig
 
-    s = make(num_scheduler_steps=4, max_num_seqs=2,
-             speculative=SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2}))  # fmt: skip
+    s = make(
+        num_scheduler_steps=4,
+        max_num_seqs=2,
+        speculative=SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2}),
+    )
     plain, constrained = request(5, max_tokens=20), request(5, max_tokens=20, first=10)
     constrained.grammar = object()  # the scheduler only asks whether there is one
     for seq in (plain, constrained):

@@ -29,7 +29,16 @@ MODEL = "smollm2-135m"
 API_KEY = "test-key-7f3a"
 MAX_QUEUE = 20
 # The engine settings of tests/test_engine.py, so the persistent compile cache is shared.
-ENGINE_ARGS = ["--max-num-seqs", "8", "--max-model-len", "256", "--max-num-batched-tokens", "128", "--num-pages", "96"]
+ENGINE_ARGS = [
+    "--max-num-seqs",
+    "8",
+    "--max-model-len",
+    "256",
+    "--max-num-batched-tokens",
+    "128",
+    "--num-pages",
+    "96",
+]
 STARTUP_TIMEOUT_S = 300
 PROMPT = "The capital of France is"
 C, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -73,8 +82,20 @@ def server(tmp_path_factory):
     port = _free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     env = {**os.environ, "MINIVLLM_API_KEY": API_KEY, "JAX_PLATFORMS": "cpu"}
-    cmd = [sys.executable, "-m", "server", "--model", MODEL, "--port", str(port), "--max-queue", str(MAX_QUEUE),
-           "--log-level", "warning", *ENGINE_ARGS]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "server",
+        "--model",
+        MODEL,
+        "--port",
+        str(port),
+        "--max-queue",
+        str(MAX_QUEUE),
+        "--log-level",
+        "warning",
+        *ENGINE_ARGS,
+    ]
     with open(log, "wb") as log_file:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -82,8 +103,12 @@ def server(tmp_path_factory):
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while True:
-            assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"not ready after {STARTUP_TIMEOUT_S}s:\n{log.read_text()[-3000:]}"
+            assert proc.poll() is None, (
+                f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+            )
+            assert time.monotonic() < deadline, (
+                f"not ready after {STARTUP_TIMEOUT_S}s:\n{log.read_text()[-3000:]}"
+            )
             try:
                 status = httpx.get(f"{url}/health", timeout=5).status_code
             except httpx.TransportError:
@@ -144,55 +169,116 @@ def test_openai_completions_streaming_and_not(client):
     choice = full.choices[0]
     assert full.object == "text_completion" and full.model == MODEL and full.id.startswith("cmpl-")
     assert choice.text and choice.finish_reason in ("length", "stop") and choice.index == 0
-    assert full.usage.prompt_tokens == 5 and full.usage.total_tokens == 5 + full.usage.completion_tokens
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))  # fmt: skip
+    assert (
+        full.usage.prompt_tokens == 5
+        and full.usage.total_tokens == 5 + full.usage.completion_tokens
+    )
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
-    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    reasons = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert reasons == [choice.finish_reason]
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert (
+        chunks[-1].choices == []
+        and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    )
 
 
 def test_openai_chat_streaming_and_not(client):
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}]
-    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Name a color."},
+    ]
+    full = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0
+    )
     msg = full.choices[0].message
     assert full.object == "chat.completion" and msg.role == "assistant" and msg.content
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == msg.content
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
 
 
 def test_raw_sse_n2_seeded_choices(server):
-    body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0.9, "seed": 3, "n": 2, "stream": True}
+    body = {
+        "prompt": "Once upon a time",
+        "max_tokens": 8,
+        "temperature": 0.9,
+        "seed": 3,
+        "n": 2,
+        "stream": True,
+    }
     events = sse_events(server, "/v1/completions", body)
     texts, finished = {0: "", 1: ""}, {}
     for e in events:
-        assert set(e) >= {"id", "object", "created", "model", "choices"} and e["object"] == "text_completion"
+        assert (
+            set(e) >= {"id", "object", "created", "model", "choices"}
+            and e["object"] == "text_completion"
+        )
         (c,) = e["choices"]
         texts[c["index"]] += c["text"]
         if c["finish_reason"]:
             finished[c["index"]] = c["finish_reason"]
     assert finished == {0: "length", 1: "length"}
-    again = post(server, "/v1/completions", {**body, "stream": False}).json()  # same seed: same samples
+    again = post(
+        server, "/v1/completions", {**body, "stream": False}
+    ).json()  # same seed: same samples
     assert [c["text"] for c in again["choices"]] == [texts[0], texts[1]]
 
 
 def test_logprobs_formats(server):
-    out = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 3}).json()
+    out = post(
+        server,
+        "/v1/completions",
+        {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "logprobs": 3},
+    ).json()
     lp = out["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"])
     assert len(lp["tokens"]) == out["usage"]["completion_tokens"]
     assert "".join(lp["tokens"]) == out["choices"][0]["text"]
     assert lp["text_offset"][0] == 0 and all(len(t) == 3 for t in lp["top_logprobs"])
-    assert all(lp["token_logprobs"][i] == max(t.values()) for i, t in enumerate(lp["top_logprobs"]))  # greedy
-    chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
-                                                 "temperature": 0, "logprobs": True, "top_logprobs": 2}).json()  # fmt: skip
+    assert all(
+        lp["token_logprobs"][i] == max(t.values()) for i, t in enumerate(lp["top_logprobs"])
+    )  # greedy
+    chat = post(
+        server,
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 4,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 2,
+        },
+    ).json()
     content = chat["choices"][0]["logprobs"]["content"]
-    assert len(content) == 4 and all(len(c["top_logprobs"]) == 2 and c["logprob"] <= 0 for c in content)
-    assert bytes(b for c in content for b in c["bytes"]).decode() == chat["choices"][0]["message"]["content"]
+    assert len(content) == 4 and all(
+        len(c["top_logprobs"]) == 2 and c["logprob"] <= 0 for c in content
+    )
+    assert (
+        bytes(b for c in content for b in c["bytes"]).decode()
+        == chat["choices"][0]["message"]["content"]
+    )
 
 
 # ---------------------------------------------------------------------- equality with the engine
@@ -227,8 +313,15 @@ def test_greedy_text_equals_llm_generate_over_http_sse_and_websocket(server):
 
     prompts = [PROMPT, "def fibonacci(n):", "Q: What is 2 + 2?\nA:"]
     # Same engine settings as the server; no warm-up: only the few shapes used get compiled.
-    llm = LLM(MODEL, max_num_seqs=8, max_model_len=256, max_num_batched_tokens=128, num_pages=96, warmup=False,
-              use_tqdm=False)  # fmt: skip
+    llm = LLM(
+        MODEL,
+        max_num_seqs=8,
+        max_model_len=256,
+        max_num_batched_tokens=128,
+        num_pages=96,
+        warmup=False,
+        use_tqdm=False,
+    )
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     expected = [o.outputs[0].text for o in outs]
     body = {"max_tokens": 32, "temperature": 0}
@@ -237,7 +330,10 @@ def test_greedy_text_equals_llm_generate_over_http_sse_and_websocket(server):
         return post(server, C, {**body, "prompt": p}).json()["choices"][0]["text"]
 
     def sse(p):
-        return "".join(e["choices"][0]["text"] for e in sse_events(server, C, {**body, "prompt": p, "stream": True}))
+        return "".join(
+            e["choices"][0]["text"]
+            for e in sse_events(server, C, {**body, "prompt": p, "stream": True})
+        )
 
     def ws():
         return [r["text"] for r in _ws_generate(server, [{**body, "prompt": p} for p in prompts])]
@@ -250,25 +346,50 @@ def test_greedy_text_equals_llm_generate_over_http_sse_and_websocket(server):
     assert texts == expected * 2 and ws_texts.result() == expected
 
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    chat_expected = llm.chat(messages, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
-    chat = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 24, "temperature": 0}).json()
+    chat_expected = llm.chat(
+        messages, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False
+    )[0]
+    chat = post(
+        server, "/v1/chat/completions", {"messages": messages, "max_tokens": 24, "temperature": 0}
+    ).json()
     assert chat["choices"][0]["message"]["content"] == chat_expected.outputs[0].text
     assert chat["usage"]["prompt_tokens"] == len(chat_expected.prompt_token_ids)
 
 
 def test_websocket_sequence_errors_and_cancel(server):
-    results = _ws_generate(server, [
-        {"prompt": PROMPT, "max_tokens": 5, "temperature": 0},
-        {"prompt": PROMPT, "max_tokens": 5, "temperature": "hot"},  # error; the socket stays open
-        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0, "logprobs": 1},
-        {"prompt": PROMPT, "model": "gpt-4"},
-    ])  # fmt: skip
+    results = _ws_generate(
+        server,
+        [
+            {"prompt": PROMPT, "max_tokens": 5, "temperature": 0},
+            {
+                "prompt": PROMPT,
+                "max_tokens": 5,
+                "temperature": "hot",
+            },  # error; the socket stays open
+            {
+                "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 3,
+                "temperature": 0,
+                "logprobs": 1,
+            },
+            {"prompt": PROMPT, "model": "gpt-4"},
+        ],
+    )
     assert results[0]["last"]["type"] == "done" and results[0]["last"]["finish_reason"] == "length"
-    assert results[0]["last"]["usage"] == {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10}
+    assert results[0]["last"]["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 5,
+        "total_tokens": 10,
+    }
     tokens = [m for m in results[0]["messages"] if m["type"] == "token"]
     assert sum(len(m["token_ids"]) for m in tokens) == 5 and all(m["index"] == 0 for m in tokens)
-    assert results[1]["last"] == {"type": "error", "status": 400, "message": results[1]["last"]["message"],
-                                  "param": "temperature", "code": None}  # fmt: skip
+    assert results[1]["last"] == {
+        "type": "error",
+        "status": 400,
+        "message": results[1]["last"]["message"],
+        "param": "temperature",
+        "code": None,
+    }
     assert all("logprobs" in m for m in results[2]["messages"] if m["type"] == "token")
     assert results[3]["last"]["type"] == "error" and results[3]["last"]["code"] == "model_not_found"
 
@@ -277,7 +398,11 @@ def test_websocket_sequence_errors_and_cancel(server):
     async def cancel():
         uri = server.url.replace("http://", "ws://") + "/v1/stream"
         async with websockets.connect(uri, additional_headers=AUTH) as ws:
-            await ws.send(json.dumps({"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True}))
+            await ws.send(
+                json.dumps(
+                    {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+                )
+            )
             assert json.loads(await ws.recv())["type"] == "token"
             await ws.send(json.dumps({"type": "cancel"}))
             while (msg := json.loads(await asyncio.wait_for(ws.recv(), 30)))["type"] == "token":
@@ -285,7 +410,11 @@ def test_websocket_sequence_errors_and_cancel(server):
             return msg
 
     done = asyncio.run(cancel())
-    assert done["type"] == "done" and done["finish_reason"] == "abort" and done["usage"]["completion_tokens"] < 200
+    assert (
+        done["type"] == "done"
+        and done["finish_reason"] == "abort"
+        and done["usage"]["completion_tokens"] < 200
+    )
 
     async def no_key():
         uri = server.url.replace("http://", "ws://") + "/v1/stream"
@@ -325,40 +454,161 @@ BAD_INPUTS = [
     ("n>1 greedy", C, {"prompt": "x", "n": 2, "temperature": 0}, 400, "n", None),
     ("logprobs too many", C, {"prompt": "x", "logprobs": 21}, 400, "logprobs", None),
     ("presence_penalty", C, {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty", None),
-    ("frequency_penalty", C, {"prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty", None),
-    ("repetition_penalty zero", C, {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty", None),
+    (
+        "frequency_penalty",
+        C,
+        {"prompt": "x", "frequency_penalty": -3},
+        400,
+        "frequency_penalty",
+        None,
+    ),
+    (
+        "repetition_penalty zero",
+        C,
+        {"prompt": "x", "repetition_penalty": 0},
+        400,
+        "repetition_penalty",
+        None,
+    ),
     ("negative seed", C, {"prompt": "x", "seed": -1}, 400, "seed", None),
     ("empty stop string", C, {"prompt": "x", "stop": [""]}, 400, "stop", None),
     ("stop not a string", C, {"prompt": "x", "stop": 5}, 400, "stop", None),
     ("max_tokens zero", C, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", None),
-    ("max_tokens too large", C, {"prompt": "x", "max_tokens": 100_000}, 400, "max_tokens", "context_length_exceeded"),
-    ("prompt too long", C, {"prompt": TOO_LONG_PROMPT, "max_tokens": 1}, 400, "prompt", "context_length_exceeded"),
-    ("huge prompt rejected unread", C, {"prompt": "a" * 900_000}, 400, "prompt", "context_length_exceeded"),
+    (
+        "max_tokens too large",
+        C,
+        {"prompt": "x", "max_tokens": 100_000},
+        400,
+        "max_tokens",
+        "context_length_exceeded",
+    ),
+    (
+        "prompt too long",
+        C,
+        {"prompt": TOO_LONG_PROMPT, "max_tokens": 1},
+        400,
+        "prompt",
+        "context_length_exceeded",
+    ),
+    (
+        "huge prompt rejected unread",
+        C,
+        {"prompt": "a" * 900_000},
+        400,
+        "prompt",
+        "context_length_exceeded",
+    ),
     ("empty prompt", C, {"prompt": ""}, 400, "prompt", None),
     ("empty token list", C, {"prompt": []}, 400, "prompt", None),
     ("token id out of range", C, {"prompt": [1, 99_999_999]}, 400, "prompt", None),
     ("batched prompts", C, {"prompt": ["a", "b"]}, 400, "prompt", None),
     ("echo unsupported", C, {"prompt": "x", "echo": True}, 400, "echo", None),
-    ("logit_bias unsupported", C, {"prompt": "x", "logit_bias": {"50": 100}}, 400, "logit_bias", None),
-    ("stream_options without stream", C, {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", None),
+    (
+        "logit_bias unsupported",
+        C,
+        {"prompt": "x", "logit_bias": {"50": 100}},
+        400,
+        "logit_bias",
+        None,
+    ),
+    (
+        "stream_options without stream",
+        C,
+        {"prompt": "x", "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+        None,
+    ),
     ("unknown model", C, {"model": "gpt-4", "prompt": "x"}, 404, "model", "model_not_found"),
     ("oversize body", C, {"prompt": "x" * (1 << 20)}, 413, None, "request_too_large"),
     ("missing api key", C, {"prompt": "x"}, 401, None, "invalid_api_key"),
     ("wrong api key", C, {"prompt": "x"}, 401, None, "invalid_api_key"),
     ("chat empty messages", CHAT, {"messages": []}, 400, "messages", None),
     ("chat missing messages", CHAT, {"max_tokens": 3}, 400, "messages", None),
-    ("chat bad role", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role", None),
-    ("chat content not text", CHAT, {"messages": [{"role": "user", "content": 7}]}, 400, "messages.0.content", None),
-    ("chat image part", CHAT, {"messages": [{"role": "user", "content": [IMAGE_PART]}]}, 400, "messages.0.content.0.type", None),
-    ("chat top_logprobs alone", CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs", None),
-    ("chat top_logprobs too many", CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs", None),
-    ("chat tool without function", CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools.0.function", None),
-    ("chat tool_choice unknown function", CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}],
-     "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice", None),
-    ("chat two output constraints", CHAT, {"messages": USER, "response_format": {"type": "json_object"},
-     "guided_regex": "a+"}, 400, "guided_regex", None),
-    ("chat max_tokens too large", CHAT, {"messages": USER, "max_tokens": 10_000}, 400, "max_tokens", "context_length_exceeded"),
-    ("chat unknown model", CHAT, {"model": "/etc/passwd", "messages": USER}, 404, "model", "model_not_found"),
+    (
+        "chat bad role",
+        CHAT,
+        {"messages": [{"role": "wizard", "content": "x"}]},
+        400,
+        "messages.0.role",
+        None,
+    ),
+    (
+        "chat content not text",
+        CHAT,
+        {"messages": [{"role": "user", "content": 7}]},
+        400,
+        "messages.0.content",
+        None,
+    ),
+    (
+        "chat image part",
+        CHAT,
+        {"messages": [{"role": "user", "content": [IMAGE_PART]}]},
+        400,
+        "messages.0.content.0.type",
+        None,
+    ),
+    (
+        "chat top_logprobs alone",
+        CHAT,
+        {"messages": USER, "top_logprobs": 2},
+        400,
+        "top_logprobs",
+        None,
+    ),
+    (
+        "chat top_logprobs too many",
+        CHAT,
+        {"messages": USER, "logprobs": True, "top_logprobs": 50},
+        400,
+        "top_logprobs",
+        None,
+    ),
+    (
+        "chat tool without function",
+        CHAT,
+        {"messages": USER, "tools": [{"type": "function"}]},
+        400,
+        "tools.0.function",
+        None,
+    ),
+    (
+        "chat tool_choice unknown function",
+        CHAT,
+        {
+            "messages": USER,
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
+        400,
+        "tool_choice",
+        None,
+    ),
+    (
+        "chat two output constraints",
+        CHAT,
+        {"messages": USER, "response_format": {"type": "json_object"}, "guided_regex": "a+"},
+        400,
+        "guided_regex",
+        None,
+    ),
+    (
+        "chat max_tokens too large",
+        CHAT,
+        {"messages": USER, "max_tokens": 10_000},
+        400,
+        "max_tokens",
+        "context_length_exceeded",
+    ),
+    (
+        "chat unknown model",
+        CHAT,
+        {"model": "/etc/passwd", "messages": USER},
+        404,
+        "model",
+        "model_not_found",
+    ),
 ]
 
 
@@ -377,8 +627,12 @@ def _send_bad(server: Server, case) -> httpx.Response:
 
 def test_bad_inputs_get_openai_errors_while_a_good_stream_completes(server):
     assert len(BAD_INPUTS) >= 30
-    good = {"prompt": "Once upon a time, in a small village by the sea, there lived", "max_tokens": 48,
-            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    good = {
+        "prompt": "Once upon a time, in a small village by the sea, there lived",
+        "max_tokens": 48,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     expected = post(server, C, good).json()["choices"][0]["text"]
     streamed: dict = {}
 
@@ -386,7 +640,9 @@ def test_bad_inputs_get_openai_errors_while_a_good_stream_completes(server):
         try:
             events = sse_events(server, C, {**good, "stream": True})
             streamed["text"] = "".join(e["choices"][0]["text"] for e in events)
-            streamed["finish"] = [e["choices"][0]["finish_reason"] for e in events if e["choices"][0]["finish_reason"]]
+            streamed["finish"] = [
+                e["choices"][0]["finish_reason"] for e in events if e["choices"][0]["finish_reason"]
+            ]
         except Exception as e:  # reported by the assert below
             streamed["error"] = repr(e)
 
@@ -398,9 +654,14 @@ def test_bad_inputs_get_openai_errors_while_a_good_stream_completes(server):
         r = _send_bad(server, case)
         try:
             err = r.json()["error"]
-            ok = (r.status_code == status and set(err) == {"message", "type", "param", "code"}
-                  and isinstance(err["message"], str) and err["message"] and err["param"] == param
-                  and (code is None or err["code"] == code))  # fmt: skip
+            ok = (
+                r.status_code == status
+                and set(err) == {"message", "type", "param", "code"}
+                and isinstance(err["message"], str)
+                and err["message"]
+                and err["param"] == param
+                and (code is None or err["code"] == code)
+            )
         except (ValueError, KeyError, TypeError):
             ok = False
         if not ok:
@@ -409,7 +670,9 @@ def test_bad_inputs_get_openai_errors_while_a_good_stream_completes(server):
     assert not failures, "\n".join(failures)
     assert streamed.get("text") == expected and streamed.get("finish") == ["length"], streamed
     # Nothing leaked: every admitted request finished and every page came back.
-    m = server.wait_metrics(lambda m: m["minivllm_requests_in_flight"] == 0 and m["minivllm_kv_pages_used"] == 0)
+    m = server.wait_metrics(
+        lambda m: m["minivllm_requests_in_flight"] == 0 and m["minivllm_kv_pages_used"] == 0
+    )
     assert m["minivllm_requests_in_flight"] == 0 and m["minivllm_kv_pages_used"] == 0
 
 
@@ -430,8 +693,10 @@ def _raw_request(server: Server, path: str, body: dict) -> socket.socket:
     data = json.dumps(body).encode()
     host, port = server.url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)))
-    head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {API_KEY}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n")  # fmt: skip
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {API_KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
     sock.sendall(head.encode() + data)
     return sock
 
@@ -441,7 +706,13 @@ def test_queue_limit_then_disconnects_free_every_page(server):
     assert base["minivllm_kv_pages_used"] == 0
     long = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True}
     # MAX_QUEUE requests in flight: SSE streams, non-streaming ones, and one WebSocket.
-    chat = {"messages": USER, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    chat = {
+        "messages": USER,
+        "max_tokens": 200,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     socks = [_raw_request(server, C, {**long, "stream": True}) for _ in range(MAX_QUEUE - 6)]
     socks += [_raw_request(server, CHAT, chat)]
     socks += [_raw_request(server, C, long) for _ in range(4)]
@@ -452,24 +723,34 @@ def test_queue_limit_then_disconnects_free_every_page(server):
         uri = server.url.replace("http://", "ws://") + "/v1/stream"
         async with websockets.connect(uri, additional_headers=AUTH) as ws:
             await ws.send(json.dumps(long))
-            m = server.wait_metrics(lambda m: m["minivllm_requests_in_flight"] == MAX_QUEUE
-                                    and m["minivllm_kv_pages_used"])  # fmt: skip
+            m = server.wait_metrics(
+                lambda m: (
+                    m["minivllm_requests_in_flight"] == MAX_QUEUE and m["minivllm_kv_pages_used"]
+                )
+            )
             assert m["minivllm_requests_in_flight"] == MAX_QUEUE and m["minivllm_kv_pages_used"] > 0
             # Full: HTTP gets 429 with Retry-After, the socket gets an error message.
             r = post(server, C, {"prompt": PROMPT, "max_tokens": 1})
             assert r.status_code == 429 and r.headers["Retry-After"] == "1"
             assert r.json()["error"]["code"] == "queue_full"
-            await ws.send(json.dumps({"prompt": PROMPT, "max_tokens": 1}))  # queued behind the first
+            await ws.send(
+                json.dumps({"prompt": PROMPT, "max_tokens": 1})
+            )  # queued behind the first
             # Then drop everything mid-stream: WebSocket first, then the HTTP clients.
         for s in socks:
             s.close()
 
     asyncio.run(ws_then_full())
-    m = server.wait_metrics(lambda m: m["minivllm_requests_in_flight"] == 0 and m["minivllm_kv_pages_used"] == 0)
+    m = server.wait_metrics(
+        lambda m: m["minivllm_requests_in_flight"] == 0 and m["minivllm_kv_pages_used"] == 0
+    )
     assert m["minivllm_requests_in_flight"] == 0
     assert m["minivllm_kv_pages_free"] == base["minivllm_kv_pages_free"]
     assert m["minivllm_num_requests_running"] == 0 and m["minivllm_num_requests_waiting"] == 0
-    assert m["minivllm_generation_tokens_total"] - base["minivllm_generation_tokens_total"] < MAX_QUEUE * 200
+    assert (
+        m["minivllm_generation_tokens_total"] - base["minivllm_generation_tokens_total"]
+        < MAX_QUEUE * 200
+    )
     assert m['minivllm_requests_finished_total{finish_reason="abort"}'] >= MAX_QUEUE
     assert post(server, C, {"prompt": PROMPT, "max_tokens": 2}).status_code == 200  # still serving
 
@@ -479,12 +760,23 @@ def test_queue_limit_then_disconnects_free_every_page(server):
 
 def test_metrics_exposition(server):
     text = httpx.get(f"{server.url}/metrics", headers=AUTH).text
-    for name in ("num_requests_running", "num_requests_waiting", "kv_pages_used", "kv_pages_free",
-                 "generation_tokens_total", "compiles_total", "time_to_first_token_seconds",
-                 "time_per_output_token_seconds"):  # fmt: skip
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_pages_used",
+        "kv_pages_free",
+        "generation_tokens_total",
+        "compiles_total",
+        "time_to_first_token_seconds",
+        "time_per_output_token_seconds",
+    ):
         assert f"# TYPE minivllm_{name} " in text
     m = server.metrics()
-    for h in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
+    for h in (
+        "time_to_first_token_seconds",
+        "time_per_output_token_seconds",
+        "e2e_request_latency_seconds",
+    ):
         buckets = [v for k, v in m.items() if k.startswith(f"minivllm_{h}_bucket")]
         assert buckets == sorted(buckets) and buckets[-1] == m[f"minivllm_{h}_count"] > 0
 
@@ -492,9 +784,26 @@ def test_metrics_exposition(server):
 def test_loopback_load_has_no_errors_and_no_recompiles(server, tmp_path):
     before = server.metrics()
     out = tmp_path / "load.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "load_test.py"), "--url", server.url, "--api-key", API_KEY,
-           "--requests", "32", "--concurrency", "8", "--max-tokens", "12", "--warmup-requests", "0", "--deadline", "240",
-           "--out", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "load_test.py"),
+        "--url",
+        server.url,
+        "--api-key",
+        API_KEY,
+        "--requests",
+        "32",
+        "--concurrency",
+        "8",
+        "--max-tokens",
+        "12",
+        "--warmup-requests",
+        "0",
+        "--deadline",
+        "240",
+        "--out",
+        str(out),
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads(out.read_text())
@@ -516,7 +825,13 @@ def test_sigterm_drains_in_flight_stream_and_exits_cleanly(server):
     result: dict = {}
 
     def stream():
-        body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True}
+        body = {
+            "prompt": PROMPT,
+            "max_tokens": 24,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with httpx.stream("POST", f"{server.url}{C}", json=body, headers=AUTH, timeout=120) as r:
             lines = []
             for line in r.iter_lines():

@@ -18,11 +18,23 @@ from server.app import create_app
 from server.cli import allowed_hosts_for, build_parser
 from server.middleware import GateMiddleware
 from server.protocol import (
-    MAX_N, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_STOPS, APIError, CompletionRequest, parse_request,
-)  # fmt: skip
+    MAX_N,
+    MAX_STOP_CHARS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_STOPS,
+    APIError,
+    CompletionRequest,
+    parse_request,
+)
 from server.security import (
-    WS_KEY_PREFIX, WS_SUBPROTOCOL, OriginPolicy, host_allowed, is_json, split_host, websocket_key,
-)  # fmt: skip
+    WS_KEY_PREFIX,
+    WS_SUBPROTOCOL,
+    OriginPolicy,
+    host_allowed,
+    is_json,
+    split_host,
+    websocket_key,
+)
 from server.state import ServerState
 from tests.test_server_units import _app_client, expected_text, fake_llm, run
 
@@ -34,8 +46,12 @@ GOOD = {"prompt": "ab", "max_tokens": 3, "temperature": 0}
 
 
 def _scope(kind: str = "websocket", **headers: str) -> dict:
-    return {"type": kind, "scheme": "ws" if kind == "websocket" else "http", "path": "/v1/stream",
-            "headers": [(k.encode(), v.encode()) for k, v in headers.items()]}  # fmt: skip
+    return {
+        "type": kind,
+        "scheme": "ws" if kind == "websocket" else "http",
+        "path": "/v1/stream",
+        "headers": [(k.encode(), v.encode()) for k, v in headers.items()],
+    }
 
 
 def _stream_once(ws) -> dict:
@@ -50,7 +66,9 @@ def _stream_once(ws) -> dict:
 # ---------------------------------------------------------------------- 10. WebSocket Origin
 
 
-@pytest.mark.parametrize("origin", ["http://evil.example", "null", "http://testserver:8080", "https://testserver"])
+@pytest.mark.parametrize(
+    "origin", ["http://evil.example", "null", "http://testserver:8080", "https://testserver"]
+)
 def test_ws_cross_origin_handshake_gets_403_json(origin):
     with TestClient(create_app(fake_llm(), model_name="fake")) as client:
         with pytest.raises(WebSocketDenialResponse) as e:
@@ -67,21 +85,29 @@ def test_ws_accepts_no_origin_same_origin_and_listed_origins():
     with TestClient(app) as client:
         with client.websocket_connect("/v1/stream") as ws:  # not a browser: no Origin
             _stream_once(ws)
-        with client.websocket_connect("/v1/stream", headers={"origin": "http://testserver"}) as ws:  # our own page
+        with client.websocket_connect(
+            "/v1/stream", headers={"origin": "http://testserver"}
+        ) as ws:  # our own page
             _stream_once(ws)
         own = {"origin": "http://LOCALHOST:8000"}  # the same origin, spelled differently
         with client.websocket_connect("ws://localhost:8000/v1/stream", headers=own) as ws:
             _stream_once(ws)
-        with client.websocket_connect("/v1/stream", headers={"origin": "http://localhost:3000"}) as ws:  # listed
+        with client.websocket_connect(
+            "/v1/stream", headers={"origin": "http://localhost:3000"}
+        ) as ws:  # listed
             _stream_once(ws)
         with pytest.raises(WebSocketDenialResponse):
-            with client.websocket_connect("/v1/stream", headers={"origin": "http://localhost:3001"}):
+            with client.websocket_connect(
+                "/v1/stream", headers={"origin": "http://localhost:3001"}
+            ):
                 pass
 
 
 def test_ws_any_origin_with_star():
     with TestClient(create_app(fake_llm(), model_name="fake", allowed_origins=["*"])) as client:
-        with client.websocket_connect("/v1/stream", headers={"origin": "http://evil.example"}) as ws:
+        with client.websocket_connect(
+            "/v1/stream", headers={"origin": "http://evil.example"}
+        ) as ws:
             _stream_once(ws)
 
 
@@ -92,8 +118,12 @@ def test_origin_policy_compares_scheme_host_and_port():
     assert own.allows(_scope(host="example.com", origin="http://example.com:80"))  # default port
     assert not own.allows(_scope(host="127.0.0.1:8000", origin="http://127.0.0.1:9000"))
     assert not own.allows(_scope(host="127.0.0.1:8000", origin="https://127.0.0.1:8000"))
-    assert not own.allows(_scope(origin="http://127.0.0.1:8000"))  # no Host: nothing to be the same as
-    assert OriginPolicy(["http://localhost:3000/"]).allows(_scope(host="x", origin="http://localhost:3000"))
+    assert not own.allows(
+        _scope(origin="http://127.0.0.1:8000")
+    )  # no Host: nothing to be the same as
+    assert OriginPolicy(["http://localhost:3000/"]).allows(
+        _scope(host="x", origin="http://localhost:3000")
+    )
     with pytest.raises(ValueError, match="allowed origins"):
         OriginPolicy(["localhost:3000"])
 
@@ -119,11 +149,22 @@ def test_ws_refusal_closes_with_1008_when_the_server_has_no_http_response_extens
 
 
 @pytest.mark.parametrize("path", [C, "/v1/chat/completions"])
-@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
-                                          "multipart/form-data; boundary=x", "application/jsonp", ""])  # fmt: skip
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        None,
+        "text/plain",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+        "application/jsonp",
+        "",
+    ],
+)
 def test_post_without_json_content_type_gets_415(path, content_type):
     app = create_app(fake_llm(), model_name="fake")
-    body = json.dumps(GOOD if path == C else {"messages": [{"role": "user", "content": "q"}]}).encode()
+    body = json.dumps(
+        GOOD if path == C else {"messages": [{"role": "user", "content": "q"}]}
+    ).encode()
     headers = {} if content_type is None else {"content-type": content_type}
 
     async def main():
@@ -137,14 +178,18 @@ def test_post_without_json_content_type_gets_415(path, content_type):
     run(main())
 
 
-@pytest.mark.parametrize("content_type", ["application/json", "application/json; charset=utf-8",
-                                          "Application/JSON;charset=UTF-8"])  # fmt: skip
+@pytest.mark.parametrize(
+    "content_type",
+    ["application/json", "application/json; charset=utf-8", "Application/JSON;charset=UTF-8"],
+)
 def test_json_content_type_with_parameters_is_accepted(content_type):
     app = create_app(fake_llm(), model_name="fake")
 
     async def main():
         async with app.router.lifespan_context(app), await _app_client(app) as client:
-            r = await client.post(C, content=json.dumps(GOOD).encode(), headers={"content-type": content_type})
+            r = await client.post(
+                C, content=json.dumps(GOOD).encode(), headers={"content-type": content_type}
+            )
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected_text("ab", 3)
 
     run(main())
@@ -157,12 +202,18 @@ def test_is_json():
 
 def test_no_cors_headers_for_cross_origin_requests():
     app = create_app(fake_llm(), model_name="fake", allowed_origins=["http://localhost:3000"])
-    preflight = {"origin": "http://evil.example", "access-control-request-method": "POST",
-                 "access-control-request-headers": "content-type"}  # fmt: skip
+    preflight = {
+        "origin": "http://evil.example",
+        "access-control-request-method": "POST",
+        "access-control-request-headers": "content-type",
+    }
 
     async def main():
         async with app.router.lifespan_context(app), await _app_client(app) as client:
-            for origin in ("http://evil.example", "http://localhost:3000"):  # the WS allow-list grants no CORS
+            for origin in (
+                "http://evil.example",
+                "http://localhost:3000",
+            ):  # the WS allow-list grants no CORS
                 r = await client.options(C, headers={**preflight, "origin": origin})
                 assert not any(k.startswith("access-control-") for k in r.headers), r.headers
                 r = await client.get("/v1/models", headers={"origin": origin})
@@ -174,17 +225,30 @@ def test_no_cors_headers_for_cross_origin_requests():
 # ---------------------------------------------------------------------- 12. Host check (DNS rebinding)
 
 
-@pytest.mark.parametrize("host, ok", [
-    ("127.0.0.1:8000", True), ("localhost:8000", True), ("LOCALHOST", True), ("[::1]:8000", True), ("[::1]", True),
-    ("evil.example", False), ("evil.example:8000", False), ("localhost.evil.example", False),
-    ("127.0.0.1.nip.io", False),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "host, ok",
+    [
+        ("127.0.0.1:8000", True),
+        ("localhost:8000", True),
+        ("LOCALHOST", True),
+        ("[::1]:8000", True),
+        ("[::1]", True),
+        ("evil.example", False),
+        ("evil.example:8000", False),
+        ("localhost.evil.example", False),
+        ("127.0.0.1.nip.io", False),
+    ],
+)
 def test_host_check_answers_421_to_other_hosts(host, ok):
     app = create_app(fake_llm(), model_name="fake", allowed_hosts=LOOPBACK_HOSTS)
 
     async def main():
         async with app.router.lifespan_context(app), await _app_client(app) as client:
-            for method, path, kw in (("GET", "/health", {}), ("GET", "/v1/models", {}), ("POST", C, {"json": GOOD})):
+            for method, path, kw in (
+                ("GET", "/health", {}),
+                ("GET", "/v1/models", {}),
+                ("POST", C, {"json": GOOD}),
+            ):
                 r = await client.request(method, path, headers={"host": host}, **kw)
                 if ok:
                     assert r.status_code == 200, (path, r.text)
@@ -197,14 +261,18 @@ def test_host_check_answers_421_to_other_hosts(host, ok):
 
 
 def test_host_check_covers_websockets_and_is_off_by_default_in_create_app():
-    with TestClient(create_app(fake_llm(), model_name="fake", allowed_hosts=LOOPBACK_HOSTS)) as client:
+    with TestClient(
+        create_app(fake_llm(), model_name="fake", allowed_hosts=LOOPBACK_HOSTS)
+    ) as client:
         with pytest.raises(WebSocketDenialResponse) as e:
             with client.websocket_connect("/v1/stream", headers={"host": "evil.example:8000"}):
                 pass
         assert e.value.status_code == 421 and e.value.json()["error"]["code"] == "invalid_host"
         with client.websocket_connect("ws://127.0.0.1:8000/v1/stream") as ws:
             _stream_once(ws)
-    with TestClient(create_app(fake_llm(), model_name="fake")) as client:  # allowed_hosts=None: no check
+    with TestClient(
+        create_app(fake_llm(), model_name="fake")
+    ) as client:  # allowed_hosts=None: no check
         assert client.get("/health", headers={"host": "evil.example"}).status_code == 200
 
 
@@ -212,20 +280,31 @@ def test_host_allowed_and_split_host():
     assert split_host("Example.COM:8000") == ("example.com", 8000)
     assert split_host("[::1]:80") == ("::1", 80) and split_host("::1") == ("::1", None)
     assert split_host("localhost:x") == ("localhost", -1)
-    assert not host_allowed(_scope("http"), frozenset({"localhost"}))  # no Host header while checking
+    assert not host_allowed(
+        _scope("http"), frozenset({"localhost"})
+    )  # no Host header while checking
     assert host_allowed(_scope("http"), None)
 
 
 def test_cli_default_allowed_hosts_follow_the_bind_address():
     args = build_parser().parse_args([])
     assert args.host == "127.0.0.1" and args.allowed_hosts is None and args.allowed_origins == []
-    assert set(allowed_hosts_for(args.host, args.allowed_hosts)) == {"localhost", "127.0.0.1", "::1"}
+    assert set(allowed_hosts_for(args.host, args.allowed_hosts)) == {
+        "localhost",
+        "127.0.0.1",
+        "::1",
+    }
     assert set(allowed_hosts_for("localhost", None)) == {"localhost", "127.0.0.1", "::1"}
     assert "127.0.0.2" in allowed_hosts_for("127.0.0.2", None)
-    assert allowed_hosts_for("0.0.0.0", None) is None and allowed_hosts_for("192.168.1.5", None) is None
+    assert (
+        allowed_hosts_for("0.0.0.0", None) is None
+        and allowed_hosts_for("192.168.1.5", None) is None
+    )
     args = build_parser().parse_args(["--host", "0.0.0.0", "--allowed-hosts", "llm.lan, 10.0.0.2"])
     assert allowed_hosts_for(args.host, args.allowed_hosts) == ["llm.lan", "10.0.0.2"]
-    args = build_parser().parse_args(["--allowed-hosts", "*", "--allowed-origins", "http://localhost:3000,*"])
+    args = build_parser().parse_args(
+        ["--allowed-hosts", "*", "--allowed-origins", "http://localhost:3000,*"]
+    )
     assert allowed_hosts_for(args.host, args.allowed_hosts) is None
     assert args.allowed_origins == ["http://localhost:3000", "*"]
 
@@ -266,7 +345,9 @@ def test_stop_strings_are_bounded():
     assert param(["s"] * (MAX_STOPS + 1)) == (400, "stop")
     assert param("s" * (MAX_STOP_CHARS + 1)) == (400, "stop")
     assert param(["ok", "s" * (MAX_STOP_CHARS + 1)]) == (400, "stop")
-    at_limit = parse_request(CompletionRequest, {"prompt": "x", "stop": ["s" * MAX_STOP_CHARS] * MAX_STOPS})
+    at_limit = parse_request(
+        CompletionRequest, {"prompt": "x", "stop": ["s" * MAX_STOP_CHARS] * MAX_STOPS}
+    )
     assert at_limit.sampling_params().stop == ["s" * MAX_STOP_CHARS] * MAX_STOPS
     # A single string is limited by its characters, not by the list-length limit.
     assert parse_request(CompletionRequest, {"prompt": "x", "stop": "s" * (MAX_STOPS + 1)}).stop
@@ -290,8 +371,17 @@ def test_readme_limits_match_the_code():
     readme = (ROOT / "server" / "README.md").read_text()
     limits = readme.split("## Limits", 1)[1].split("\n## ", 1)[0]
     defaults = build_parser().parse_args([])
-    for value in (MAX_N, MAX_STOPS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_LOGPROBS, MAX_PENDING, defaults.max_queue,
-                  defaults.max_body_bytes, defaults.max_model_len):  # fmt: skip
+    for value in (
+        MAX_N,
+        MAX_STOPS,
+        MAX_STOP_CHARS,
+        MAX_STOP_TOKEN_IDS,
+        MAX_LOGPROBS,
+        MAX_PENDING,
+        defaults.max_queue,
+        defaults.max_body_bytes,
+        defaults.max_model_len,
+    ):
         assert re.search(rf"\b{value:,}\b|\b{value}\b", limits), value
 
 
@@ -305,18 +395,29 @@ def _key_protocol(key: str) -> str:
 def test_ws_takes_the_api_key_as_a_subprotocol_and_answers_minivllm():
     key = "k+/é=?"  # characters that are no subprotocol token: base64url carries them
     with TestClient(create_app(fake_llm(), model_name="fake", api_key=key)) as client:
-        with client.websocket_connect("/v1/stream", subprotocols=[WS_SUBPROTOCOL, _key_protocol(key)]) as ws:
+        with client.websocket_connect(
+            "/v1/stream", subprotocols=[WS_SUBPROTOCOL, _key_protocol(key)]
+        ) as ws:
             assert ws.accepted_subprotocol == WS_SUBPROTOCOL  # echoed, never the key
             _stream_once(ws)
         wrong = ["wrong", key + "x", ""]
-        offers = [[WS_SUBPROTOCOL, _key_protocol(w)] for w in wrong] + [[WS_SUBPROTOCOL, WS_KEY_PREFIX + "%%"]]
+        offers = [[WS_SUBPROTOCOL, _key_protocol(w)] for w in wrong] + [
+            [WS_SUBPROTOCOL, WS_KEY_PREFIX + "%%"]
+        ]
         for offer in [*offers, [WS_SUBPROTOCOL]]:
             with pytest.raises(WebSocketDenialResponse) as e:
                 with client.websocket_connect("/v1/stream", subprotocols=offer):
                     pass
-            assert e.value.status_code == 401 and e.value.json()["error"]["code"] == "invalid_api_key", offer
+            assert (
+                e.value.status_code == 401 and e.value.json()["error"]["code"] == "invalid_api_key"
+            ), offer
         # Only a WebSocket may carry the key that way; an HTTP request still needs Authorization.
-        assert client.get("/v1/models", headers={"sec-websocket-protocol": _key_protocol(key)}).status_code == 401
+        assert (
+            client.get(
+                "/v1/models", headers={"sec-websocket-protocol": _key_protocol(key)}
+            ).status_code
+            == 401
+        )
 
 
 def test_ws_subprotocol_is_echoed_only_when_offered():
@@ -335,4 +436,6 @@ def test_websocket_key_decodes_base64url_and_refuses_garbage():
     assert websocket_key(scope(WS_SUBPROTOCOL, _key_protocol("sk-1"))) == "sk-1"
     assert websocket_key(scope(WS_SUBPROTOCOL)) is None
     assert websocket_key(scope(WS_KEY_PREFIX + "!!")) is None  # not base64
-    assert websocket_key(scope(WS_KEY_PREFIX + base64.urlsafe_b64encode(b"\xff\xfe").decode())) is None  # not UTF-8
+    assert (
+        websocket_key(scope(WS_KEY_PREFIX + base64.urlsafe_b64encode(b"\xff\xfe").decode())) is None
+    )  # not UTF-8

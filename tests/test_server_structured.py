@@ -30,11 +30,14 @@ USER = [{"role": "user", "content": "What is the weather like in Paris?"}]
 # Bounded so a random model's output always ends well inside max_tokens.
 WEATHER = {
     "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 7},
-                   "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
     "required": ["city", "days", "unit"],
     "additionalProperties": False,
-}  # fmt: skip
+}
 
 
 def save_byte_tokenizer(path, chat_template: str = CHAT_TEMPLATE) -> int:
@@ -50,7 +53,9 @@ def save_byte_tokenizer(path, chat_template: str = CHAT_TEMPLATE) -> int:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
     fast.chat_template = chat_template
     fast.save_pretrained(path)
     return len(vocab)
@@ -63,8 +68,16 @@ def tiny_byte_llm(path):
     # A few ids the tokenizer lacks (never allowed by a grammar); positions for long tool prompts.
     make_tiny_llama(path, vocab_size=vocab + 5, max_position_embeddings=2048)
     # One byte a token: a prompt with the tools instruction is about 1,300 tokens.
-    return LLM(str(path), max_num_seqs=4, max_model_len=2048, page_size=16, num_pages=400, enable_prefix_caching=False,
-               warmup=False, use_tqdm=False)  # fmt: skip
+    return LLM(
+        str(path),
+        max_num_seqs=4,
+        max_model_len=2048,
+        page_size=16,
+        num_pages=400,
+        enable_prefix_caching=False,
+        warmup=False,
+        use_tqdm=False,
+    )
 
 
 class LiveServer:
@@ -81,12 +94,16 @@ class LiveServer:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
-        self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning"))
+        self._server = uvicorn.Server(
+            uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning")
+        )
         self._thread = threading.Thread(target=self._server.run, daemon=True)
         self._thread.start()
         deadline = time.monotonic() + 60
         while not self._server.started:
-            assert self._thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            assert self._thread.is_alive() and time.monotonic() < deadline, (
+                "the server did not start"
+            )
             time.sleep(0.05)
 
     @property
@@ -94,7 +111,9 @@ class LiveServer:
         return self.app.state.minivllm
 
     def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        return openai.OpenAI(
+            base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120
+        )
 
     def post(self, path: str, body: dict) -> httpx.Response:
         return httpx.post(f"{self.url}{path}", json=body, timeout=120)
@@ -129,18 +148,37 @@ def wait_idle(live: LiveServer) -> None:
 
 
 def test_response_format_json_schema_validates_streaming_and_not(client):
-    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER, "strict": True}}
-    full = client.chat.completions.create(model=MODEL, messages=USER, response_format=fmt, max_tokens=200,
-                                          temperature=0)  # fmt: skip
+    fmt = {
+        "type": "json_schema",
+        "json_schema": {"name": "weather", "schema": WEATHER, "strict": True},
+    }
+    full = client.chat.completions.create(
+        model=MODEL, messages=USER, response_format=fmt, max_tokens=200, temperature=0
+    )
     choice = full.choices[0]
     assert choice.finish_reason == "stop" and not choice.message.tool_calls
     jsonschema.validate(json.loads(choice.message.content), WEATHER)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=USER, response_format=fmt, max_tokens=200,
-                                                 temperature=0, stream=True))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=USER,
+            response_format=fmt,
+            max_tokens=200,
+            temperature=0,
+            stream=True,
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["stop"]
-    sampled = client.chat.completions.create(model=MODEL, messages=USER, response_format=fmt, max_tokens=200,
-                                             temperature=1.0, n=3, seed=7)  # fmt: skip
+    sampled = client.chat.completions.create(
+        model=MODEL,
+        messages=USER,
+        response_format=fmt,
+        max_tokens=200,
+        temperature=1.0,
+        n=3,
+        seed=7,
+    )
     for c in sampled.choices:
         assert c.finish_reason == "stop"
         jsonschema.validate(json.loads(c.message.content), WEATHER)
@@ -148,12 +186,18 @@ def test_response_format_json_schema_validates_streaming_and_not(client):
 
 def test_response_format_json_object_and_text(client):
     # Greedy, so that it ends: sampling, a random model writes an object of random keys until max_tokens.
-    out = client.chat.completions.create(model=MODEL, messages=USER, response_format={"type": "json_object"},
-                                         max_tokens=100, temperature=0)  # fmt: skip
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=USER,
+        response_format={"type": "json_object"},
+        max_tokens=100,
+        temperature=0,
+    )
     assert out.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(out.choices[0].message.content), dict)
-    plain = client.chat.completions.create(model=MODEL, messages=USER, response_format={"type": "text"}, max_tokens=8,
-                                           temperature=0)  # fmt: skip
+    plain = client.chat.completions.create(
+        model=MODEL, messages=USER, response_format={"type": "text"}, max_tokens=8, temperature=0
+    )
     same = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=8, temperature=0)
     assert plain.choices[0].message.content == same.choices[0].message.content
 
@@ -163,22 +207,49 @@ def test_response_format_json_object_and_text(client):
 
 def test_completions_take_vllm_constraints_and_response_format(client):
     choices = ["sunny", "rainy", "cloudy"]
-    out = client.completions.create(model=MODEL, prompt="The weather:", max_tokens=20, temperature=1.0, n=4, seed=1,
-                                    extra_body={"guided_choice": choices})  # fmt: skip
+    out = client.completions.create(
+        model=MODEL,
+        prompt="The weather:",
+        max_tokens=20,
+        temperature=1.0,
+        n=4,
+        seed=1,
+        extra_body={"guided_choice": choices},
+    )
     assert all(c.text in choices and c.finish_reason == "stop" for c in out.choices)
-    out = client.completions.create(model=MODEL, prompt="Call me at", max_tokens=30, temperature=0,
-                                    extra_body={"structured_outputs": {"regex": r"\+33 [1-9]( \d\d){4}"}})  # fmt: skip
+    out = client.completions.create(
+        model=MODEL,
+        prompt="Call me at",
+        max_tokens=30,
+        temperature=0,
+        extra_body={"structured_outputs": {"regex": r"\+33 [1-9]( \d\d){4}"}},
+    )
     assert re.fullmatch(r"\+33 [1-9]( \d\d){4}", out.choices[0].text), out.choices[0].text
     fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}
-    out = client.completions.create(model=MODEL, prompt="Weather as JSON:", max_tokens=200, temperature=0,
-                                    extra_body={"response_format": fmt})  # fmt: skip
+    out = client.completions.create(
+        model=MODEL,
+        prompt="Weather as JSON:",
+        max_tokens=200,
+        temperature=0,
+        extra_body={"response_format": fmt},
+    )
     jsonschema.validate(json.loads(out.choices[0].text), WEATHER)
     grammar = 'start: "The answer is " NUMBER "."\nNUMBER: /[0-9]{1,3}/'
-    out = client.completions.create(model=MODEL, prompt="Q:", max_tokens=30, temperature=0,
-                                    extra_body={"guided_grammar": grammar})  # fmt: skip
+    out = client.completions.create(
+        model=MODEL,
+        prompt="Q:",
+        max_tokens=30,
+        temperature=0,
+        extra_body={"guided_grammar": grammar},
+    )
     assert re.fullmatch(r"The answer is [0-9]{1,3}\.", out.choices[0].text), out.choices[0].text
-    chat = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=200, temperature=0,
-                                          extra_body={"guided_json": WEATHER})  # fmt: skip
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=USER,
+        max_tokens=200,
+        temperature=0,
+        extra_body={"guided_json": WEATHER},
+    )
     jsonschema.validate(json.loads(chat.choices[0].message.content), WEATHER)
 
 
@@ -187,7 +258,9 @@ def test_websocket_request_takes_a_constraint(live):
 
     async def main():
         async with websockets.connect(live.url.replace("http", "ws") + "/v1/stream") as ws:
-            await ws.send(json.dumps({"messages": USER, "max_tokens": 20, "guided_choice": ["yes", "no"]}))
+            await ws.send(
+                json.dumps({"messages": USER, "max_tokens": 20, "guided_choice": ["yes", "no"]})
+            )
             text, msg = "", json.loads(await ws.recv())
             while msg["type"] == "token":
                 text += msg["text"]
@@ -202,14 +275,25 @@ def test_websocket_request_takes_a_constraint(live):
 
 def test_a_constraint_compiles_once_before_the_engine_gets_it(live, client):
     compiler = live.llm.engine.grammar_compiler
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
-              "required": ["n"], "additionalProperties": False}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
     before = compiler.num_compiled
     for _ in range(2):
-        out = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=20, temperature=0,
-                                             extra_body={"guided_json": schema})  # fmt: skip
+        out = client.chat.completions.create(
+            model=MODEL,
+            messages=USER,
+            max_tokens=20,
+            temperature=0,
+            extra_body={"guided_json": schema},
+        )
         jsonschema.validate(json.loads(out.choices[0].message.content), schema)
-    assert compiler.num_compiled == before + 1  # the server's compile; the engine and the repeat hit the cache
+    assert (
+        compiler.num_compiled == before + 1
+    )  # the server's compile; the engine and the repeat hit the cache
 
 
 # ---------------------------------------------------------------------- errors
@@ -217,42 +301,100 @@ def test_a_constraint_compiles_once_before_the_engine_gets_it(live, client):
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}
 BAD_CONSTRAINTS = [
-    ("bad json schema", {"messages": USER, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}}, "response_format"),
+    (
+        "bad json schema",
+        {
+            "messages": USER,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "foo"}},
+            },
+        },
+        "response_format",
+    ),
     ("schema ref to nowhere", {"messages": USER, "guided_json": {"$ref": "#/nope"}}, "guided_json"),
     ("bad regex", {"messages": USER, "structured_outputs": {"regex": "a(b"}}, "structured_outputs"),
-    ("bad grammar", {"messages": USER, "guided_grammar": "start: undefined_rule"}, "guided_grammar"),
-    ("json_schema without schema", {"messages": USER, "response_format": {"type": "json_schema"}},
-     "response_format.json_schema"),
-    ("two constraints", {"messages": USER, "response_format": {"type": "json_object"}, "guided_choice": ["a"]},
-     "guided_choice"),
-    ("two kinds in structured_outputs", {"messages": USER, "structured_outputs": {"regex": "a", "choice": ["a"]}},
-     "structured_outputs"),
+    (
+        "bad grammar",
+        {"messages": USER, "guided_grammar": "start: undefined_rule"},
+        "guided_grammar",
+    ),
+    (
+        "json_schema without schema",
+        {"messages": USER, "response_format": {"type": "json_schema"}},
+        "response_format.json_schema",
+    ),
+    (
+        "two constraints",
+        {"messages": USER, "response_format": {"type": "json_object"}, "guided_choice": ["a"]},
+        "guided_choice",
+    ),
+    (
+        "two kinds in structured_outputs",
+        {"messages": USER, "structured_outputs": {"regex": "a", "choice": ["a"]}},
+        "structured_outputs",
+    ),
     ("empty choice", {"messages": USER, "guided_choice": []}, "guided_choice"),
-    ("unknown tool name", {"messages": USER, "tools": [TOOL],
-                           "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
-    ("tool with a bad schema", {"messages": USER, "tools": [TOOL, {"type": "function", "function": {
-        "name": "broken", "parameters": {"type": "object", "properties": {"a": {"type": "nope"}}}}}]},
-     "tools.1.function.parameters"),
+    (
+        "unknown tool name",
+        {
+            "messages": USER,
+            "tools": [TOOL],
+            "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+        },
+        "tool_choice",
+    ),
+    (
+        "tool with a bad schema",
+        {
+            "messages": USER,
+            "tools": [
+                TOOL,
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "broken",
+                        "parameters": {"type": "object", "properties": {"a": {"type": "nope"}}},
+                    },
+                },
+            ],
+        },
+        "tools.1.function.parameters",
+    ),
     ("tool_choice without tools", {"messages": USER, "tool_choice": "required"}, "tool_choice"),
-    ("forced call and a format", {"messages": USER, "tools": [TOOL], "tool_choice": "required",
-                                  "response_format": {"type": "json_object"}}, "response_format"),
-    ("beam search with a format", {"messages": USER, "use_beam_search": True, "n": 2, "guided_regex": "a"},
-     "guided_regex"),
-]  # fmt: skip
+    (
+        "forced call and a format",
+        {
+            "messages": USER,
+            "tools": [TOOL],
+            "tool_choice": "required",
+            "response_format": {"type": "json_object"},
+        },
+        "response_format",
+    ),
+    (
+        "beam search with a format",
+        {"messages": USER, "use_beam_search": True, "n": 2, "guided_regex": "a"},
+        "guided_regex",
+    ),
+]
 
 
 @pytest.mark.parametrize("name, body, param", BAD_CONSTRAINTS, ids=[c[0] for c in BAD_CONSTRAINTS])
 def test_bad_constraints_are_400_naming_the_field(live, name, body, param):
     r = live.post("/v1/chat/completions", body)
     err = r.json()["error"]
-    assert r.status_code == 400 and err["param"] == param and err["type"] == "invalid_request_error", r.text
+    assert (
+        r.status_code == 400 and err["param"] == param and err["type"] == "invalid_request_error"
+    ), r.text
     assert err["message"]
     wait_idle(live)  # refused before the engine: nothing admitted, nothing leaked
 
 
 def test_openai_client_sees_the_400(client):
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt="x", max_tokens=5, extra_body={"guided_regex": "(("})
+        client.completions.create(
+            model=MODEL, prompt="x", max_tokens=5, extra_body={"guided_regex": "(("}
+        )
     assert e.value.status_code == 400 and e.value.body["param"] == "guided_regex"
     assert "regex" in e.value.body["message"]

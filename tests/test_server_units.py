@@ -17,8 +17,14 @@ from server.app import create_app
 from server.engine_loop import AsyncEngine, EngineStopped, QueueFull
 from server.metrics import EngineStats, Histogram, ServerMetrics
 from server.protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, StreamRequest, param_from_message, parse_json, parse_request,
-)  # fmt: skip
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    StreamRequest,
+    param_from_message,
+    parse_json,
+    parse_request,
+)
 from server.responses import ChoiceTracker
 
 # ---------------------------------------------------------------------- a hand-computable engine
@@ -39,20 +45,28 @@ class FakeTokenizer:
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         return [chr(i) for i in ids]
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool, tokenize: bool) -> list[int]:
-        return self.encode("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: ")
+    def apply_chat_template(
+        self, messages, add_generation_prompt: bool, tokenize: bool
+    ) -> list[int]:
+        return self.encode(
+            "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+        )
 
 
 class FakeEngine:
     """Each sequence outputs the next letters after its prompt's last character, one per step;
     every running request advances in the same step (one batch). One KV page per request."""
 
-    def __init__(self, max_model_len: int = 64, pages: int = 32, step_seconds: float = 0.01) -> None:
+    def __init__(
+        self, max_model_len: int = 64, pages: int = 32, step_seconds: float = 0.01
+    ) -> None:
         self.step_seconds = step_seconds
         self.config = SimpleNamespace(max_model_len=max_model_len)
         self.block_manager = SimpleNamespace(num_free_pages=pages, num_usable_pages=pages)
         self.scheduler = SimpleNamespace(running=[], waiting=[], num_preemptions=0)
-        self.num_generated_tokens = self.num_prompt_tokens = self.num_compiles = self.num_programs_loaded = 0
+        self.num_generated_tokens = self.num_prompt_tokens = self.num_compiles = (
+            self.num_programs_loaded
+        ) = 0
         self.num_draft_tokens = self.num_accepted_tokens = 0
         self.requests: dict[str, tuple[list[int], object, list[list[int]]]] = {}
         self.steps = 0
@@ -62,7 +76,9 @@ class FakeEngine:
         if not ids:
             raise ValueError("prompt must not be empty")
         if len(ids) + params.max_tokens > self.config.max_model_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len")
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len"
+            )
         self.requests[request_id] = (list(ids), params, [[] for _ in range(params.n)])
         self._sync()
         return request_id
@@ -85,7 +101,9 @@ class FakeEngine:
         if self.crash:
             raise RuntimeError("device on fire")
         self.steps += 1
-        time.sleep(self.step_seconds)  # like a device step: adds that arrive meanwhile join the next batch
+        time.sleep(
+            self.step_seconds
+        )  # like a device step: adds that arrive meanwhile join the next batch
         outputs = []
         for rid, (ids, params, outs) in list(self.requests.items()):
             for i, out in enumerate(outs):
@@ -93,9 +111,19 @@ class FakeEngine:
                 out.extend(new)
                 self.num_generated_tokens += len(new)
             reason = self.finish_reason(params, outs[0])
-            outputs.append(RequestOutput(rid, None, ids, [
-                CompletionOutput(i, "".join(map(chr, o)), list(o), 0.0, None, reason) for i, o in enumerate(outs)
-            ], reason is not None, RequestMetrics(0.0)))  # fmt: skip
+            outputs.append(
+                RequestOutput(
+                    rid,
+                    None,
+                    ids,
+                    [
+                        CompletionOutput(i, "".join(map(chr, o)), list(o), 0.0, None, reason)
+                        for i, o in enumerate(outs)
+                    ],
+                    reason is not None,
+                    RequestMetrics(0.0),
+                )
+            )
             if reason is not None:
                 del self.requests[rid]
         self._sync()
@@ -131,30 +159,46 @@ def params(max_tokens: int = 4, n: int = 1):
 # ---------------------------------------------------------------------- protocol
 
 
-@pytest.mark.parametrize("raw, fragment", [
-    (b"", "empty"), (b"   ", "empty"), (b"\xff", "UTF-8"), (b"{", "not valid JSON"), (b"[" * 50_000, "nested"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "raw, fragment",
+    [
+        (b"", "empty"),
+        (b"   ", "empty"),
+        (b"\xff", "UTF-8"),
+        (b"{", "not valid JSON"),
+        (b"[" * 50_000, "nested"),
+    ],
+)
 def test_parse_json_errors(raw, fragment):
     with pytest.raises(APIError) as e:
         parse_json(raw)
     assert e.value.status == 400 and fragment in e.value.message
 
 
-@pytest.mark.parametrize("model, body, param", [
-    (CompletionRequest, {"prompt": "x", "bogus": 1}, "bogus"),
-    (CompletionRequest, {"prompt": 5}, "prompt"),
-    (CompletionRequest, {"prompt": [1, "a"]}, "prompt.1"),
-    (CompletionRequest, {"prompt": "x", "seed": True}, "seed"),  # strict: no bool for int
-    (CompletionRequest, {"prompt": "x", "top_p": float("inf")}, "top_p"),
-    (CompletionRequest, {"prompt": "x", "best_of": 3}, "best_of"),
-    (ChatCompletionRequest, {"messages": [{"role": "user"}]}, "messages.0.content"),
-    (ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]},
-     "messages.0.content.0.text"),
-    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
-     "response_format.type"),
-    (StreamRequest, {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "prompt"),
-    (StreamRequest, {}, "prompt"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "model, body, param",
+    [
+        (CompletionRequest, {"prompt": "x", "bogus": 1}, "bogus"),
+        (CompletionRequest, {"prompt": 5}, "prompt"),
+        (CompletionRequest, {"prompt": [1, "a"]}, "prompt.1"),
+        (CompletionRequest, {"prompt": "x", "seed": True}, "seed"),  # strict: no bool for int
+        (CompletionRequest, {"prompt": "x", "top_p": float("inf")}, "top_p"),
+        (CompletionRequest, {"prompt": "x", "best_of": 3}, "best_of"),
+        (ChatCompletionRequest, {"messages": [{"role": "user"}]}, "messages.0.content"),
+        (
+            ChatCompletionRequest,
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]},
+            "messages.0.content.0.text",
+        ),
+        (
+            ChatCompletionRequest,
+            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
+            "response_format.type",
+        ),
+        (StreamRequest, {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "prompt"),
+        (StreamRequest, {}, "prompt"),
+    ],
+)
 def test_validation_errors_name_the_param(model, body, param):
     with pytest.raises(APIError) as e:
         parse_request(model, body)
@@ -162,16 +206,46 @@ def test_validation_errors_name_the_param(model, body, param):
 
 
 def test_accepted_requests_map_to_sampling_params():
-    req = parse_request(CompletionRequest, {"prompt": ["hi"], "max_tokens": 7, "temperature": 0, "stop": "x",
-                                            "user": "u1", "logit_bias": {}, "logprobs": 2, "best_of": 1})  # fmt: skip
+    req = parse_request(
+        CompletionRequest,
+        {
+            "prompt": ["hi"],
+            "max_tokens": 7,
+            "temperature": 0,
+            "stop": "x",
+            "user": "u1",
+            "logit_bias": {},
+            "logprobs": 2,
+            "best_of": 1,
+        },
+    )
     p = req.sampling_params()
-    assert req.single_prompt() == "hi" and p.max_tokens == 7 and p.greedy and p.stop == ["x"] and p.logprobs == 2
-    chat = parse_request(ChatCompletionRequest, {
-        "messages": [{"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
-        "max_completion_tokens": 5, "logprobs": True, "top_logprobs": 3, "parallel_tool_calls": False,
-        "tool_choice": "none", "response_format": {"type": "text"}, "stream": True,
-        "stream_options": {"include_usage": True},
-    })  # fmt: skip
+    assert (
+        req.single_prompt() == "hi"
+        and p.max_tokens == 7
+        and p.greedy
+        and p.stop == ["x"]
+        and p.logprobs == 2
+    )
+    chat = parse_request(
+        ChatCompletionRequest,
+        {
+            "messages": [
+                {
+                    "role": "developer",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                }
+            ],
+            "max_completion_tokens": 5,
+            "logprobs": True,
+            "top_logprobs": 3,
+            "parallel_tool_calls": False,
+            "tool_choice": "none",
+            "response_format": {"type": "text"},
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert chat.template_messages() == [{"role": "system", "content": "ab"}]
     cp = chat.sampling_params()
     assert cp.max_tokens == 5 and cp.logprobs == 3 and chat.include_usage
@@ -182,8 +256,14 @@ def test_accepted_requests_map_to_sampling_params():
 
 def test_param_from_message():
     assert param_from_message("top_p must be in (0, 1], got 2") == "top_p"
-    assert param_from_message("prompt (3 tokens) + max_tokens (9) exceeds max_model_len (8)") == "max_tokens"
-    assert param_from_message("logprobs must be an integer", {"logprobs": "top_logprobs"}) == "top_logprobs"
+    assert (
+        param_from_message("prompt (3 tokens) + max_tokens (9) exceeds max_model_len (8)")
+        == "max_tokens"
+    )
+    assert (
+        param_from_message("logprobs must be an integer", {"logprobs": "top_logprobs"})
+        == "top_logprobs"
+    )
 
 
 # ---------------------------------------------------------------------- metrics and deltas
@@ -197,18 +277,34 @@ def test_histogram_is_cumulative_with_inf_bucket():
     lines = h.render()
     assert 'minivllm_x_seconds_bucket{le="0.1"} 2' in lines
     assert 'minivllm_x_seconds_bucket{le="1.0"} 6' in lines
-    assert 'minivllm_x_seconds_bucket{le="+Inf"} 7' in lines and "minivllm_x_seconds_count 7" in lines
+    assert (
+        'minivllm_x_seconds_bucket{le="+Inf"} 7' in lines and "minivllm_x_seconds_count 7" in lines
+    )
 
 
 def test_metrics_render_without_engine():
     text = ServerMetrics().render(None, ready=False, in_flight=0)
-    assert "minivllm_ready 0" in text and "# TYPE minivllm_time_to_first_token_seconds histogram" in text
+    assert (
+        "minivllm_ready 0" in text
+        and "# TYPE minivllm_time_to_first_token_seconds histogram" in text
+    )
 
 
 def test_metrics_render_speculative_decoding_counters():
-    stats = EngineStats(running=1, waiting=0, free_pages=10, usable_pages=20, generated_tokens=50, prompt_tokens=9,
-                        compiles=3, programs_loaded=0, preemptions=0, steps=30, draft_tokens=40,
-                        accepted_tokens=30)  # fmt: skip
+    stats = EngineStats(
+        running=1,
+        waiting=0,
+        free_pages=10,
+        usable_pages=20,
+        generated_tokens=50,
+        prompt_tokens=9,
+        compiles=3,
+        programs_loaded=0,
+        preemptions=0,
+        steps=30,
+        draft_tokens=40,
+        accepted_tokens=30,
+    )
     lines = ServerMetrics().render(stats, ready=True, in_flight=1).splitlines()
     assert "minivllm_spec_decode_num_draft_tokens_total 40" in lines
     assert "minivllm_spec_decode_num_accepted_tokens_total 30" in lines
@@ -216,13 +312,34 @@ def test_metrics_render_speculative_decoding_counters():
 
 
 def test_metrics_render_kv_tiers():
-    stats = EngineStats(running=0, waiting=1, free_pages=10, usable_pages=20, generated_tokens=0, prompt_tokens=0,
-                        compiles=3, programs_loaded=0, preemptions=2, steps=3, swap_pages=5, swap_outs=2, swap_ins=1,
-                        disk_pages=7, disk_bytes=700, memory_hit_tokens=32, disk_hit_tokens=16)  # fmt: skip
+    stats = EngineStats(
+        running=0,
+        waiting=1,
+        free_pages=10,
+        usable_pages=20,
+        generated_tokens=0,
+        prompt_tokens=0,
+        compiles=3,
+        programs_loaded=0,
+        preemptions=2,
+        steps=3,
+        swap_pages=5,
+        swap_outs=2,
+        swap_ins=1,
+        disk_pages=7,
+        disk_bytes=700,
+        memory_hit_tokens=32,
+        disk_hit_tokens=16,
+    )
     lines = ServerMetrics().render(stats, ready=True, in_flight=1).splitlines()
-    for line in ("minivllm_kv_swap_pages 5", "minivllm_kv_swap_outs_total 2", "minivllm_kv_disk_pages 7",
-                 "minivllm_kv_disk_bytes 700", 'minivllm_prefix_cache_hit_tokens_total{tier="memory"} 32',
-                 'minivllm_prefix_cache_hit_tokens_total{tier="disk"} 16'):  # fmt: skip
+    for line in (
+        "minivllm_kv_swap_pages 5",
+        "minivllm_kv_swap_outs_total 2",
+        "minivllm_kv_disk_pages 7",
+        "minivllm_kv_disk_bytes 700",
+        'minivllm_prefix_cache_hit_tokens_total{tier="memory"} 32',
+        'minivllm_prefix_cache_hit_tokens_total{tier="disk"} 16',
+    ):
         assert line in lines
 
 
@@ -242,14 +359,28 @@ def test_engine_loop_publishes_tier_stats_and_closes_the_engine_on_a_clean_stop(
 
 def test_choice_tracker_sends_each_piece_once():
     def out(texts, reasons):
-        return RequestOutput("r", None, [1], [CompletionOutput(i, t, list(range(len(t))), 0.0, None, r)
-                                              for i, (t, r) in enumerate(zip(texts, reasons))], False, RequestMetrics(0))  # fmt: skip
+        return RequestOutput(
+            "r",
+            None,
+            [1],
+            [
+                CompletionOutput(i, t, list(range(len(t))), 0.0, None, r)
+                for i, (t, r) in enumerate(zip(texts, reasons))
+            ],
+            False,
+            RequestMetrics(0),
+        )
 
     tracker = ChoiceTracker(2)
-    assert [(d.index, d.text) for d in tracker.deltas(out(["ab", "x"], [None, None]))] == [(0, "ab"), (1, "x")]
+    assert [(d.index, d.text) for d in tracker.deltas(out(["ab", "x"], [None, None]))] == [
+        (0, "ab"),
+        (1, "x"),
+    ]
     deltas = tracker.deltas(out(["abc", "x"], [None, "stop"]))
     assert [(d.index, d.text, d.finish_reason) for d in deltas] == [(0, "c", None), (1, "", "stop")]
-    assert [(d.index, d.text) for d in tracker.deltas(out(["abcd", "x"], ["length", "stop"]))] == [(0, "d")]
+    assert [(d.index, d.text) for d in tracker.deltas(out(["abcd", "x"], ["length", "stop"]))] == [
+        (0, "d")
+    ]
 
 
 # ---------------------------------------------------------------------- the engine loop
@@ -273,7 +404,9 @@ def test_concurrent_requests_share_steps_and_get_their_own_text():
 
     async def main():
         prompts = ["ab", "cd", "xy", "hello"]
-        adds = [loop_engine.add([ord(c) for c in p], params(6), f"r{i}") for i, p in enumerate(prompts)]
+        adds = [
+            loop_engine.add([ord(c) for c in p], params(6), f"r{i}") for i, p in enumerate(prompts)
+        ]
         streams = await asyncio.gather(*adds)
         outs = await asyncio.gather(*(collect(s) for s in streams))
         return prompts, outs
@@ -350,8 +483,14 @@ def test_health_503_while_loading_then_ready_and_generation_works():
     async def main():
         async with app.router.lifespan_context(app), await _app_client(app) as client:
             r = await client.get("/health")
-            assert r.status_code == 503 and r.json()["status"] == "loading" and r.headers["Retry-After"]
-            r = await client.post("/v1/completions", json={"prompt": "ab"}, headers={"Authorization": "Bearer k"})
+            assert (
+                r.status_code == 503
+                and r.json()["status"] == "loading"
+                and r.headers["Retry-After"]
+            )
+            r = await client.post(
+                "/v1/completions", json={"prompt": "ab"}, headers={"Authorization": "Bearer k"}
+            )
             assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
             gate.set()
             for _ in range(100):
@@ -362,9 +501,17 @@ def test_health_503_while_loading_then_ready_and_generation_works():
             body = {"prompt": "ab", "max_tokens": 5, "temperature": 0}
             r = await client.post("/v1/completions", json=body, headers=auth)
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected_text("ab", 5)
-            body = {"messages": [{"role": "user", "content": "q"}], "max_tokens": 3, "n": 2, "stream": True}
+            body = {
+                "messages": [{"role": "user", "content": "q"}],
+                "max_tokens": 3,
+                "n": 2,
+                "stream": True,
+            }
             r = await client.post("/v1/chat/completions", json=body, headers=auth)
-            assert r.text.endswith("data: [DONE]\n\n") and r.text.count('"finish_reason":"length"') == 2
+            assert (
+                r.text.endswith("data: [DONE]\n\n")
+                and r.text.count('"finish_reason":"length"') == 2
+            )
             assert (await client.post("/v1/completions", json={"prompt": "ab"})).status_code == 401
 
     run(main())
@@ -385,14 +532,21 @@ def test_load_failure_is_reported_on_health():
                     break
                 await asyncio.sleep(0.02)
             r = await client.get("/health")
-            assert r.status_code == 503 and r.json()["status"] == "failed" and "no such model" in r.json()["error"]
+            assert (
+                r.status_code == 503
+                and r.json()["status"] == "failed"
+                and "no such model" in r.json()["error"]
+            )
 
     run(main())
     assert isinstance(errors[0], FileNotFoundError)
 
 
 def test_kv_compression_request_field():
-    ok = parse_request(CompletionRequest, {"prompt": "x", "kv_compression": {"policy": "sink_window", "window_tokens": 64}})
+    ok = parse_request(
+        CompletionRequest,
+        {"prompt": "x", "kv_compression": {"policy": "sink_window", "window_tokens": 64}},
+    )
     assert ok.sampling_params().kv_compression.window_tokens == 64
     bad = parse_request(CompletionRequest, {"prompt": "x", "kv_compression": {"policy": "lru"}})
     with pytest.raises(APIError) as e:

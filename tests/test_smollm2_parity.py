@@ -55,7 +55,9 @@ def reference(smollm2_greedy, prompts):
     return [smollm2_greedy(ids, NEW_TOKENS) for ids in prompts]
 
 
-def assert_same_greedy(ours: list[int], ref_tokens: list[int], ref_logits: list[np.ndarray]) -> None:
+def assert_same_greedy(
+    ours: list[int], ref_tokens: list[int], ref_logits: list[np.ndarray]
+) -> None:
     """Token-identical, except that a first divergence at a near-tie (both tokens within
     NEAR_TIE of the top logit in HF's own logits) is reported as a tie, not hidden."""
     if ours == ref_tokens:
@@ -63,7 +65,9 @@ def assert_same_greedy(ours: list[int], ref_tokens: list[int], ref_logits: list[
     i = next(i for i, (a, b) in enumerate(zip(ours, ref_tokens)) if a != b)
     logits = ref_logits[i]
     gap = float(logits[ref_tokens[i]] - logits[ours[i]])
-    assert gap < NEAR_TIE, f"diverged at token {i}: ours {ours[i]} vs HF {ref_tokens[i]}, logit gap {gap:.4f}"
+    assert gap < NEAR_TIE, (
+        f"diverged at token {i}: ours {ours[i]} vs HF {ref_tokens[i]}, logit gap {gap:.4f}"
+    )
     pytest.xfail(f"near-tie at token {i} (gap {gap:.4f}); identical before it")
 
 
@@ -84,7 +88,13 @@ def safetensors_model(smollm2_hf, tmp_path_factory):
 
 def test_real_config(gguf_model):
     cfg, _ = gguf_model
-    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 576, 9, 3, 64)
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
+        30,
+        576,
+        9,
+        3,
+        64,
+    )
     assert cfg.vocab_size == 49152 and cfg.rope_theta == 100000.0 and cfg.tie_word_embeddings
 
 

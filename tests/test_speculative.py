@@ -12,18 +12,29 @@ from minivllm_jax import LLM, SamplingParams
 from minivllm_jax.speculative import SpeculativeConfig, accepted_length, propose_ngram
 from tests.conftest import make_tiny_llama, save_tiny_tokenizer
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+}
 
 
 def test_propose_ngram_takes_the_longest_suffix_and_its_latest_occurrence():
     cfg = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1)
     assert propose_ngram([1, 2, 3, 4, 5, 9, 2, 3], cfg, 3) == [4, 5, 9]  # "2 3" occurred before
-    assert propose_ngram([7, 3, 8, 1, 2, 3, 6, 2, 3], cfg, 3) == [6, 2, 3]  # the latest "2 3", not the first
+    assert propose_ngram([7, 3, 8, 1, 2, 3, 6, 2, 3], cfg, 3) == [
+        6,
+        2,
+        3,
+    ]  # the latest "2 3", not the first
     assert propose_ngram([5, 1, 2, 9, 1, 2, 7, 0, 1, 2], cfg, 2) == [7, 0]  # limited to max_tokens
     assert propose_ngram([4, 1, 2, 3, 8, 2, 3], cfg, 3) == [8, 2, 3]  # "2 3" beats a longer-ago "3"
     assert propose_ngram([1, 2, 3, 4], cfg, 3) == []  # nothing repeats
     strict = SpeculativeConfig(prompt_lookup_max=3, prompt_lookup_min=2)
-    assert propose_ngram([1, 5, 6, 3], strict, 3) == [] and propose_ngram([1, 3, 6, 1, 3], strict, 3) == [6, 1, 3]
+    assert propose_ngram([1, 5, 6, 3], strict, 3) == [] and propose_ngram(
+        [1, 3, 6, 1, 3], strict, 3
+    ) == [6, 1, 3]
     assert propose_ngram([1, 2, 1], cfg, 0) == []
 
 
@@ -33,14 +44,17 @@ def test_accepted_length_counts_matching_draft_tokens_from_the_first():
     assert accepted_length([4, 5], [4, 5, 1]) == 2
 
 
-@pytest.mark.parametrize("config, match", [
-    ({"method": "eagle"}, "not supported"),
-    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
-    ({"method": "ngram", "prompt_lookup_max": 2, "prompt_lookup_min": 3}, "prompt_lookup_min"),
-    ({"method": "ngram", "draft_model": "x"}, "unknown speculative_config keys"),
-    ({"num_speculative_tokens": 2}, "needs a 'method'"),
-    ({"method": "ngram", "disable_by_batch_size": 0}, "disable_by_batch_size"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        ({"method": "eagle"}, "not supported"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "ngram", "prompt_lookup_max": 2, "prompt_lookup_min": 3}, "prompt_lookup_min"),
+        ({"method": "ngram", "draft_model": "x"}, "unknown speculative_config keys"),
+        ({"num_speculative_tokens": 2}, "needs a 'method'"),
+        ({"method": "ngram", "disable_by_batch_size": 0}, "disable_by_batch_size"),
+    ],
+)
 def test_bad_config_is_refused(config, match):
     with pytest.raises(ValueError, match=match):
         SpeculativeConfig.from_dict(config)
@@ -63,14 +77,19 @@ PARAMS = [
     SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=25, ignore_eos=True),
     SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[40, 41, 42], ignore_eos=True),
     SamplingParams(temperature=1.0, seed=1, max_tokens=40, logprobs=2),
-    SamplingParams(temperature=0.0, max_tokens=33, repetition_penalty=1.3, ignore_eos=True),  # never speculates
+    SamplingParams(
+        temperature=0.0, max_tokens=33, repetition_penalty=1.3, ignore_eos=True
+    ),  # never speculates
     SamplingParams(temperature=0.0, max_tokens=1),
     SamplingParams(temperature=0.7, seed=9, n=2, max_tokens=20, stop=["w5 w6"], ignore_eos=True),
 ]
 
 
 def _summary(outputs):
-    return [[(c.token_ids, c.finish_reason, c.stop_reason, c.text, c.logprobs) for c in o.outputs] for o in outputs]
+    return [
+        [(c.token_ids, c.finish_reason, c.stop_reason, c.text, c.logprobs) for c in o.outputs]
+        for o in outputs
+    ]
 
 
 def test_same_outputs_with_and_without_speculation(model_dir):
@@ -79,12 +98,16 @@ def test_same_outputs_with_and_without_speculation(model_dir):
     engine = llm.engine
     compiled, free = engine.num_compiles, engine.block_manager.num_free_pages
     got = _summary(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
-    for want, have in zip(expected, got):  # logprobs agree to float rounding: several tokens vs one a step
+    for want, have in zip(
+        expected, got
+    ):  # logprobs agree to float rounding: several tokens vs one a step
         assert [c[:4] for c in have] == [c[:4] for c in want]
         for w, h in zip(want, have):
             if w[4] is not None:
                 for a, b in zip(w[4], h[4]):
-                    assert a.keys() == b.keys() and np.allclose(list(a.values()), list(b.values()), atol=1e-4)
+                    assert a.keys() == b.keys() and np.allclose(
+                        list(a.values()), list(b.values()), atol=1e-4
+                    )
     assert engine.num_accepted_tokens > 0 and engine.num_draft_tokens > engine.num_accepted_tokens
     assert engine.num_compiles == compiled  # the verify buckets are in the warm-up
     assert engine.block_manager.num_free_pages == free and sum(engine.block_manager.refcount) == 0
@@ -92,11 +115,21 @@ def test_same_outputs_with_and_without_speculation(model_dir):
 
 def test_speculation_backs_off_when_nothing_repeats(model_dir):
     """A sequence whose lookups miss stops looking for a while (so steps go back to async)."""
-    llm = _llm(model_dir, {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4,
-                           "prompt_lookup_min": 4}, warmup=False)  # fmt: skip
+    llm = _llm(
+        model_dir,
+        {
+            "method": "ngram",
+            "num_speculative_tokens": 2,
+            "prompt_lookup_max": 4,
+            "prompt_lookup_min": 4,
+        },
+        warmup=False,
+    )
     engine = llm.engine
     # Near-uniform samples over 128 tokens: a 4-gram practically never repeats.
-    engine.add_request(list(range(3, 40)), SamplingParams(temperature=1.0, seed=0, max_tokens=40, ignore_eos=True))
+    engine.add_request(
+        list(range(3, 40)), SamplingParams(temperature=1.0, seed=0, max_tokens=40, ignore_eos=True)
+    )
     engine.step()  # prefill
     seq = engine.scheduler.running[0]
     lookups = 0
@@ -109,8 +142,13 @@ def test_speculation_backs_off_when_nothing_repeats(model_dir):
 def test_no_drafts_while_more_sequences_run_than_disable_by_batch_size(model_dir):
     llm = _llm(model_dir, {**NGRAM, "disable_by_batch_size": 1}, warmup=False)
     engine, greedy = llm.engine, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in _llm(model_dir, warmup=False).generate(PROMPTS[:2], greedy, use_tqdm=False)]
-    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], greedy, use_tqdm=False)] == expected
+    expected = [
+        o.outputs[0].token_ids
+        for o in _llm(model_dir, warmup=False).generate(PROMPTS[:2], greedy, use_tqdm=False)
+    ]
+    assert [
+        o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], greedy, use_tqdm=False)
+    ] == expected
     assert engine.num_draft_tokens == 0  # two ran together all along
     assert llm.generate(PROMPTS[:1], greedy, use_tqdm=False)[0].outputs[0].token_ids == expected[0]
     assert engine.num_draft_tokens > 0  # alone, it speculates
@@ -161,9 +199,18 @@ def test_sampled_outputs_keep_the_model_distribution(tmp_path):
     llm = _llm(path, NGRAM, max_num_seqs=64, max_num_batched_tokens=256, warmup=False)
     n = 1200
     # max_tokens=3: a draft is only proposed for a token that is not the last one
-    params = [SamplingParams(temperature=1.0, top_k=3, seed=s, max_tokens=3, ignore_eos=True) for s in range(n)]
-    pairs = [tuple(o.outputs[0].token_ids[:2]) for o in llm.generate([prompt] * n, params, use_tqdm=False)]
-    assert llm.engine.num_accepted_tokens > 100 and llm.engine.num_draft_tokens > llm.engine.num_accepted_tokens
+    params = [
+        SamplingParams(temperature=1.0, top_k=3, seed=s, max_tokens=3, ignore_eos=True)
+        for s in range(n)
+    ]
+    pairs = [
+        tuple(o.outputs[0].token_ids[:2])
+        for o in llm.generate([prompt] * n, params, use_tqdm=False)
+    ]
+    assert (
+        llm.engine.num_accepted_tokens > 100
+        and llm.engine.num_draft_tokens > llm.engine.num_accepted_tokens
+    )
 
     def top3(ids):  # the model's top-3 next tokens and their renormalized probabilities
         with torch.no_grad():
@@ -171,7 +218,9 @@ def test_sampled_outputs_keep_the_model_distribution(tmp_path):
         v, i = torch.topk(p, 3)
         return dict(zip(i.tolist(), (v / v.sum()).tolist()))
 
-    expected = {(a, b): pa * pb for a, pa in top3(prompt).items() for b, pb in top3(prompt + [a]).items()}
+    expected = {
+        (a, b): pa * pb for a, pa in top3(prompt).items() for b, pb in top3(prompt + [a]).items()
+    }
     assert set(pairs) <= set(expected)
     observed = [pairs.count(pair) for pair in expected]
     assert chisquare(observed, [n * p for p in expected.values()]).pvalue > 0.001

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from minivllm_jax import LLM, SamplingParams
-from minivllm_jax.config import EngineConfig
 from minivllm_jax.engine.engine import LLMEngine
 from tests.conftest import TINY_LLAMA
 
@@ -18,8 +17,15 @@ VOCAB = TINY_LLAMA["vocab_size"]
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_with_tokenizer):
-    return LLM(str(tiny_model_with_tokenizer), max_num_seqs=4, max_model_len=160, page_size=16, num_pages=25,
-               max_num_batched_tokens=48, use_tqdm=False)  # fmt: skip
+    return LLM(
+        str(tiny_model_with_tokenizer),
+        max_num_seqs=4,
+        max_model_len=160,
+        page_size=16,
+        num_pages=25,
+        max_num_batched_tokens=48,
+        use_tqdm=False,
+    )
 
 
 def ids(seed: int, n: int) -> list[int]:
@@ -48,11 +54,22 @@ def test_penalty_history_follows_chunks_cache_hits_forks_and_preemption(llm):
     engine = llm.engine
     prefix = ids(1, 40)
     pen = dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2, ignore_eos=True)
-    llm.generate([prefix + ids(2, 3)], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)  # cache it
+    llm.generate(
+        [prefix + ids(2, 3)], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False
+    )  # cache it
     requests = [
-        (prefix + ids(3, 30), SamplingParams(temperature=0.0, max_tokens=40, **pen)),  # prefix-cache hit
-        (ids(4, 100), SamplingParams(temperature=0.9, seed=5, n=2, max_tokens=40, **pen)),  # chunked, forked
-        (ids(6, 60), SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)),  # no penalties
+        (
+            prefix + ids(3, 30),
+            SamplingParams(temperature=0.0, max_tokens=40, **pen),
+        ),  # prefix-cache hit
+        (
+            ids(4, 100),
+            SamplingParams(temperature=0.9, seed=5, n=2, max_tokens=40, **pen),
+        ),  # chunked, forked
+        (
+            ids(6, 60),
+            SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True),
+        ),  # no penalties
         (ids(7, 20), SamplingParams(temperature=0.8, seed=9, max_tokens=60, **pen)),
     ]
     preemptions = engine.scheduler.num_preemptions
@@ -72,14 +89,31 @@ def test_greedy_repetition_penalty_matches_hf(llm, tiny_model_with_tokenizer):
     """HF's repetition penalty covers prompt and output tokens, as ours does."""
     from transformers import LlamaForCausalLM
 
-    hf = LlamaForCausalLM.from_pretrained(str(tiny_model_with_tokenizer), dtype=torch.float32).eval()
+    hf = LlamaForCausalLM.from_pretrained(
+        str(tiny_model_with_tokenizer), dtype=torch.float32
+    ).eval()
     for seed in (11, 12):
         prompt = ids(seed, 50)
-        ours = llm.generate([prompt], SamplingParams(temperature=0.0, repetition_penalty=1.5, max_tokens=24,
-                                                     ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids  # fmt: skip
+        ours = (
+            llm.generate(
+                [prompt],
+                SamplingParams(
+                    temperature=0.0, repetition_penalty=1.5, max_tokens=24, ignore_eos=True
+                ),
+                use_tqdm=False,
+            )[0]
+            .outputs[0]
+            .token_ids
+        )
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, repetition_penalty=1.5,
-                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()  # fmt: skip
+            ref = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=24,
+                do_sample=False,
+                repetition_penalty=1.5,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
         assert ours == ref
 
 
@@ -89,6 +123,12 @@ def test_one_program_per_bucket_no_separate_sampler(llm):
     cfg = llm.engine.config
     assert llm.engine.num_compiles == len(cfg.step_shapes()) + 1
     before = llm.engine.num_compiles
-    llm.generate([ids(20, 30), ids(21, 70)], [SamplingParams(temperature=0.0, logprobs=3, max_tokens=8),
-                 SamplingParams(temperature=1.0, frequency_penalty=1.0, max_tokens=8)], use_tqdm=False)  # fmt: skip
+    llm.generate(
+        [ids(20, 30), ids(21, 70)],
+        [
+            SamplingParams(temperature=0.0, logprobs=3, max_tokens=8),
+            SamplingParams(temperature=1.0, frequency_penalty=1.0, max_tokens=8),
+        ],
+        use_tqdm=False,
+    )
     assert llm.engine.num_compiles == before

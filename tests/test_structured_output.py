@@ -64,7 +64,9 @@ def test_apply_token_bitmask_matches_numpy():
     vocab = 100  # not a multiple of 32: the last word's extra bits are ignored
     logits = rng.normal(size=(3, vocab)).astype(np.float32)
     allowed = [[0, 31, 32, 63, 64, 99], list(range(vocab)), [5]]
-    got = np.asarray(apply_token_bitmask(jnp.asarray(logits), jnp.asarray(_bitmask(allowed, vocab))))
+    got = np.asarray(
+        apply_token_bitmask(jnp.asarray(logits), jnp.asarray(_bitmask(allowed, vocab)))
+    )
     for r, tokens in enumerate(allowed):
         want = np.full(vocab, -np.inf, np.float32)
         want[tokens] = logits[r, tokens]
@@ -75,8 +77,12 @@ def test_sampler_honours_the_mask_and_unmasked_rows_are_untouched():
     rng = np.random.default_rng(1)
     vocab = 300
     logits = rng.normal(size=(4, vocab)).astype(np.float32)
-    rows = [(SamplingParams(temperature=0.0), 0, 0, 0), (SamplingParams(temperature=1.0, top_p=0.9), 7, 0, 3),
-            (SamplingParams(temperature=0.0), 0, 0, 0), (SamplingParams(temperature=0.7), 3, 0, 1)]  # fmt: skip
+    rows = [
+        (SamplingParams(temperature=0.0), 0, 0, 0),
+        (SamplingParams(temperature=1.0, top_p=0.9), 7, 0, 3),
+        (SamplingParams(temperature=0.0), 0, 0, 0),
+        (SamplingParams(temperature=0.7), 3, 0, 1),
+    ]
     plain = make_sampling_arrays(rows, 4, vocab)
     base = sample(jnp.asarray(logits), plain)
     masked = make_sampling_arrays(rows, 4, vocab)
@@ -85,7 +91,9 @@ def test_sampler_honours_the_mask_and_unmasked_rows_are_untouched():
         masked.token_bitmask[r] = _bitmask([tokens], vocab)[0]
     masked = type(masked)(**{**masked.__dict__, "use_bitmask": np.bool_(True)})
     out = sample(jnp.asarray(logits), masked)
-    assert int(out.tokens[0]) == max(allowed[0], key=lambda t: logits[0, t])  # greedy among the allowed
+    assert int(out.tokens[0]) == max(
+        allowed[0], key=lambda t: logits[0, t]
+    )  # greedy among the allowed
     assert int(out.tokens[1]) in allowed[1]
     assert out.tokens[2:].tolist() == base.tokens[2:].tolist()  # same draw, no constraint
     np.testing.assert_allclose(np.asarray(out.logprobs[2:]), np.asarray(base.logprobs[2:]))
@@ -110,7 +118,10 @@ SCHEMAS = {
             "title": {"type": "string", "maxLength": 60},
             "author": {
                 "type": "object",
-                "properties": {"first": {"type": "string", "maxLength": 20}, "last": {"type": "string", "maxLength": 20}},
+                "properties": {
+                    "first": {"type": "string", "maxLength": 20},
+                    "last": {"type": "string", "maxLength": 20},
+                },
                 "required": ["first", "last"],
                 "additionalProperties": False,
             },
@@ -122,8 +133,12 @@ SCHEMAS = {
     "array": {
         "type": "object",
         "properties": {
-            "colors": {"type": "array", "items": {"type": "string", "enum": ["red", "green", "blue", "yellow"]},
-                       "minItems": 1, "maxItems": 4},
+            "colors": {
+                "type": "array",
+                "items": {"type": "string", "enum": ["red", "green", "blue", "yellow"]},
+                "minItems": 1,
+                "maxItems": 4,
+            },
             "count": {"type": "integer"},
         },
         "required": ["colors", "count"],
@@ -153,8 +168,14 @@ def llm():
     from tests.conftest import require_smollm2
 
     require_smollm2()
-    return LLM("smollm2-135m", max_num_seqs=8, max_model_len=384, max_num_batched_tokens=256, num_pages=160,
-               use_tqdm=False)  # fmt: skip
+    return LLM(
+        "smollm2-135m",
+        max_num_seqs=8,
+        max_model_len=384,
+        max_num_batched_tokens=256,
+        num_pages=160,
+        use_tqdm=False,
+    )
 
 
 def chat(llm: LLM, text: str) -> list[int]:
@@ -173,8 +194,10 @@ def test_json_schemas_mixed_with_unconstrained_rows(llm):
     for name, schema in SCHEMAS.items():
         so = StructuredOutputsParams(json=schema)
         prompts += [chat(llm, QUESTIONS[name])] * 2
-        params += [SamplingParams(temperature=0.0, max_tokens=160, structured_outputs=so),
-                   SamplingParams(temperature=0.8, seed=11, n=2, max_tokens=160, structured_outputs=so)]
+        params += [
+            SamplingParams(temperature=0.0, max_tokens=160, structured_outputs=so),
+            SamplingParams(temperature=0.8, seed=11, n=2, max_tokens=160, structured_outputs=so),
+        ]
     outs = llm.generate(plain_prompts + prompts, [plain, plain] + params)
     alone = llm.generate(plain_prompts, plain)
     for o, a in zip(outs[:2], alone):
@@ -194,19 +217,39 @@ def test_json_schemas_mixed_with_unconstrained_rows(llm):
 @requires_smollm2
 def test_json_object_regex_choice_and_grammars(llm):
     cases = [
-        (StructuredOutputsParams(json_object=True), "Describe the weather today as a JSON object.",
-         lambda t: isinstance(json.loads(t), dict)),
-        (StructuredOutputsParams(regex=r"[0-9]{3}-[0-9]{4}"), "Make up a phone number.",
-         lambda t: re.fullmatch(r"[0-9]{3}-[0-9]{4}", t)),
-        (StructuredOutputsParams(choice=["positive", "negative", "neutral"]),
-         "Sentiment of 'I love this film!'?", lambda t: t in ("positive", "negative", "neutral")),
-        (StructuredOutputsParams(grammar='start: "yes" | "no" | "maybe"'), "Is the sky blue?",
-         lambda t: t in ("yes", "no", "maybe")),
-        (StructuredOutputsParams(grammar='root ::= ("cat" | "dog") " " [0-9]'), "Name an animal and a digit.",
-         lambda t: re.fullmatch(r"(cat|dog) [0-9]", t)),
+        (
+            StructuredOutputsParams(json_object=True),
+            "Describe the weather today as a JSON object.",
+            lambda t: isinstance(json.loads(t), dict),
+        ),
+        (
+            StructuredOutputsParams(regex=r"[0-9]{3}-[0-9]{4}"),
+            "Make up a phone number.",
+            lambda t: re.fullmatch(r"[0-9]{3}-[0-9]{4}", t),
+        ),
+        (
+            StructuredOutputsParams(choice=["positive", "negative", "neutral"]),
+            "Sentiment of 'I love this film!'?",
+            lambda t: t in ("positive", "negative", "neutral"),
+        ),
+        (
+            StructuredOutputsParams(grammar='start: "yes" | "no" | "maybe"'),
+            "Is the sky blue?",
+            lambda t: t in ("yes", "no", "maybe"),
+        ),
+        (
+            StructuredOutputsParams(grammar='root ::= ("cat" | "dog") " " [0-9]'),
+            "Name an animal and a digit.",
+            lambda t: re.fullmatch(r"(cat|dog) [0-9]", t),
+        ),
     ]
-    outs = llm.generate([chat(llm, q) for _, q, _ in cases],
-                        [SamplingParams(temperature=0.0, max_tokens=200, structured_outputs=so) for so, _, _ in cases])
+    outs = llm.generate(
+        [chat(llm, q) for _, q, _ in cases],
+        [
+            SamplingParams(temperature=0.0, max_tokens=200, structured_outputs=so)
+            for so, _, _ in cases
+        ],
+    )
     for (so, _, ok), out in zip(cases, outs):
         text = out.outputs[0].text
         assert out.outputs[0].finish_reason == "stop" and ok(text), (so.kind, text)
@@ -216,7 +259,10 @@ def test_json_object_regex_choice_and_grammars(llm):
 def test_async_and_sync_scheduling_give_the_same_constrained_tokens(llm):
     so = StructuredOutputsParams(json=SCHEMAS["person"])
     params = SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=so)
-    prompts = [chat(llm, QUESTIONS["person"]), chat(llm, "Invent a character for a novel, as JSON.")]
+    prompts = [
+        chat(llm, QUESTIONS["person"]),
+        chat(llm, "Invent a character for a novel, as JSON."),
+    ]
     before = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     scheduler = llm.engine.scheduler
     config = scheduler.config
@@ -239,12 +285,19 @@ def test_bad_constraint_raises_and_compiles_are_cached_off_thread(llm):
 
     threads = []
     original = compiler._compile
-    compiler._compile = lambda spec: (threads.append(threading.current_thread().name), original(spec))[1]
+    compiler._compile = lambda spec: (
+        threads.append(threading.current_thread().name),
+        original(spec),
+    )[1]
     try:
         spec = StructuredOutputsParams(regex="[a-c]{2,6}")
         n = compiler.num_compiled
-        outs = llm.generate(["abc"] * 3, SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=spec))
-        llm.generate(["abc"], SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=spec))
+        outs = llm.generate(
+            ["abc"] * 3, SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=spec)
+        )
+        llm.generate(
+            ["abc"], SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=spec)
+        )
     finally:
         compiler._compile = original
     assert compiler.num_compiled == n + 1 and len(threads) == 1
@@ -257,13 +310,19 @@ def test_failed_compile_on_the_engine_fails_only_that_request(llm):
     """A request added straight to the engine (no LLM-level check) whose grammar fails comes
     back with an error and frees everything; the request beside it completes."""
     engine = llm.engine
-    bad = engine.add_request("x", SamplingParams(structured_outputs={"grammar": "start: undefined_rule"}))
+    bad = engine.add_request(
+        "x", SamplingParams(structured_outputs={"grammar": "start: undefined_rule"})
+    )
     good = engine.add_request("The sea is", SamplingParams(temperature=0.0, max_tokens=5))
     done = {}
     while engine.has_unfinished():
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
-    assert done[bad].error and "grammar" in done[bad].error and done[bad].outputs[0].finish_reason == "error"
+    assert (
+        done[bad].error
+        and "grammar" in done[bad].error
+        and done[bad].outputs[0].finish_reason == "error"
+    )
     assert done[good].error is None and len(done[good].outputs[0].token_ids) == 5
     assert engine.block_manager.num_free_pages == engine.config.num_pages - 1

@@ -36,7 +36,9 @@ def check_cache_salt(cache_salt: str | None) -> None:
     if cache_salt is None:
         return
     if not isinstance(cache_salt, str) or not cache_salt or len(cache_salt) > MAX_CACHE_SALT_CHARS:
-        raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
+        raise ValueError(
+            f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters"
+        )
 
 
 def root_digest(cache_salt: str | None) -> bytes:
@@ -46,7 +48,9 @@ def root_digest(cache_salt: str | None) -> bytes:
     learn by timing whether a differently salted request cached a prompt."""
     if cache_salt is None:
         return ROOT_DIGEST
-    return hashlib.sha256(b"minivllm cache_salt\0" + cache_salt.encode("utf-8", "surrogatepass")).digest()
+    return hashlib.sha256(
+        b"minivllm cache_salt\0" + cache_salt.encode("utf-8", "surrogatepass")
+    ).digest()
 
 
 def page_digest(parent: bytes, tokens: tuple[int, ...]) -> bytes:
@@ -65,8 +69,13 @@ class CachedPage:
 
 
 class BlockManager:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
-                 disk: DiskPageStore | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        enable_prefix_caching: bool = True,
+        disk: DiskPageStore | None = None,
+    ) -> None:
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is scratch), got {num_pages}")
         self.num_pages = num_pages
@@ -74,12 +83,18 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.refcount = [0] * num_pages
         # Free pages in reuse order; an OrderedDict so a prefix hit can pull one out in O(1).
-        self.free: OrderedDict[int, None] = OrderedDict((p, None) for p in range(num_pages) if p != SCRATCH_PAGE)
+        self.free: OrderedDict[int, None] = OrderedDict(
+            (p, None) for p in range(num_pages) if p != SCRATCH_PAGE
+        )
         self.digest_to_page: dict[bytes, int] = {}
         self.cached: dict[int, CachedPage] = {}  # page -> what it holds, while it is in the cache
         self.disk = disk
-        self.evicted: list[tuple[int, CachedPage]] = []  # cached pages to write to disk before reuse
-        self.loaded: list[tuple[int, dict]] = []  # fresh pages and the disk contents to copy into them
+        self.evicted: list[
+            tuple[int, CachedPage]
+        ] = []  # cached pages to write to disk before reuse
+        self.loaded: list[
+            tuple[int, dict]
+        ] = []  # fresh pages and the disk contents to copy into them
         self.num_memory_hit_tokens = 0  # prompt tokens served from pages in memory
         self.num_disk_hit_tokens = 0  # ... and from the disk tier
 
@@ -99,7 +114,9 @@ class BlockManager:
     def _page_tokens(self, token_ids: list[int], i: int) -> tuple[int, ...]:
         return tuple(token_ids[i * self.page_size : (i + 1) * self.page_size])
 
-    def _cached_prefix(self, token_ids: list[int], root: bytes = ROOT_DIGEST) -> tuple[list[int], list[bytes]]:
+    def _cached_prefix(
+        self, token_ids: list[int], root: bytes = ROOT_DIGEST
+    ) -> tuple[list[int], list[bytes]]:
         """Pages (and their digests) holding the longest cached prefix, leaving a token to compute.
         `root`: the chain's first parent (`root_digest` of the request's cache salt)."""
         pages: list[int] = []
@@ -290,12 +307,21 @@ class BlockManager:
         used = [p for p in range(self.num_pages) if self.refcount[p] > 0]
         problems = []
         if len(self.free) + len(used) != self.num_usable_pages:
-            problems.append(f"{len(self.free)} free + {len(used)} used != {self.num_usable_pages} pages")
+            problems.append(
+                f"{len(self.free)} free + {len(used)} used != {self.num_usable_pages} pages"
+            )
         if SCRATCH_PAGE in self.free or owners[SCRATCH_PAGE] or self.refcount[SCRATCH_PAGE]:
             problems.append("the scratch page is handed out")
-        problems += [f"page {p}: refcount {self.refcount[p]}, held by {owners[p]}" for p in range(self.num_pages)
-                     if self.refcount[p] != owners[p]]  # fmt: skip
-        problems += [f"page {p} is free with refcount {self.refcount[p]}" for p in self.free if self.refcount[p]]
+        problems += [
+            f"page {p}: refcount {self.refcount[p]}, held by {owners[p]}"
+            for p in range(self.num_pages)
+            if self.refcount[p] != owners[p]
+        ]
+        problems += [
+            f"page {p} is free with refcount {self.refcount[p]}"
+            for p in self.free
+            if self.refcount[p]
+        ]
         if problems:
             raise AssertionError("block manager accounting: " + "; ".join(problems[:10]))
 
@@ -303,4 +329,8 @@ class BlockManager:
         """Cached pages in memory that the disk tier does not hold yet (a clean shutdown writes them)."""
         if self.disk is None:
             return []
-        return [(page, entry) for page, entry in self.cached.items() if not self.disk.contains(entry.digest)]
+        return [
+            (page, entry)
+            for page, entry in self.cached.items()
+            if not self.disk.contains(entry.digest)
+        ]

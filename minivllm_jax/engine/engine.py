@@ -23,7 +23,12 @@ from minivllm_jax.engine.runner import ModelRunner, PendingStep, RowsFailed, Ste
 from minivllm_jax.engine.scheduler import ScheduledBatch, Scheduler, note_draft_result
 from minivllm_jax.engine.sequence import Sequence, SequenceStatus
 from minivllm_jax.engine.tiers import FailedMoves, KVTiers
-from minivllm_jax.kv_compression import KVCompressionConfig, kept_pages, needs_scores, wants_compression
+from minivllm_jax.kv_compression import (
+    KVCompressionConfig,
+    kept_pages,
+    needs_scores,
+    wants_compression,
+)
 from minivllm_jax.models.llama import Params
 from minivllm_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minivllm_jax.sampling_params import SamplingParams
@@ -81,9 +86,13 @@ def _without(batch: ScheduledBatch, drop: set[int]) -> ScheduledBatch | None:
     if not keep:
         return None
     drafts = tuple(batch.drafts[i] for i in keep) if batch.drafts else ()
-    return ScheduledBatch(tuple(batch.seqs[i] for i in keep), tuple(batch.num_new_tokens[i] for i in keep),
-                          sum(1 for i in keep if i < batch.num_decodes), batch.num_steps,
-                          drafts if any(drafts) else ())  # fmt: skip
+    return ScheduledBatch(
+        tuple(batch.seqs[i] for i in keep),
+        tuple(batch.num_new_tokens[i] for i in keep),
+        sum(1 for i in keep if i < batch.num_decodes),
+        batch.num_steps,
+        drafts if any(drafts) else (),
+    )
 
 
 def _drop_pending(seq: Sequence) -> None:
@@ -119,13 +128,18 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.seed = seed
         self.runner = ModelRunner(model_config, config, params, mesh)
-        self.tiers = KVTiers(model_config, config, self.runner)  # the swap pool and the disk tier, if any
-        self.block_manager = BlockManager(config.num_pages, config.page_size, config.enable_prefix_caching,
-                                          self.tiers.disk)  # fmt: skip
+        self.tiers = KVTiers(
+            model_config, config, self.runner
+        )  # the swap pool and the disk tier, if any
+        self.block_manager = BlockManager(
+            config.num_pages, config.page_size, config.enable_prefix_caching, self.tiers.disk
+        )
         self.scheduler = Scheduler(config, self.block_manager, self.tiers.swap_pool)
         # Structured output: grammars compile on the compiler's thread; a request waits in
         # `_compiling` (not yet in the scheduler) until its grammar is ready.
-        self.grammar_compiler = GrammarCompiler(tokenizer, model_config.vocab_size, self.eos_token_ids)
+        self.grammar_compiler = GrammarCompiler(
+            tokenizer, model_config.vocab_size, self.eos_token_ids
+        )
         self._compiling: dict[str, Future] = {}
         self.requests: dict[str, _Request] = {}
         self._request_counter = itertools.count()
@@ -200,10 +214,14 @@ class LLMEngine:
         except ValueError as e:
             raise ValueError(f"kv_compression: {e}") from e
         if not self.config.allow_request_kv_compression:
-            raise ValueError("kv_compression: per-request KV compression is not enabled on this engine "
-                             "(allow_request_kv_compression=True; the server's --allow-request-kv-compression)")
+            raise ValueError(
+                "kv_compression: per-request KV compression is not enabled on this engine "
+                "(allow_request_kv_compression=True; the server's --allow-request-kv-compression)"
+            )
         if self.runner.channel is not None:
-            raise ValueError("kv_compression: per-request KV compression does not run across several processes")
+            raise ValueError(
+                "kv_compression: per-request KV compression does not run across several processes"
+            )
 
     def add_request(
         self,
@@ -230,7 +248,9 @@ class LLMEngine:
         text, ids = self.tokenize(prompt)
         limit = self.config.max_model_len
         if len(ids) >= limit:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {limit} (prompt must leave room for output)")
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; max_model_len is {limit} (prompt must leave room for output)"
+            )
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=limit - len(ids))
         elif len(ids) + params.max_tokens > limit:
@@ -241,16 +261,33 @@ class LLMEngine:
         # Unseeded requests still get a seed: reproducible from the engine seed and arrival order.
         # The n samples share it; the sampler keys sample i by fold_in(key(seed), i).
         seed = params.seed if params.seed is not None else self._seed_rng.randrange(2**62)
-        if params.kv_compression is not None:  # the engine's own was checked by EngineConfig and __init__
+        if (
+            params.kv_compression is not None
+        ):  # the engine's own was checked by EngineConfig and __init__
             self._check_request_compression(params.kv_compression)
         compression = params.kv_compression or self.config.kv_compression
         seqs, detoks = [], []
         for i in range(params.n):
-            seqs.append(Sequence(request_id, ids, params, index=i, priority=priority, seed=seed,
-                                 arrival_time=arrival, streaming=streaming, cache_salt=cache_salt))  # fmt: skip
+            seqs.append(
+                Sequence(
+                    request_id,
+                    ids,
+                    params,
+                    index=i,
+                    priority=priority,
+                    seed=seed,
+                    arrival_time=arrival,
+                    streaming=streaming,
+                    cache_salt=cache_salt,
+                )
+            )
             seqs[-1].kv_compression = compression
-            detoks.append(IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop))
-        request = _Request(request_id, text, ids, params, seqs, detoks, RequestMetrics(arrival), held=seqs[1:])
+            detoks.append(
+                IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop)
+            )
+        request = _Request(
+            request_id, text, ids, params, seqs, detoks, RequestMetrics(arrival), held=seqs[1:]
+        )
         self.requests[request_id] = request
         if params.structured_outputs is not None:  # scheduled once its grammar is compiled
             self._compiling[request_id] = self.grammar_compiler.submit(params.structured_outputs)
@@ -312,9 +349,13 @@ class LLMEngine:
         if batch is None:
             if previous is None:
                 opens = self.scheduler.next_admission_time()
-                if opens is not None and not outputs:  # admissions are held to gather a batch: wait, do not spin
+                if (
+                    opens is not None and not outputs
+                ):  # admissions are held to gather a batch: wait, do not spin
                     time.sleep(min(max(opens - now, 0.0), 0.005))
-                elif self._compiling and not outputs:  # only grammars compiling: wait for them, do not spin
+                elif (
+                    self._compiling and not outputs
+                ):  # only grammars compiling: wait for them, do not spin
                     time.sleep(0.001)
                 return outputs
         else:
@@ -323,9 +364,13 @@ class LLMEngine:
                 metrics.first_scheduled_time = metrics.first_scheduled_time or now
             try:
                 batch, pending = self._dispatch(batch, outputs)
-            except _DispatchFailed as failure:  # a device step failed: fail this batch only and keep serving
+            except (
+                _DispatchFailed
+            ) as failure:  # a device step failed: fail this batch only and keep serving
                 e, batch = failure.__cause__, failure.batch
-                logger.exception("step over %d sequences failed; failing their requests", len(batch.seqs))
+                logger.exception(
+                    "step over %d sequences failed; failing their requests", len(batch.seqs)
+                )
                 if previous is not None:  # read it first: its placeholders must not outlive it
                     outputs += self._read(previous, only_finished)
                 return outputs + self._fail_batch(batch, f"{type(e).__name__}: {e}")
@@ -334,12 +379,18 @@ class LLMEngine:
         if previous is not None:
             outputs += self._read(previous, only_finished)
         current = self._in_flight
-        if current is not None and (current.batch.drafts or not self.scheduler.config.async_scheduling):
-            self._in_flight = None  # a speculative step's accepted length decides the next step's input
+        if current is not None and (
+            current.batch.drafts or not self.scheduler.config.async_scheduling
+        ):
+            self._in_flight = (
+                None  # a speculative step's accepted length decides the next step's input
+            )
             outputs += self._read(current, only_finished)
         return outputs
 
-    def _dispatch(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> tuple[ScheduledBatch | None, PendingStep | None]:
+    def _dispatch(
+        self, batch: ScheduledBatch, outputs: list[RequestOutput]
+    ) -> tuple[ScheduledBatch | None, PendingStep | None]:
         """Move pages and dispatch the step; returns the batch that ran and its pending results
         (None, None: nothing was left to run). A sequence whose page copy or host-side row
         preparation failed costs only itself: it is recomputed, or its request fails (its
@@ -348,17 +399,28 @@ class LLMEngine:
         moves = self.move_pages()
         drop = {seq.seq_id for seq in moves.recompute}
         for seq in moves.failed:
-            drop |= self._fail_request_of(seq, f"loading its KV pages failed: {moves.error}", outputs)
-        if self.runner.reset_cache_if_lost():  # a failed copy took the cache with it: nothing to run
+            drop |= self._fail_request_of(
+                seq, f"loading its KV pages failed: {moves.error}", outputs
+            )
+        if (
+            self.runner.reset_cache_if_lost()
+        ):  # a failed copy took the cache with it: nothing to run
             self._recompute_all()
             return None, None
         while (batch := _without(batch, drop)) is not None:
             try:
                 return batch, self.runner.run(batch)
             except RowsFailed as e:
-                logger.warning("preparing %d of %d rows of a step failed: %s", len(e.errors), len(batch.seqs), e)
+                logger.warning(
+                    "preparing %d of %d rows of a step failed: %s",
+                    len(e.errors),
+                    len(batch.seqs),
+                    e,
+                )
                 for i, error in e.errors.items():
-                    drop |= self._fail_request_of(batch.seqs[i], f"{type(error).__name__}: {error}", outputs)
+                    drop |= self._fail_request_of(
+                        batch.seqs[i], f"{type(error).__name__}: {error}", outputs
+                    )
             except Exception as e:
                 raise _DispatchFailed(batch) from e
         return None, None
@@ -386,7 +448,9 @@ class LLMEngine:
 
     def _may_speculate(self) -> bool:
         """Some running sequence may propose a draft in the next step."""
-        return self.config.speculative is not None and any(self.scheduler.wants_draft(s) for s in self.scheduler.running)
+        return self.config.speculative is not None and any(
+            self.scheduler.wants_draft(s) for s in self.scheduler.running
+        )
 
     def _advance(self, batch: ScheduledBatch, pending: PendingStep, now: float) -> _InFlight:
         """Book a dispatched step as done before its tokens are known: each sequence's fed
@@ -395,7 +459,9 @@ class LLMEngine:
         k = batch.num_steps  # a multi-step row also feeds itself the first k - 1 of its k tokens
         for i, seq in enumerate(batch.seqs):
             samples = batch.samples_next_token(i)
-            seq.num_computed_tokens += batch.num_new_tokens[i] - len(batch.draft(i)) + k - 1  # drafts: when accepted
+            seq.num_computed_tokens += (
+                batch.num_new_tokens[i] - len(batch.draft(i)) + k - 1
+            )  # drafts: when accepted
             if samples:
                 slots.append(len(seq.output_token_ids))
                 seq.output_token_ids.extend([-(i + 1)] * k)
@@ -408,8 +474,12 @@ class LLMEngine:
         """Wait for a dispatched step's tokens and process them."""
         try:
             results = step.pending.fetch()
-        except Exception as e:  # failed while running: its work and whatever was fed from it are lost
-            logger.exception("step over %d sequences failed; failing their requests", len(step.batch.seqs))
+        except (
+            Exception
+        ) as e:  # failed while running: its work and whatever was fed from it are lost
+            logger.exception(
+                "step over %d sequences failed; failing their requests", len(step.batch.seqs)
+            )
             return self._fail_running_step(step, f"{type(e).__name__}: {e}")
         ready = time.monotonic()
         # With a step in flight before it, this one could only start when that one ended.
@@ -428,7 +498,9 @@ class LLMEngine:
         the KV cache with it, everyone left is recomputed."""
         suspects = batch.seqs[batch.num_decodes :] or batch.seqs
         # A request may have ended already (async scheduling runs a finished row once more).
-        failed = [self.requests.get(rid) for rid in dict.fromkeys(seq.request_id for seq in suspects)]
+        failed = [
+            self.requests.get(rid) for rid in dict.fromkeys(seq.request_id for seq in suspects)
+        ]
         outputs = [self._fail_request(request, error) for request in failed if request is not None]
         if self.runner.reset_cache_if_lost():
             self._recompute_all()
@@ -471,8 +543,14 @@ class LLMEngine:
         it was lost, so that new requests can be served."""
         self._in_flight = None
         sched = self.scheduler
-        seqs = sched.running + sched.waiting + [seq for request in self.requests.values() for seq in request.seqs]
-        for seq in seqs:  # dropped, not freed: the accounting they would be freed into is not trusted
+        seqs = (
+            sched.running
+            + sched.waiting
+            + [seq for request in self.requests.values() for seq in request.seqs]
+        )
+        for (
+            seq
+        ) in seqs:  # dropped, not freed: the accounting they would be freed into is not trusted
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = seq.finish_reason or "abort"
             seq.pages, seq.page_hashes, seq.swapped, seq.penalty_slot = [], [], None, None
@@ -486,19 +564,28 @@ class LLMEngine:
         self.block_manager.reset()
         sched.reset()
 
-    def _process(self, step: _InFlight, results: list[StepResult], only_finished: bool = False) -> list[RequestOutput]:
+    def _process(
+        self, step: _InFlight, results: list[StepResult], only_finished: bool = False
+    ) -> list[RequestOutput]:
         """`results`: one per decode step the program ran (several for a multi-step batch)."""
         now = time.monotonic()
         batch = step.batch
         changed: dict[str, _Request] = {}
-        starts = [0, *itertools.accumulate(1 + len(batch.draft(i)) for i in range(len(batch.seqs)))]  # verify rows
+        starts = [
+            0,
+            *itertools.accumulate(1 + len(batch.draft(i)) for i in range(len(batch.seqs))),
+        ]  # verify rows
         for i, seq in enumerate(batch.seqs):
             request = self.requests.get(seq.request_id)
             if request is None or seq.is_finished:
                 continue  # aborted, or stopped by the step before (this row's token is dropped)
             slot = step.slots[i]
-            picks: list[tuple[StepResult, int]] = []  # (result, row) of each token the row produced, in order
-            if slot is not None:  # all of them first: every token below num_computed_tokens is known
+            picks: list[
+                tuple[StepResult, int]
+            ] = []  # (result, row) of each token the row produced, in order
+            if (
+                slot is not None
+            ):  # all of them first: every token below num_computed_tokens is known
                 picks = self._sampled(batch, i, results, starts[i])
                 tokens = [int(result.tokens[row]) for result, row in picks]
                 extra = len(tokens) - batch.num_steps  # accepted draft tokens: computed in the step
@@ -509,7 +596,11 @@ class LLMEngine:
                 self.block_manager.commit(seq)
             if i >= batch.num_decodes:
                 self.num_prompt_tokens += batch.num_new_tokens[i]
-            if request.held and seq.status == SequenceStatus.RUNNING and seq.num_computed_tokens >= len(request.prompt_token_ids):
+            if (
+                request.held
+                and seq.status == SequenceStatus.RUNNING
+                and seq.num_computed_tokens >= len(request.prompt_token_ids)
+            ):
                 self._fork(request, seq)  # before a stop can free the parent's pages
             if slot is None:
                 continue
@@ -518,7 +609,11 @@ class LLMEngine:
                 if seq.is_finished:
                     _drop_pending(seq)  # tokens past the stop, and a row the next step spent on it
                     break
-            if seq.kv_compression is not None and seq.status == SequenceStatus.RUNNING and not request.held:
+            if (
+                seq.kv_compression is not None
+                and seq.status == SequenceStatus.RUNNING
+                and not request.held
+            ):
                 try:
                     self._compress(seq)
                 except Exception as e:  # noqa: BLE001 (its policy failed: only this request ends)
@@ -541,7 +636,9 @@ class LLMEngine:
         shorter list, with the tokens' true positions (`Sequence.num_dropped_tokens`)."""
         config, ps = seq.kv_compression, self.config.page_size
         known = min(seq.num_computed_tokens, len(seq) - seq.num_pending)  # tokens computed and read
-        full = (known - 1 - seq.num_dropped_tokens) // ps  # full pages before the last known token's
+        full = (
+            known - 1 - seq.num_dropped_tokens
+        ) // ps  # full pages before the last known token's
         if not wants_compression(config, full, ps):
             return
         scores = None
@@ -555,7 +652,9 @@ class LLMEngine:
         self.block_manager.release(dropped)
         self.num_dropped_pages += len(dropped)
 
-    def _sampled(self, batch: ScheduledBatch, i: int, results: list[StepResult], start: int) -> list[tuple[StepResult, int]]:
+    def _sampled(
+        self, batch: ScheduledBatch, i: int, results: list[StepResult], start: int
+    ) -> list[tuple[StepResult, int]]:
         """Where row `i`'s new tokens are: one per result (a multi-step batch gives several), or
         in a verify step the samples at its last token and at each accepted draft token."""
         draft = batch.draft(i)
@@ -568,7 +667,9 @@ class LLMEngine:
         note_draft_result(batch.seqs[i], accepted)
         return [(results[0], start + j) for j in range(accepted + 1)]
 
-    def _accept(self, seq: Sequence, request: _Request, result: StepResult, row: int, slot: int, now: float) -> None:
+    def _accept(
+        self, seq: Sequence, request: _Request, result: StepResult, row: int, slot: int, now: float
+    ) -> None:
         """Take the sampled token at `output_token_ids[slot]` (row `row` of `result`) as read:
         logprobs, metrics, stop conditions."""
         token = seq.output_token_ids[slot]
@@ -578,11 +679,15 @@ class LLMEngine:
         if seq.params.logprobs is not None:
             k = seq.params.logprobs
             entry = {token: float(result.logprobs[row])}
-            entry.update(zip(result.top_ids[row, :k].tolist(), result.top_logprobs[row, :k].tolist()))
+            entry.update(
+                zip(result.top_ids[row, :k].tolist(), result.top_logprobs[row, :k].tolist())
+            )
             seq.logprobs.append(entry)
         request.metrics.first_token_time = request.metrics.first_token_time or now
         request.metrics.last_token_time = now
-        if seq.grammar is not None:  # a grammar broken by this token fails its request at the next mask
+        if (
+            seq.grammar is not None
+        ):  # a grammar broken by this token fails its request at the next mask
             seq.grammar.accept(token)
         self._check_stop(seq, token, slot + 1, request.detokenizers[seq.index])
 
@@ -595,7 +700,9 @@ class LLMEngine:
             self.scheduler.add(child)
         request.held = []
 
-    def _check_stop(self, seq: Sequence, token: int, num_outputs: int, detok: IncrementalDetokenizer) -> None:
+    def _check_stop(
+        self, seq: Sequence, token: int, num_outputs: int, detok: IncrementalDetokenizer
+    ) -> None:
         """Finish the sequence if this token (its `num_outputs`-th) ends it. A stop token's text
         is never shown."""
         params = seq.params
@@ -609,7 +716,10 @@ class LLMEngine:
                 self.scheduler.finish(seq, "stop", detok.stop_reason)
             elif seq.grammar is not None and seq.grammar.finished:  # the output is complete
                 self.scheduler.finish(seq, "stop")
-            elif num_outputs >= params.max_tokens or len(seq.prompt_token_ids) + num_outputs >= self.config.max_model_len:
+            elif (
+                num_outputs >= params.max_tokens
+                or len(seq.prompt_token_ids) + num_outputs >= self.config.max_model_len
+            ):
                 self.scheduler.finish(seq, "length")
         if seq.is_finished:
             detok.flush()

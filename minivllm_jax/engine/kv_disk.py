@@ -45,7 +45,12 @@ from pathlib import Path
 
 import numpy as np
 
-from minivllm_jax.private_dir import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, check_private_file, ensure_private_dir
+from minivllm_jax.private_dir import (
+    PRIVATE_DIR_MODE,
+    PRIVATE_FILE_MODE,
+    check_private_file,
+    ensure_private_dir,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +100,10 @@ def load_or_create_key(directory: Path) -> bytes:
         check_private_file(os.fstat(f.fileno()), f"the KV disk key file {path}")
         key = f.read(KEY_BYTES + 1)
     if len(key) != KEY_BYTES:
-        raise ValueError(f"the KV disk key file {path} holds {len(key)} bytes, expected {KEY_BYTES}; delete it "
-                         "(a new key is made, and the pages it signed become misses)")  # fmt: skip
+        raise ValueError(
+            f"the KV disk key file {path} holds {len(key)} bytes, expected {KEY_BYTES}; delete it "
+            "(a new key is made, and the pages it signed become misses)"
+        )
     return key
 
 
@@ -134,7 +141,9 @@ class _Batch:
     """Pages queued by `save_later`: their arrays are fetched once, by whoever needs them first."""
 
     def __init__(self, fetch: Callable[[], dict[str, np.ndarray]]) -> None:
-        self.entries: list[tuple[int, bytes, bytes, tuple[int, ...]]] = []  # (axis-1 index, digest, parent, tokens)
+        self.entries: list[
+            tuple[int, bytes, bytes, tuple[int, ...]]
+        ] = []  # (axis-1 index, digest, parent, tokens)
         self._fetch: Callable[[], dict[str, np.ndarray]] | None = fetch
         self._lock = threading.Lock()
         self._arrays: dict[str, np.ndarray] | None = None
@@ -147,7 +156,9 @@ class _Batch:
                 try:
                     self._arrays = {name: np.asarray(a) for name, a in fetch().items()}
                 except Exception:
-                    logger.exception("kv disk: fetching %d queued pages failed; not stored", len(self.entries))
+                    logger.exception(
+                        "kv disk: fetching %d queued pages failed; not stored", len(self.entries)
+                    )
             return self._arrays
 
 
@@ -161,16 +172,22 @@ class DiskPageStore:
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
         if not _NAMESPACE.fullmatch(namespace) or namespace in (".", ".."):
-            raise ValueError(f"namespace must be a plain identifier (letters, digits, _ . -), got {namespace!r}")
+            raise ValueError(
+                f"namespace must be a plain identifier (letters, digits, _ . -), got {namespace!r}"
+            )
         directory = ensure_private_dir(directory, "the KV disk directory (kv_disk_dir)")
         self.root = ensure_private_dir(directory / namespace, "the KV disk namespace directory")
         self._key = load_or_create_key(directory)
         self.max_bytes = max_bytes
         self.namespace = namespace
         self._lock = threading.Lock()  # guards the index, the pending map and the counters
-        self._index: OrderedDict[bytes, int] = OrderedDict()  # digest -> file size, oldest use first
+        self._index: OrderedDict[bytes, int] = (
+            OrderedDict()
+        )  # digest -> file size, oldest use first
         self._pending: dict[bytes, tuple[_Batch, int, bytes, tuple[int, ...]]] = {}
-        self.num_bytes = self.hits = self.misses = self.num_corrupt = self.num_written = self.num_evicted = 0
+        self.num_bytes = self.hits = self.misses = self.num_corrupt = self.num_written = (
+            self.num_evicted
+        ) = 0
         self._queue: queue.Queue[_Batch | None] = queue.Queue()
         self._closed = False
         self._scan()
@@ -199,7 +216,9 @@ class DiskPageStore:
                     if TMP_MARK in entry.name and now - st.st_mtime > STALE_TMP_S:
                         os.unlink(entry.path)
                     elif entry.name.endswith(SUFFIX):
-                        found.append((st.st_mtime, bytes.fromhex(entry.name[: -len(SUFFIX)]), st.st_size))
+                        found.append(
+                            (st.st_mtime, bytes.fromhex(entry.name[: -len(SUFFIX)]), st.st_size)
+                        )
                 except (OSError, ValueError):  # vanished meanwhile, or not one of our names
                     continue
         for _, digest, size in sorted(found):
@@ -241,7 +260,9 @@ class DiskPageStore:
         self._track(digest, size)
         return True
 
-    def load(self, digest: bytes, parent: bytes, tokens: tuple[int, ...]) -> dict[str, np.ndarray] | None:
+    def load(
+        self, digest: bytes, parent: bytes, tokens: tuple[int, ...]
+    ) -> dict[str, np.ndarray] | None:
         """The page's arrays (leaf name -> one page, `leaf[:, i]` of the cache) or None. Whatever
         goes wrong is a miss: a bad file is logged and removed, never raised."""
         tokens = tuple(int(t) for t in tokens)
@@ -251,7 +272,9 @@ class DiskPageStore:
             batch, i, p_parent, p_tokens = pending
             arrays = batch.arrays() if (p_parent, p_tokens) == (parent, tokens) else None
             self._count(hits=arrays is not None, misses=arrays is None)
-            return None if arrays is None else {name: np.array(a[:, i]) for name, a in arrays.items()}
+            return (
+                None if arrays is None else {name: np.array(a[:, i]) for name, a in arrays.items()}
+            )
         path = self._path(digest)
         try:
             with open(path, "rb") as f:
@@ -287,15 +310,24 @@ class DiskPageStore:
                 return None, f"unreadable: {len(data)} bytes, shorter than the fixed header"
             magic, version, header_len = _PREFIX.unpack_from(data)
             if magic != MAGIC or version != FORMAT_VERSION:
-                return None, f"magic {magic!r} version {version}, expected {MAGIC!r} version {FORMAT_VERSION}"
+                return (
+                    None,
+                    f"magic {magic!r} version {version}, expected {MAGIC!r} version {FORMAT_VERSION}",
+                )
             start = _PREFIX.size + TAG_BYTES
             if header_len > MAX_HEADER_BYTES or start + header_len > len(data):
-                return None, f"header length {header_len} is out of bounds for a {len(data)}-byte file"
+                return (
+                    None,
+                    f"header length {header_len} is out of bounds for a {len(data)}-byte file",
+                )
             view = memoryview(data)
             mac = hmac.new(self._key, view[: _PREFIX.size], hashlib.sha256)
             mac.update(view[start:])
             if not hmac.compare_digest(mac.digest(), data[_PREFIX.size : start]):
-                return None, "HMAC mismatch (damaged, truncated, or not written with this directory's key)"
+                return (
+                    None,
+                    "HMAC mismatch (damaged, truncated, or not written with this directory's key)",
+                )
             head = data[start : start + header_len]
             if not nesting_depth_within(head, MAX_HEADER_DEPTH):
                 return None, f"unreadable: the header nests deeper than {MAX_HEADER_DEPTH}"
@@ -303,19 +335,36 @@ class DiskPageStore:
             if not isinstance(h, dict):
                 return None, "unreadable: the header is not a JSON object"
             if (h["namespace"], h["digest"], h["parent"], h["tokens"]) != (
-                self.namespace, digest.hex(), parent.hex(), list(tokens)):  # fmt: skip
-                return None, "the header's namespace, digest, parent or tokens differ from the request"
+                self.namespace,
+                digest.hex(),
+                parent.hex(),
+                list(tokens),
+            ):
+                return (
+                    None,
+                    "the header's namespace, digest, parent or tokens differ from the request",
+                )
             payload = view[start + header_len :]
             if len(payload) != h["payload_bytes"]:
-                return None, f"payload is {len(payload)} bytes, the header says {h['payload_bytes']}"
+                return (
+                    None,
+                    f"payload is {len(payload)} bytes, the header says {h['payload_bytes']}",
+                )
             arrays, offset = {}, 0
             for spec in h["arrays"]:
                 dtype, shape = np.dtype(spec["dtype"]), tuple(int(n) for n in spec["shape"])
                 if dtype.hasobject or any(n < 0 for n in shape):
-                    return None, f"unreadable: array {spec['name']!r} has dtype {dtype} shape {shape}"
+                    return (
+                        None,
+                        f"unreadable: array {spec['name']!r} has dtype {dtype} shape {shape}",
+                    )
                 count = int(np.prod(shape, dtype=np.int64))
-                a = np.frombuffer(payload, dtype, count=count, offset=offset)  # ValueError past the end
-                arrays[str(spec["name"])] = a.reshape(shape).copy()  # a copy: writable, not tied to `data`
+                a = np.frombuffer(
+                    payload, dtype, count=count, offset=offset
+                )  # ValueError past the end
+                arrays[str(spec["name"])] = a.reshape(
+                    shape
+                ).copy()  # a copy: writable, not tied to `data`
                 offset += a.nbytes
             if offset != len(payload):
                 return None, "the arrays do not fill the payload"
@@ -323,7 +372,9 @@ class DiskPageStore:
         except Exception as e:  # noqa: BLE001  short file, JSON, field or dtype garbage: a miss
             return None, f"unreadable ({e!r})"[:500]
 
-    def save(self, digest: bytes, parent: bytes, tokens: tuple[int, ...], arrays: dict[str, np.ndarray]) -> bool:
+    def save(
+        self, digest: bytes, parent: bytes, tokens: tuple[int, ...], arrays: dict[str, np.ndarray]
+    ) -> bool:
         """Write one page (arrays of ONE page) atomically unless present. True if this call stored it."""
         with self._lock:
             if digest in self._index:
@@ -333,14 +384,23 @@ class DiskPageStore:
             self._track(digest, size)
             return False
         parts = [np.ascontiguousarray(a) for a in arrays.values()]
-        if any(np.dtype(a.dtype.str) != a.dtype for a in parts):  # bfloat16: store its bits, as the cache does
-            raise ValueError(f"dtypes {[a.dtype for a in parts]} must round-trip through their dtype str")
+        if any(
+            np.dtype(a.dtype.str) != a.dtype for a in parts
+        ):  # bfloat16: store its bits, as the cache does
+            raise ValueError(
+                f"dtypes {[a.dtype for a in parts]} must round-trip through their dtype str"
+            )
         header = {
-            "namespace": self.namespace, "digest": digest.hex(), "parent": parent.hex(),
+            "namespace": self.namespace,
+            "digest": digest.hex(),
+            "parent": parent.hex(),
             "tokens": [int(t) for t in tokens],
-            "arrays": [{"name": n, "dtype": a.dtype.str, "shape": list(a.shape)} for n, a in zip(arrays, parts)],
+            "arrays": [
+                {"name": n, "dtype": a.dtype.str, "shape": list(a.shape)}
+                for n, a in zip(arrays, parts)
+            ],
             "payload_bytes": sum(a.nbytes for a in parts),
-        }  # fmt: skip
+        }
         head = json.dumps(header, separators=(",", ":")).encode()
         size = _PREFIX.size + TAG_BYTES + len(head) + header["payload_bytes"]
         if size > self.max_bytes:
@@ -351,9 +411,13 @@ class DiskPageStore:
         for a in parts:
             mac.update(_raw(a))
         path.parent.mkdir(mode=PRIVATE_DIR_MODE, exist_ok=True)
-        tmp = path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}")
+        tmp = path.with_name(
+            f"{path.name}{TMP_MARK}{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}"
+        )
         try:  # no fsync: a file torn by a power loss fails its checks and is a miss, like any other
-            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE), "wb") as f:
+            with os.fdopen(
+                os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE), "wb"
+            ) as f:
                 f.write(prefix + mac.digest() + head)
                 for a in parts:
                     f.write(_raw(a))
@@ -388,13 +452,17 @@ class DiskPageStore:
                 arrays = batch.arrays()
                 for i, digest, parent, tokens in batch.entries if arrays is not None else ():
                     try:
-                        self.save(digest, parent, tokens, {name: a[:, i] for name, a in arrays.items()})
+                        self.save(
+                            digest, parent, tokens, {name: a[:, i] for name, a in arrays.items()}
+                        )
                     except Exception:
                         logger.exception("kv disk: writing page %s failed", digest.hex())
             finally:
                 with self._lock:  # after the index has them: `contains` never sees a gap
                     for _, digest, _, _ in batch.entries:
-                        del self._pending[digest]  # only this batch queues it (`save_later` skips pending ones)
+                        del self._pending[
+                            digest
+                        ]  # only this batch queues it (`save_later` skips pending ones)
                 self._queue.task_done()
         self._queue.task_done()
 

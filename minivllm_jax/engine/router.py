@@ -40,7 +40,9 @@ class PrefixRouter:
         num_pages = min(len(prompt_ids) // self.page_size, MAX_AFFINITY_PAGES)
         for p in range(num_pages):
             page = prompt_ids[p * self.page_size : (p + 1) * self.page_size]
-            h = hashlib.blake2b(h + b"".join(int(t).to_bytes(4, "little") for t in page), digest_size=16).digest()
+            h = hashlib.blake2b(
+                h + b"".join(int(t).to_bytes(4, "little") for t in page), digest_size=16
+            ).digest()
             digests.append(h)
         return digests
 

@@ -37,9 +37,19 @@ from minivllm_jax.models.llama import Params, model_dtype, unstack_layers
 from minivllm_jax.program_cache import ProgramCache
 from minivllm_jax.runtime import program_cache_dir
 from minivllm_jax.sampler import SampleResult, SamplingArrays, make_sampling_arrays, sampling_arrays
-from minivllm_jax.step import (PenaltyRows, PenaltyState, copy_pages_jit, engine_multi_step_jit, engine_step_jit,
-                               engine_verify_step_jit, gather_pages_jit, init_penalty_state, load_penalty_row_jit,
-                               page_attention_scores_jit, scatter_pages_jit)
+from minivllm_jax.step import (
+    PenaltyRows,
+    PenaltyState,
+    copy_pages_jit,
+    engine_multi_step_jit,
+    engine_step_jit,
+    engine_verify_step_jit,
+    gather_pages_jit,
+    init_penalty_state,
+    load_penalty_row_jit,
+    page_attention_scores_jit,
+    scatter_pages_jit,
+)
 from minivllm_jax.structured_output import fill_bitmasks
 
 logger = logging.getLogger(__name__)
@@ -68,14 +78,23 @@ class PendingStep:
         """One `StepResult` per decode step the program ran, in order."""
         r, n = self.result, self.num_rows
         if self.with_logprobs:
-            tokens, logprobs, top_ids, top_logprobs = jax.device_get((r.tokens, r.logprobs, r.top_ids, r.top_logprobs))
+            tokens, logprobs, top_ids, top_logprobs = jax.device_get(
+                (r.tokens, r.logprobs, r.top_ids, r.top_logprobs)
+            )
         else:  # the logprob arrays are placeholders: leave them on the device
             tokens, logprobs = jax.device_get((r.tokens, r.logprobs))
             top_ids = top_logprobs = None
         if self.num_steps == 1:
             return [StepResult(tokens[:n], logprobs[:n], top_ids, top_logprobs)]
-        return [StepResult(tokens[j, :n], logprobs[j, :n], None if top_ids is None else top_ids[j],
-                           None if top_logprobs is None else top_logprobs[j]) for j in range(self.num_steps)]  # fmt: skip
+        return [
+            StepResult(
+                tokens[j, :n],
+                logprobs[j, :n],
+                None if top_ids is None else top_ids[j],
+                None if top_logprobs is None else top_logprobs[j],
+            )
+            for j in range(self.num_steps)
+        ]
 
 
 class RowsFailed(Exception):
@@ -92,7 +111,13 @@ class ModelRunner:
     params and cache split over them, the sampler's state on all of them. One: everything on
     that device (a data-parallel replica). None: the default device."""
 
-    def __init__(self, model_config: ModelConfig, config: EngineConfig, params: Params, mesh: Mesh | None = None) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        config: EngineConfig,
+        params: Params,
+        mesh: Mesh | None = None,
+    ) -> None:
         self.model_config = model_config
         self.config = config
         self.dtype = model_dtype(params)
@@ -108,17 +133,27 @@ class ModelRunner:
         # Where the host's per-step arrays go: the default device needs no placing; a replica's
         # device or a mesh (whole on each device) does, since a compiled program takes its
         # arguments where it was compiled for them.
-        self.host_sharding = (None if self.device is None and self.mesh is None else
-                              jax.sharding.SingleDeviceSharding(self.device) if self.mesh is None else
-                              jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))  # fmt: skip
+        self.host_sharding = (
+            None
+            if self.device is None and self.mesh is None
+            else jax.sharding.SingleDeviceSharding(self.device)
+            if self.mesh is None
+            else jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        )
         self._new_device_state()
-        self.attention = resolve_attention(config.attention, model_config)  # loads native kernels before any program
-        self.matmul = "native" if kernels.native_available() else "reference"  # quantized projections
+        self.attention = resolve_attention(
+            config.attention, model_config
+        )  # loads native kernels before any program
+        self.matmul = (
+            "native" if kernels.native_available() else "reference"
+        )  # quantized projections
         self._programs: dict[tuple, Any] = {}
         devices = list(mesh.devices.flat) if mesh is not None else None  # in the mesh's order
         # Several processes: no stored programs (each would have to load the same ones).
         self.channel = StepChannel() if distributed.is_multiprocess() else None
-        self._program_cache = ProgramCache(program_cache_dir() if self.channel is None else None, devices)
+        self._program_cache = ProgramCache(
+            program_cache_dir() if self.channel is None else None, devices
+        )
         self.num_compiles = 0  # programs made, compiled or loaded whole from the program cache
         self.num_loaded = 0  # of which loaded
         self.compile_seconds = 0.0
@@ -133,22 +168,34 @@ class ModelRunner:
         cfg = self.config
 
         def make() -> tuple[KVCache, PenaltyState, jax.Array]:
-            cache = init_kv_cache(self.step_config, cfg.num_pages, cfg.page_size, self.dtype, cfg.kv_cache_dtype)
-            return cache, init_penalty_state(cfg.max_num_seqs, self.model_config.vocab_size), jnp.zeros(cfg.max_num_seqs, jnp.int32)
+            cache = init_kv_cache(
+                self.step_config, cfg.num_pages, cfg.page_size, self.dtype, cfg.kv_cache_dtype
+            )
+            return (
+                cache,
+                init_penalty_state(cfg.max_num_seqs, self.model_config.vocab_size),
+                jnp.zeros(cfg.max_num_seqs, jnp.int32),
+            )
 
         if self.host_sharding is None:
             self.cache, self.penalty_state, self.fed_back = make()
             return
         cache = jax.eval_shape(make)[0]
-        cache_sharding = self.host_sharding if self.mesh is None else parallel.cache_shardings(cache, self.mesh)
+        cache_sharding = (
+            self.host_sharding if self.mesh is None else parallel.cache_shardings(cache, self.mesh)
+        )
         out = (cache_sharding, self.host_sharding, self.host_sharding)
         self.cache, self.penalty_state, self.fed_back = jax.jit(make, out_shardings=out)()
 
     # ------------------------------------------------------------------ compilation
 
     def _abstract(self, tree: Any) -> Any:
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=self.host_sharding),
-                            tree)  # fmt: skip
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(
+                np.shape(x), np.asarray(x).dtype, sharding=self.host_sharding
+            ),
+            tree,
+        )
 
     def _place(self, tree: Any) -> Any:
         return tree if self.host_sharding is None else jax.device_put(tree, self.host_sharding)
@@ -164,7 +211,9 @@ class ModelRunner:
                 self.num_loaded += loaded
                 self._programs[key] = program
             if self._warm:
-                logger.warning("compiled %s after warm-up; a bucket is missing from the warm-up set", key)
+                logger.warning(
+                    "compiled %s after warm-up; a bucket is missing from the warm-up set", key
+                )
         return program
 
     def _step_program(self, num_tokens: int, num_seqs: int, kind: str = "step") -> Any:
@@ -175,14 +224,29 @@ class ModelRunner:
         program = self._programs.get(key)
         if program is not None:  # every step after warm-up: no abstract arguments to build
             return program
-        inputs = self._abstract(_step_inputs(self.config, self.model_config, num_tokens, num_seqs, kind))
-        return self._program(key, STEP_FUNCTIONS[kind], self.params, self.cache, self.penalty_state, self.fed_back,
-                             *inputs, cfg=self.step_config, attention=self.attention, matmul=self.matmul,
-                             mesh=self.mesh, **extra)  # fmt: skip
+        inputs = self._abstract(
+            _step_inputs(self.config, self.model_config, num_tokens, num_seqs, kind)
+        )
+        return self._program(
+            key,
+            STEP_FUNCTIONS[kind],
+            self.params,
+            self.cache,
+            self.penalty_state,
+            self.fed_back,
+            *inputs,
+            cfg=self.step_config,
+            attention=self.attention,
+            matmul=self.matmul,
+            mesh=self.mesh,
+            **extra,
+        )
 
     def _load_penalty_program(self) -> Any:
         inputs = self._abstract(_penalty_row_inputs(self.config))
-        return self._program(("load_penalty_row",), load_penalty_row_jit, self.penalty_state, *inputs)
+        return self._program(
+            ("load_penalty_row",), load_penalty_row_jit, self.penalty_state, *inputs
+        )
 
     def warmup(self, progress: bool = True) -> float:
         """Compile every bucket shape now, one program per core at a time (XLA compiles and
@@ -195,14 +259,23 @@ class ModelRunner:
         programs += [(*shape, "verify") for shape in cfg.verify_shapes()]
         with ThreadPoolExecutor(max_workers=min(len(programs), os.cpu_count() or 1)) as pool:
             compiled = pool.map(lambda p: self._step_program(*p), programs)
-            for _ in tqdm(compiled, total=len(programs), desc="warm-up: compiling buckets", disable=not progress):
+            for _ in tqdm(
+                compiled,
+                total=len(programs),
+                desc="warm-up: compiling buckets",
+                disable=not progress,
+            ):
                 pass
         self._load_penalty_program()
         for program in programs:
             self._exercise(*program)
-        if cfg.preemption_mode != "recompute" or cfg.kv_disk_dir is not None:  # compiles the page moves too
+        if (
+            cfg.preemption_mode != "recompute" or cfg.kv_disk_dir is not None
+        ):  # compiles the page moves too
             self.page_copy_bytes_per_s = self.measure_page_copy()
-        if cfg.allow_request_kv_compression or (cfg.kv_compression is not None and needs_scores(cfg.kv_compression)):
+        if cfg.allow_request_kv_compression or (
+            cfg.kv_compression is not None and needs_scores(cfg.kv_compression)
+        ):
             self._page_scores(Chunk([0], 0, [SCRATCH_PAGE]))
         jax.block_until_ready(self.cache)
         self._warm = True
@@ -219,7 +292,9 @@ class ModelRunner:
         if num_tokens > 1 and num_seqs > 1 and kind != "multi_step":
             q = num_tokens - 1
             chunks.append(Chunk([0] * q, ps, [SCRATCH_PAGE] * (-(-(ps + q) // ps))))
-        batch = build_step_batch(chunks, ps, num_tokens, num_seqs, self.config.num_listed_pages(num_seqs), lookahead)
+        batch = build_step_batch(
+            chunks, ps, num_tokens, num_seqs, self.config.num_listed_pages(num_seqs), lookahead
+        )
         inputs = _step_inputs(self.config, self.model_config, num_tokens, num_seqs, kind)
         scratch = np.full(num_seqs, self.penalty_state.scratch_slot, np.int32)
         rows = PenaltyRows(scratch, np.zeros(num_seqs, np.int32), np.bool_(True))
@@ -245,10 +320,18 @@ class ModelRunner:
         seqs = batch.seqs
         kind = "verify" if batch.drafts else "step" if batch.num_steps == 1 else "multi_step"
         num_tokens, num_seqs = self._bucket(batch)
-        rows = [(s.sampling_row, len(s.output_token_ids)) for s in seqs]  # typed when the request was added
+        rows = [
+            (s.sampling_row, len(s.output_token_ids)) for s in seqs
+        ]  # typed when the request was added
         num_rows = num_seqs
-        if kind == "verify":  # rows at each last token and draft token: draft token j is output number n + j
-            rows = [(row, step + j) for i, (row, step) in enumerate(rows) for j in range(1 + len(batch.draft(i)))]
+        if (
+            kind == "verify"
+        ):  # rows at each last token and draft token: draft token j is output number n + j
+            rows = [
+                (row, step + j)
+                for i, (row, step) in enumerate(rows)
+                for j in range(1 + len(batch.draft(i)))
+            ]
             num_rows = self.config.verify_rows(num_tokens, num_seqs)
         errors: dict[int, Exception] = {}
         sampling = self._sampling_arrays(batch, rows, num_rows, errors)
@@ -263,12 +346,17 @@ class ModelRunner:
         if kind == "verify":
             inputs += (_verify_logit_rows(batch, step_batch, num_rows),)
         if self.channel is not None:  # the other processes run this step too
-            self.channel.announce(distributed.STEP_OPS[kind], step_batch.num_tokens, num_seqs, inputs)
+            self.channel.announce(
+                distributed.STEP_OPS[kind], step_batch.num_tokens, num_seqs, inputs
+            )
         result = self._run_step(step_batch.num_tokens, num_seqs, inputs, kind)
-        return PendingStep(result, len(rows), any(s.params.logprobs is not None for s in seqs), batch.num_steps)
+        return PendingStep(
+            result, len(rows), any(s.params.logprobs is not None for s in seqs), batch.num_steps
+        )
 
-    def _sampling_arrays(self, batch: ScheduledBatch, rows: list, num_rows: int,
-                         errors: dict[int, Exception]) -> SamplingArrays:  # fmt: skip
+    def _sampling_arrays(
+        self, batch: ScheduledBatch, rows: list, num_rows: int, errors: dict[int, Exception]
+    ) -> SamplingArrays:
         """The per-row sampling settings, with the allowed-token bitmask of each row that samples
         under a grammar (structured output; such rows are never multi-step or drafted, so a
         sequence's row is its index plus the draft rows before it). A row whose grammar fails
@@ -282,12 +370,16 @@ class ModelRunner:
         if not constrained:
             return arrays
         # All rows' masks in one call (llguidance's thread pool); a failure is that row's alone.
-        for i, error in zip(constrained, fill_bitmasks(arrays.token_bitmask, list(constrained.values()))):
+        for i, error in zip(
+            constrained, fill_bitmasks(arrays.token_bitmask, list(constrained.values()))
+        ):
             if error is not None:
                 errors[i] = error
         return dataclasses.replace(arrays, use_bitmask=np.bool_(True))
 
-    def _run_step(self, num_tokens: int, num_seqs: int, inputs: tuple, kind: str = "step") -> SampleResult:
+    def _run_step(
+        self, num_tokens: int, num_seqs: int, inputs: tuple, kind: str = "step"
+    ) -> SampleResult:
         program = self._step_program(num_tokens, num_seqs, kind)
         result, self.cache, self.penalty_state, self.fed_back = program(
             self.params, self.cache, self.penalty_state, self.fed_back, *self._place(inputs)
@@ -301,14 +393,21 @@ class ModelRunner:
         """On a process other than the leader (`minivllm_jax.distributed`): run each program the
         leader announces, with its inputs, until it announces the stop."""
         if self.channel is None or distributed.is_leader():
-            raise RuntimeError("follow() runs on the processes other than process 0 of a multi-process run")
+            raise RuntimeError(
+                "follow() runs on the processes other than process 0 of a multi-process run"
+            )
         while True:
             op, a, b = self.channel.next_op()
             if op == distributed.STOP:
                 return
             kind = next((k for k, v in distributed.STEP_OPS.items() if v == op), None)
             if kind is not None:
-                self._run_step(a, b, self.channel.payload(_step_inputs(self.config, self.model_config, a, b, kind)), kind)
+                self._run_step(
+                    a,
+                    b,
+                    self.channel.payload(_step_inputs(self.config, self.model_config, a, b, kind)),
+                    kind,
+                )
             elif op == distributed.LOAD_PENALTY_ROW:
                 self._load_penalty_row(self.channel.payload(_penalty_row_inputs(self.config)))
             else:
@@ -325,14 +424,18 @@ class ModelRunner:
         partial page forked sequences share (beam search). The index arrays are `max_num_seqs`
         long, padded with the scratch page, so one compiled program serves every call."""
         if self.channel is not None:
-            raise RuntimeError("copying pages is not announced to the other processes of a multi-process run")
+            raise RuntimeError(
+                "copying pages is not announced to the other processes of a multi-process run"
+            )
         n = self.config.max_num_seqs
         for start in range(0, len(src), n):
             pairs = np.full((2, n), SCRATCH_PAGE, np.int32)
             chunk = src[start : start + n]
             pairs[0, : len(chunk)], pairs[1, : len(chunk)] = chunk, dst[start : start + n]
             src_dst = (pairs[0], pairs[1])
-            program = self._program(("copy_pages",), copy_pages_jit, self.cache, *self._abstract(src_dst))
+            program = self._program(
+                ("copy_pages",), copy_pages_jit, self.cache, *self._abstract(src_dst)
+            )
             self.cache = program(self.cache, *self._place(src_dst))
 
     # ------------------------------------------------------------------ page moves (swap, disk tier)
@@ -351,8 +454,10 @@ class ModelRunner:
     def _chunks(self, pages: list[int]) -> list[tuple[list[int], int]]:
         """`pages` in pieces of the largest bucket, each with the bucket it is padded to."""
         top = self.page_move_buckets[-1]
-        return [(pages[i : i + top], bucket_for(len(pages[i : i + top]), self.page_move_buckets))
-                for i in range(0, len(pages), top)]  # fmt: skip
+        return [
+            (pages[i : i + top], bucket_for(len(pages[i : i + top]), self.page_move_buckets))
+            for i in range(0, len(pages), top)
+        ]
 
     def gather_pages(self, pages: list[int]) -> list[tuple[KVCache, int]]:
         """Dispatch copies of whole pages (every layer); returns `(copy, count)` pieces, each a
@@ -363,7 +468,9 @@ class ModelRunner:
         out = []
         for piece, bucket in self._chunks(pages):
             index = self._page_index(piece, bucket)
-            program = self._program(("gather_pages", bucket), gather_pages_jit, self.cache, *self._abstract((index,)))
+            program = self._program(
+                ("gather_pages", bucket), gather_pages_jit, self.cache, *self._abstract((index,))
+            )
             out.append((program(self.cache, *self._place((index,))), len(piece)))
         return out
 
@@ -373,8 +480,13 @@ class ModelRunner:
         for data, count in pieces:
             bucket = jax.tree.leaves(data)[0].shape[1]
             index = self._page_index(pages[start : start + count], bucket)
-            program = self._program(("scatter_pages", bucket), scatter_pages_jit, self.cache, self._abstract(data),
-                                    *self._abstract((index,)))  # fmt: skip
+            program = self._program(
+                ("scatter_pages", bucket),
+                scatter_pages_jit,
+                self.cache,
+                self._abstract(data),
+                *self._abstract((index,)),
+            )
             self.cache = program(self.cache, *self._place((data, index)))
             start += count
 
@@ -396,15 +508,28 @@ class ModelRunner:
         """Attention mass per page of `seq` (`step.page_attention_scores`) from the query of its
         token `index` (computed, known), re-fed at its own slot; waits for the result."""
         if self.channel is not None:
-            raise RuntimeError("KV compression by page scores does not run across several processes")
+            raise RuntimeError(
+                "KV compression by page scores does not run across several processes"
+            )
         context = index - seq.num_dropped_tokens
-        return self._page_scores(Chunk([seq.token_ids[index]], context, seq.pages, seq.num_dropped_tokens))
+        return self._page_scores(
+            Chunk([seq.token_ids[index]], context, seq.pages, seq.num_dropped_tokens)
+        )
 
     def _page_scores(self, chunk: Chunk) -> np.ndarray:
-        batch = build_step_batch([chunk], self.config.page_size, 1, 1, self.config.max_pages_per_seq)
-        program = self._program(("page_scores",), page_attention_scores_jit, self.params, self.cache,
-                                self._abstract(batch), cfg=self.step_config, attention=self.attention,
-                                matmul=self.matmul)  # fmt: skip
+        batch = build_step_batch(
+            [chunk], self.config.page_size, 1, 1, self.config.max_pages_per_seq
+        )
+        program = self._program(
+            ("page_scores",),
+            page_attention_scores_jit,
+            self.params,
+            self.cache,
+            self._abstract(batch),
+            cfg=self.step_config,
+            attention=self.attention,
+            matmul=self.matmul,
+        )
         return np.asarray(program(self.params, self.cache, self._place(batch)))
 
     def measure_page_copy(self) -> float:
@@ -441,17 +566,31 @@ class ModelRunner:
         for i, (seq, q) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             try:  # a sequence with dropped pages (KV compression) feeds its tokens at shifted slots
                 start = seq.num_computed_tokens
-                tokens = seq.tokens_between(start, start + q - len(batch.draft(i))) + list(batch.draft(i))
-                chunks.append(Chunk(np.asarray(tokens, np.int32), start - seq.num_dropped_tokens, seq.pages,
-                                    seq.num_dropped_tokens))  # fmt: skip
+                tokens = seq.tokens_between(start, start + q - len(batch.draft(i))) + list(
+                    batch.draft(i)
+                )
+                chunks.append(
+                    Chunk(
+                        np.asarray(tokens, np.int32),
+                        start - seq.num_dropped_tokens,
+                        seq.pages,
+                        seq.num_dropped_tokens,
+                    )
+                )
             except Exception as e:  # noqa: BLE001 (any failure is that row's alone)
                 errors[i] = e
         return chunks, errors
 
-    def _step_batch(self, batch: ScheduledBatch, chunks: list[Chunk], num_tokens: int, num_seqs: int) -> StepBatch:
-        lookahead = 0 if batch.num_steps == 1 else batch.num_steps  # the pages every inner step writes
+    def _step_batch(
+        self, batch: ScheduledBatch, chunks: list[Chunk], num_tokens: int, num_seqs: int
+    ) -> StepBatch:
+        lookahead = (
+            0 if batch.num_steps == 1 else batch.num_steps
+        )  # the pages every inner step writes
         cfg = self.config
-        return build_step_batch(chunks, cfg.page_size, num_tokens, num_seqs, cfg.num_listed_pages(num_seqs), lookahead)
+        return build_step_batch(
+            chunks, cfg.page_size, num_tokens, num_seqs, cfg.num_listed_pages(num_seqs), lookahead
+        )
 
     def _penalty_rows(self, seqs: tuple[Sequence, ...], num_seqs: int) -> PenaltyRows:
         scratch = self.penalty_state.scratch_slot
@@ -460,7 +599,9 @@ class ModelRunner:
         for i, seq in enumerate(seqs):
             slots[i] = scratch if seq.penalty_slot is None else seq.penalty_slot
             prompt_lens[i] = len(seq.prompt_token_ids)
-        return PenaltyRows(slots, prompt_lens, np.bool_(any(s.penalty_slot is not None for s in seqs)))
+        return PenaltyRows(
+            slots, prompt_lens, np.bool_(any(s.penalty_slot is not None for s in seqs))
+        )
 
     def _load_new_penalty_rows(self, seqs: tuple[Sequence, ...]) -> None:
         """A sequence that just got a penalty slot: load the tokens it will not feed itself
@@ -471,18 +612,32 @@ class ModelRunner:
             tokens = np.zeros(self.config.max_model_len, np.int32)
             known = seq.num_computed_tokens
             tokens[:known] = seq.token_ids[:known]
-            inputs = (np.int32(seq.penalty_slot), tokens, np.int32(known), np.int32(len(seq.prompt_token_ids)))
+            inputs = (
+                np.int32(seq.penalty_slot),
+                tokens,
+                np.int32(known),
+                np.int32(len(seq.prompt_token_ids)),
+            )
             if self.channel is not None:
                 self.channel.announce(distributed.LOAD_PENALTY_ROW, payload=inputs)
             self._load_penalty_row(inputs)
             seq.penalty_loaded = True
 
 
-STEP_FUNCTIONS = {"step": engine_step_jit, "multi_step": engine_multi_step_jit, "verify": engine_verify_step_jit}
+STEP_FUNCTIONS = {
+    "step": engine_step_jit,
+    "multi_step": engine_multi_step_jit,
+    "verify": engine_verify_step_jit,
+}
 
 
-def _step_inputs(config: EngineConfig, model_config: ModelConfig, num_tokens: int, num_seqs: int,
-                 kind: str = "step") -> tuple:  # fmt: skip
+def _step_inputs(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    num_tokens: int,
+    num_seqs: int,
+    kind: str = "step",
+) -> tuple:
     """Host inputs of a step of this bucket (empty): their shapes and dtypes."""
     rows = PenaltyRows(np.zeros(num_seqs, np.int32), np.zeros(num_seqs, np.int32), np.bool_(False))
     batch = _empty_batch(config, num_tokens, num_seqs)
@@ -510,5 +665,6 @@ def _penalty_row_inputs(config: EngineConfig) -> tuple:
 
 
 def _empty_batch(config: EngineConfig, num_tokens: int, num_seqs: int) -> StepBatch:
-    return build_step_batch([], config.page_size, num_tokens, num_seqs, config.num_listed_pages(num_seqs))
-
+    return build_step_batch(
+        [], config.page_size, num_tokens, num_seqs, config.num_listed_pages(num_seqs)
+    )

@@ -99,13 +99,17 @@ def note_draft_result(seq: Sequence, accepted: int) -> None:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, swap_pool: SwapPool | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, block_manager: BlockManager, swap_pool: SwapPool | None = None
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
         self.swap_pool = swap_pool
         # Pages to copy out, in order, before the next step (each with its sequence) ...
         self.swap_outs: list[tuple[Sequence, SwappedKV]] = []
-        self.swap_ins: list[tuple[Sequence, SwappedKV, list[int]]] = []  # ... and to copy back into these pages
+        self.swap_ins: list[
+            tuple[Sequence, SwappedKV, list[int]]
+        ] = []  # ... and to copy back into these pages
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -140,7 +144,11 @@ class Scheduler:
         bm, pool = self.block_manager, self.swap_pool
         computed = bm.pages_for(seq.num_computed_tokens - seq.num_dropped_tokens)
         per_token = self.costs.seconds_per_prompt_token()
-        if allow_swap and pool is not None and pool.should_swap(computed, seq.num_computed_tokens, per_token):
+        if (
+            allow_swap
+            and pool is not None
+            and pool.should_swap(computed, seq.num_computed_tokens, per_token)
+        ):
             seq.swapped = pool.take(seq.pages[:computed])
             self.swap_outs.append((seq, seq.swapped))
             bm.free_pages(seq, keep_progress=True)
@@ -195,7 +203,9 @@ class Scheduler:
         """Rebuild the accounting from scratch once no sequence is left (after `recover`): every
         penalty slot free, no page move queued, the swap pool empty."""
         if self.running or self.waiting:
-            raise RuntimeError(f"reset() with {len(self.running)} running and {len(self.waiting)} waiting sequences")
+            raise RuntimeError(
+                f"reset() with {len(self.running)} running and {len(self.waiting)} waiting sequences"
+            )
         self.swap_outs, self.swap_ins = [], []
         self.free_penalty_slots = list(range(self.config.max_num_seqs))
         if self.swap_pool is not None:
@@ -207,12 +217,18 @@ class Scheduler:
         seqs = self.running + self.waiting
         held = [s.penalty_slot for s in seqs if s.penalty_slot is not None]
         if sorted(held + self.free_penalty_slots) != list(range(self.config.max_num_seqs)):
-            raise AssertionError(f"penalty slots: held {sorted(held)}, free {sorted(self.free_penalty_slots)}")
+            raise AssertionError(
+                f"penalty slots: held {sorted(held)}, free {sorted(self.free_penalty_slots)}"
+            )
         if self.swap_pool is not None:
-            swapped = [s.swapped for s in seqs if s.swapped is not None] + [kv for _, kv, _ in self.swap_ins]
+            swapped = [s.swapped for s in seqs if s.swapped is not None] + [
+                kv for _, kv, _ in self.swap_ins
+            ]
             used = sum(kv.num_pages for kv in {id(kv): kv for kv in swapped}.values())
             if used != self.swap_pool.used_pages:
-                raise AssertionError(f"swap pool: {self.swap_pool.used_pages} pages used, sequences hold {used}")
+                raise AssertionError(
+                    f"swap pool: {self.swap_pool.used_pages} pages used, sequences hold {used}"
+                )
 
     def _take_penalty_slot(self, seq: Sequence) -> None:
         if seq.params.uses_penalties:
@@ -240,7 +256,10 @@ class Scheduler:
             if len(seq.output_token_ids) >= seq.params.max_tokens or len(seq) >= cfg.max_model_len:
                 continue  # its last token is in flight (async scheduling): it ends when read
             while not bm.can_append(seq):
-                victim = max((s for s in self.running if s.status == SequenceStatus.RUNNING), key=lambda s: s.sort_key)
+                victim = max(
+                    (s for s in self.running if s.status == SequenceStatus.RUNNING),
+                    key=lambda s: s.sort_key,
+                )
                 self.preempt(victim)
                 if victim is seq:
                     break
@@ -303,9 +322,16 @@ class Scheduler:
         """The sequence may propose a draft at its next decode (its tokens must all be known:
         the engine then reads the step before scheduling the next)."""
         spec = self.config.speculative
-        return (spec is not None and not seq.params.uses_penalties and seq.grammar is None
-                and len(seq.output_token_ids) >= seq.spec_resume_at
-                and (spec.disable_by_batch_size is None or len(self.running) <= spec.disable_by_batch_size))  # fmt: skip
+        return (
+            spec is not None
+            and not seq.params.uses_penalties
+            and seq.grammar is None
+            and len(seq.output_token_ids) >= seq.spec_resume_at
+            and (
+                spec.disable_by_batch_size is None
+                or len(self.running) <= spec.disable_by_batch_size
+            )
+        )
 
     def _propose(self, decodes: list[Sequence]) -> tuple[tuple[int, ...], ...]:
         """N-gram drafts for the decodes that want one, within the token budget and
@@ -314,13 +340,19 @@ class Scheduler:
         cfg, bm = self.config, self.block_manager
         spec = cfg.speculative
         prompts_pending = self.waiting or any(s.is_prefill for s in self.running)
-        budget = cfg.max_num_batched_tokens - len(decodes) - (MIN_PROMPT_CHUNK if prompts_pending else 0)
+        budget = (
+            cfg.max_num_batched_tokens - len(decodes) - (MIN_PROMPT_CHUNK if prompts_pending else 0)
+        )
         drafts = []
         for seq in decodes:
             draft: list[int] = []
             if budget > 0 and seq.num_pending == 0 and self.wants_draft(seq):
-                room = min(spec.num_speculative_tokens, budget, cfg.max_model_len - len(seq),
-                           seq.params.max_tokens - len(seq.output_token_ids) - 1)  # fmt: skip
+                room = min(
+                    spec.num_speculative_tokens,
+                    budget,
+                    cfg.max_model_len - len(seq),
+                    seq.params.max_tokens - len(seq.output_token_ids) - 1,
+                )
                 draft = propose_ngram(seq.token_ids, spec, room)
                 if not draft:
                     note_draft_result(seq, 0)
@@ -346,7 +378,10 @@ class Scheduler:
         if any(len(s) + k - 1 > self.config.max_model_len for s in decodes):
             return False
         bm = self.block_manager
-        return sum(bm.pages_for(s.cache_len + k - 1) - len(s.pages) for s in decodes) <= bm.num_free_pages
+        return (
+            sum(bm.pages_for(s.cache_len + k - 1) - len(s.pages) for s in decodes)
+            <= bm.num_free_pages
+        )
 
     def _prompt_budget(self, decodes: list[Sequence], used: int, now: float) -> int:
         """Prompt tokens this step may add after `decodes` (`used` tokens with their drafts).
@@ -361,7 +396,11 @@ class Scheduler:
             return left
         if cfg.target_ttft_ms is not None:
             # Prompts still before their first token (a preempted sequence had its TTFT already).
-            first_tokens = (s.arrival_time for s in self.waiting + self.running if s.is_prefill and not s.output_token_ids)
+            first_tokens = (
+                s.arrival_time
+                for s in self.waiting + self.running
+                if s.is_prefill and not s.output_token_ids
+            )
             oldest = min(first_tokens, default=now)
             if (now - oldest) * 1000 >= cfg.target_ttft_ms:
                 return left

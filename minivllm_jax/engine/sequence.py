@@ -62,12 +62,16 @@ class Sequence:
         self.sampling_row = sampling_row(params, seed, index)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.streaming = streaming  # a client reads tokens as they come: its TPOT matters
-        self.cache_salt = cache_salt  # prefix-cache pages are shared only with requests of the same salt
+        self.cache_salt = (
+            cache_salt  # prefix-cache pages are shared only with requests of the same salt
+        )
         self.status = SequenceStatus.WAITING
         self.pages: list[int] = []
         self.page_hashes: list[bytes] = []  # prefix-cache digest of each full, computed page
         self.num_computed_tokens = 0
-        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache (memory or disk) on admission
+        self.num_cached_tokens = (
+            0  # prompt tokens served by the prefix cache (memory or disk) on admission
+        )
         self.swapped: SwappedKV | None = None  # its computed pages while swapped out (preemption)
         # KV compression (`minivllm_jax.kv_compression`): tokens whose pages were dropped. Its
         # K/V slots are then `len(self) - num_dropped_tokens`; positions stay the true ones.

@@ -49,7 +49,11 @@ class SwapPool:
         """Swap `num_pages` pages rather than recompute `num_tokens` tokens? Never when the pool
         is full; "auto" swaps when two copies of the pages cost less than the prefill (or when
         no prefill has been measured yet: keeping computed work is the safer guess)."""
-        if self.mode == "recompute" or num_pages == 0 or self.used_pages + num_pages > self.capacity_pages:
+        if (
+            self.mode == "recompute"
+            or num_pages == 0
+            or self.used_pages + num_pages > self.capacity_pages
+        ):
             return False
         if self.mode == "swap" or seconds_per_token is None:
             return True

@@ -29,7 +29,6 @@ from minivllm_jax.engine.swap import SwapPool
 from minivllm_jax.kv_cache import KVCache, kv_bytes_per_page
 from minivllm_jax.models.llama import Params
 
-
 logger = logging.getLogger(__name__)
 
 
@@ -47,7 +46,9 @@ class FailedMoves:
         return bool(self.recompute or self.failed)
 
 
-def kv_layout_fingerprint(model_config: ModelConfig, config: EngineConfig, params: Params, cache: KVCache) -> str:
+def kv_layout_fingerprint(
+    model_config: ModelConfig, config: EngineConfig, params: Params, cache: KVCache
+) -> str:
     """What a page's K/V depend on besides its tokens: the model's config, its weights and the
     cache's layout. The disk tier keeps pages under this name, so another model, checkpoint,
     dtype or page size never sees them. The weights are sampled (each leaf's first and last
@@ -72,7 +73,9 @@ def _leaves(pages: KVCache) -> dict:
 class KVTiers:
     """The swap pool (None under "recompute") and the disk tier (None without `kv_disk_dir`)."""
 
-    def __init__(self, model_config: ModelConfig, config: EngineConfig, runner: ModelRunner) -> None:
+    def __init__(
+        self, model_config: ModelConfig, config: EngineConfig, runner: ModelRunner
+    ) -> None:
         self.runner = runner
         self.disk = None
         if config.kv_disk_dir is not None:
@@ -80,8 +83,12 @@ class KVTiers:
             self.disk = DiskPageStore(config.kv_disk_dir, int(config.kv_disk_gb * 2**30), namespace)
         self.swap_pool = None
         if config.preemption_mode != "recompute":
-            page_bytes = kv_bytes_per_page(model_config, config.page_size, runner.dtype, config.kv_cache_dtype)
-            self.swap_pool = SwapPool(config.preemption_mode, int(config.swap_space_gb * 2**30) // page_bytes, page_bytes)
+            page_bytes = kv_bytes_per_page(
+                model_config, config.page_size, runner.dtype, config.kv_cache_dtype
+            )
+            self.swap_pool = SwapPool(
+                config.preemption_mode, int(config.swap_space_gb * 2**30) // page_bytes, page_bytes
+            )
 
     def warmed_up(self) -> None:
         """Take the page copy speed the runner measured at warm-up into the swap cost model."""
@@ -111,7 +118,10 @@ class KVTiers:
             try:
                 self.write_to_disk(evicted)
             except Exception:  # noqa: BLE001 (a cache: the pages are simply not on disk)
-                logger.exception("writing %d evicted pages to the disk tier failed; they are dropped", len(evicted))
+                logger.exception(
+                    "writing %d evicted pages to the disk tier failed; they are dropped",
+                    len(evicted),
+                )
         swap_ins, sched.swap_ins = sched.swap_ins, []
         for seq, swapped, pages in swap_ins:
             try:
@@ -129,14 +139,20 @@ class KVTiers:
         loaded, bm.loaded = bm.loaded, []
         if loaded:
             try:
-                self.runner.scatter_pages(self.runner.host_pieces([a for _, a in loaded]), [p for p, _ in loaded])
+                self.runner.scatter_pages(
+                    self.runner.host_pieces([a for _, a in loaded]), [p for p, _ in loaded]
+                )
             except Exception as e:  # noqa: BLE001
-                logger.exception("loading %d pages from the disk tier failed; failing the sequences that hold them",
-                                 len(loaded))  # fmt: skip
+                logger.exception(
+                    "loading %d pages from the disk tier failed; failing the sequences that hold them",
+                    len(loaded),
+                )
                 out.error = f"{type(e).__name__}: {e}"
                 pages = {p for p, _ in loaded}
                 bm.drop_cached(pages)
-                out.failed += [s for s in sched.running + sched.waiting if pages.intersection(s.pages)]
+                out.failed += [
+                    s for s in sched.running + sched.waiting if pages.intersection(s.pages)
+                ]
         return out
 
     def write_to_disk(self, pages: list[tuple[int, CachedPage]]) -> None:
@@ -149,13 +165,21 @@ class KVTiers:
 
     def stats(self, bm: BlockManager) -> dict[str, int]:
         """Where KV lives and moves: the `EngineStats` fields of each tier (read by /metrics)."""
-        stats = dict(memory_hit_tokens=bm.num_memory_hit_tokens, disk_hit_tokens=bm.num_disk_hit_tokens)
+        stats = dict(
+            memory_hit_tokens=bm.num_memory_hit_tokens, disk_hit_tokens=bm.num_disk_hit_tokens
+        )
         pool, disk = self.swap_pool, self.disk
         if pool is not None:
-            stats.update(swap_pages=pool.used_pages, swap_outs=pool.num_swap_outs, swap_ins=pool.num_swap_ins)
+            stats.update(
+                swap_pages=pool.used_pages, swap_outs=pool.num_swap_outs, swap_ins=pool.num_swap_ins
+            )
         if disk is not None:
-            stats.update(disk_pages=disk.num_pages, disk_bytes=disk.num_bytes, disk_pages_written=disk.num_written,
-                         disk_corrupt=disk.num_corrupt)  # fmt: skip
+            stats.update(
+                disk_pages=disk.num_pages,
+                disk_bytes=disk.num_bytes,
+                disk_pages_written=disk.num_written,
+                disk_corrupt=disk.num_corrupt,
+            )
         return stats
 
     def close(self, sched: Scheduler, bm: BlockManager) -> None:

@@ -41,16 +41,23 @@ def reference_forced() -> bool:
 
 @functools.cache
 def _load() -> bool:
-    from minivllm_jax.kernels.build import LIBRARY, is_stale  # not at import: `python -m ...build` runs it
+    from minivllm_jax.kernels.build import (
+        LIBRARY,
+        is_stale,
+    )  # not at import: `python -m ...build` runs it
 
     if is_stale():
-        logger.warning("native kernels are not built (or older than their sources): run "
-                       "`python -m minivllm_jax.kernels.build`; using the pure-JAX reference")  # fmt: skip
+        logger.warning(
+            "native kernels are not built (or older than their sources): run "
+            "`python -m minivllm_jax.kernels.build`; using the pure-JAX reference"
+        )
         return False
     try:
         lib = ctypes.CDLL(str(LIBRARY))
         for target, symbol in TARGETS.items():
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+            jax.ffi.register_ffi_target(
+                target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu"
+            )
     except (OSError, AttributeError) as e:
         logger.warning("could not load the native kernels (%s); using the pure-JAX reference", e)
         return False
@@ -66,5 +73,7 @@ def require_native(kernel: str, fallback: str) -> None:
     """Raise, naming the setting that avoids it, when a wrapper must call the native `kernel`
     (e.g. "matmul") and the library is not available."""
     if not native_available():
-        raise RuntimeError(f"the native {kernel} kernel is not available here (not built, not a CPU backend, or "
-                           f"{FORCE_REFERENCE_ENV}=reference); use {fallback}")
+        raise RuntimeError(
+            f"the native {kernel} kernel is not available here (not built, not a CPU backend, or "
+            f"{FORCE_REFERENCE_ENV}=reference); use {fallback}"
+        )

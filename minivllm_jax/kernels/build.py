@@ -45,8 +45,10 @@ def build(verbose: bool = True) -> bool:
 
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
-        print("warning: no C++ compiler found; native kernels not built, the pure-JAX reference runs instead",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "warning: no C++ compiler found; native kernels not built, the pure-JAX reference runs instead",
+            file=sys.stderr,
+        )
         return False
     LIBRARY.parent.mkdir(exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=LIBRARY.parent, suffix=".so")
@@ -57,8 +59,10 @@ def build(verbose: bool = True) -> bool:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         Path(tmp).unlink(missing_ok=True)
-        print(f"warning: building the native kernels failed; the pure-JAX reference runs instead:\n{proc.stderr[-4000:]}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"warning: building the native kernels failed; the pure-JAX reference runs instead:\n{proc.stderr[-4000:]}",
+            file=sys.stderr,
+        )
         return False
     os.replace(tmp, LIBRARY)
     return True

@@ -19,10 +19,18 @@ TARGET_TRANSPOSED = "minivllm_matmul_f32_t"
 
 def float_matmul_native(x: jax.Array, w: jax.Array) -> jax.Array:
     rows = x.size // x.shape[-1]
-    if x.dtype != jnp.float32 or w.dtype != jnp.float32 or w.ndim != 2 or w.shape[1] % 64 or not 1 < rows <= MAX_NATIVE_ROWS:
+    if (
+        x.dtype != jnp.float32
+        or w.dtype != jnp.float32
+        or w.ndim != 2
+        or w.shape[1] % 64
+        or not 1 < rows <= MAX_NATIVE_ROWS
+    ):
         return x @ w
     require_native("matmul", "matmul='reference'")
-    y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows, w.shape[1]), jnp.float32))(x.reshape(rows, -1), w)
+    y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows, w.shape[1]), jnp.float32))(
+        x.reshape(rows, -1), w
+    )
     return y.reshape(*x.shape[:-1], w.shape[1])
 
 
@@ -30,9 +38,13 @@ def float_matmul_transposed_native(x: jax.Array, w: jax.Array) -> jax.Array:
     """`x @ w.T` in float32 for `w` `[out, in]` read in place (a tied output head: the embedding),
     natively for 2 to `MAX_NATIVE_ROWS` rows; else XLA's dot, with float32 results."""
     rows = x.size // x.shape[-1]
-    native = x.dtype == jnp.float32 and w.dtype == jnp.float32 and w.ndim == 2 and w.shape[1] % 16 == 0
+    native = (
+        x.dtype == jnp.float32 and w.dtype == jnp.float32 and w.ndim == 2 and w.shape[1] % 16 == 0
+    )
     if not (native and w.shape[0] % 4 == 0 and 1 < rows <= MAX_NATIVE_ROWS):
         return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=jnp.float32)
     require_native("matmul", "matmul='reference'")
-    y = jax.ffi.ffi_call(TARGET_TRANSPOSED, jax.ShapeDtypeStruct((rows, w.shape[0]), jnp.float32))(x.reshape(rows, -1), w)
+    y = jax.ffi.ffi_call(TARGET_TRANSPOSED, jax.ShapeDtypeStruct((rows, w.shape[0]), jnp.float32))(
+        x.reshape(rows, -1), w
+    )
     return y.reshape(*x.shape[:-1], w.shape[0])

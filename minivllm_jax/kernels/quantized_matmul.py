@@ -12,14 +12,18 @@ import jax.numpy as jnp
 from minivllm_jax.kernels import require_native
 from minivllm_jax.quantization import PANEL, output_size, quantized_matmul_reference
 
-MAX_NATIVE_ROWS = 64  # measured here at 64 rows: 1.6-4x faster than XLA dequantizing then multiplying
+MAX_NATIVE_ROWS = (
+    64  # measured here at 64 rows: 1.6-4x faster than XLA dequantizing then multiplying
+)
 TARGETS = {"int8": "minivllm_matmul_int8_f32", "int4": "minivllm_matmul_int4_f32"}
 
 
 def quantized_matmul_native(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
     n_out = output_size(p)
     rows = x.size // x.shape[-1]
-    served = "qweight_panels" in p or "qweight4_panels" in p  # the layout the kernel reads (`to_panels`)
+    served = (
+        "qweight_panels" in p or "qweight4_panels" in p
+    )  # the layout the kernel reads (`to_panels`)
     if not served or x.dtype != jnp.float32 or n_out % PANEL or rows > MAX_NATIVE_ROWS:
         return quantized_matmul_reference(x, p)
     require_native("matmul", "matmul='reference'")
@@ -28,5 +32,7 @@ def quantized_matmul_native(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
     if "qweight_panels" in p:
         y = jax.ffi.ffi_call(TARGETS["int8"], out)(x2, p["qweight_panels"], p["scales"])
     else:
-        y = jax.ffi.ffi_call(TARGETS["int4"], out)(x2, p["qweight4_panels"], p["scales_mins_panels"])
+        y = jax.ffi.ffi_call(TARGETS["int4"], out)(
+            x2, p["qweight4_panels"], p["scales_mins_panels"]
+        )
     return y.reshape(*x.shape[:-1], n_out)

@@ -22,5 +22,7 @@ def w8a8_matmul_native(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
         return w8a8_matmul_reference(x, p)
     require_native("matmul", "matmul='reference'")
     out = jax.ShapeDtypeStruct((rows, n_out), jnp.float32)
-    y = jax.ffi.ffi_call(TARGET, out)(x.reshape(rows, x.shape[-1]), p["qweight_a8_panels"], p["scales"])
+    y = jax.ffi.ffi_call(TARGET, out)(
+        x.reshape(rows, x.shape[-1]), p["qweight_a8_panels"], p["scales"]
+    )
     return y.reshape(*x.shape[:-1], n_out)

@@ -6,7 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from minivllm_jax.config import ModelConfig, UnsupportedModelError, check_activation, decoder_fields, layer_windows
+from minivllm_jax.config import (
+    ModelConfig,
+    UnsupportedModelError,
+    check_activation,
+    decoder_fields,
+    layer_windows,
+)
 from minivllm_jax.models.registry import ModelFamily
 
 
@@ -18,7 +24,9 @@ def hf_value(hf: dict[str, Any], key: str, default: Any) -> Any:
 def gemma_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """What Gemma 2 and Gemma 3 share, with HF's defaults for keys a config omits."""
     if hf.get("use_bidirectional_attention"):
-        raise UnsupportedModelError("bidirectional attention (use_bidirectional_attention) is not supported")
+        raise UnsupportedModelError(
+            "bidirectional attention (use_bidirectional_attention) is not supported"
+        )
     final_cap = hf_value(hf, "final_logit_softcapping", None)
     return dict(
         head_dim=hf_value(hf, "head_dim", 256),
@@ -33,17 +41,30 @@ def gemma_fields(hf: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-SANDWICH_NORMS = (("pre_feedforward_layernorm", "pre_feedforward_layernorm"),
-                  ("post_feedforward_layernorm", "post_feedforward_layernorm"))  # fmt: skip
+SANDWICH_NORMS = (
+    ("pre_feedforward_layernorm", "pre_feedforward_layernorm"),
+    ("post_feedforward_layernorm", "post_feedforward_layernorm"),
+)
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    hf = {"final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, **hf}  # Gemma 2's defaults
+    hf = {
+        "final_logit_softcapping": 30.0,
+        "attn_logit_softcapping": 50.0,
+        **hf,
+    }  # Gemma 2's defaults
     attn_cap = hf["attn_logit_softcapping"]
-    default = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(hf["num_hidden_layers"])]
-    return ModelConfig(**{**decoder_fields(hf), **gemma_fields(hf)},
-                       attn_logit_softcap=None if attn_cap is None else float(attn_cap),
-                       layer_windows=layer_windows(hf, hf_value(hf, "sliding_window", 4096), default))  # fmt: skip
+    default = [
+        "sliding_attention" if (i + 1) % 2 else "full_attention"
+        for i in range(hf["num_hidden_layers"])
+    ]
+    return ModelConfig(
+        **{**decoder_fields(hf), **gemma_fields(hf)},
+        attn_logit_softcap=None if attn_cap is None else float(attn_cap),
+        layer_windows=layer_windows(hf, hf_value(hf, "sliding_window", 4096), default),
+    )
 
 
-FAMILY = ModelFamily("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), config_from_hf, layer_weights=SANDWICH_NORMS)
+FAMILY = ModelFamily(
+    "gemma2", ("Gemma2ForCausalLM",), ("gemma2",), config_from_hf, layer_weights=SANDWICH_NORMS
+)

@@ -68,8 +68,11 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """Llama's `ModelConfig` from its HF config dict."""
     check_activation(hf, ("silu",))
-    return ModelConfig(**decoder_fields(hf), attention_bias=bool(hf.get("attention_bias", False)),
-                       mlp_bias=bool(hf.get("mlp_bias", False)))  # fmt: skip
+    return ModelConfig(
+        **decoder_fields(hf),
+        attention_bias=bool(hf.get("attention_bias", False)),
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+    )
 
 
 def _has_bias(cfg: ModelConfig, name: str) -> bool:
@@ -79,11 +82,21 @@ def _has_bias(cfg: ModelConfig, name: str) -> bool:
 
 
 def _proj_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    d, q, kv, f = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    d, q, kv, f = (
+        cfg.hidden_size,
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+        cfg.intermediate_size,
+    )
     return {
-        "q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
-        "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d),
-    }  # fmt: skip
+        "q_proj": (d, q),
+        "k_proj": (d, kv),
+        "v_proj": (d, kv),
+        "o_proj": (q, d),
+        "gate_proj": (d, f),
+        "up_proj": (d, f),
+        "down_proj": (f, d),
+    }
 
 
 def param_shapes(cfg: ModelConfig, dtype: Any = jnp.float32) -> Params:
@@ -131,13 +144,19 @@ def hf_weight_map(cfg: ModelConfig) -> dict[str, tuple[tuple[str, ...], int | No
     return table
 
 
-def init_params(cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.float32, scale: float = 0.02) -> Params:
+def init_params(
+    cfg: ModelConfig, key: jax.Array, dtype: Any = jnp.float32, scale: float = 0.02
+) -> Params:
     """Random params with the right tree (tests and benchmarks; real weights come from convert/)."""
     shapes = param_shapes(cfg, dtype)
     leaves, treedef = jax.tree.flatten(shapes)
     keys = jax.random.split(key, len(leaves))
     return jax.tree.unflatten(
-        treedef, [(scale * jax.random.normal(k, s.shape, jnp.float32)).astype(s.dtype) for k, s in zip(keys, leaves)]
+        treedef,
+        [
+            (scale * jax.random.normal(k, s.shape, jnp.float32)).astype(s.dtype)
+            for k, s in zip(keys, leaves)
+        ],
     )
 
 
@@ -164,11 +183,16 @@ def unstack_layers(params: Params) -> Params:
         lp = dict(jax.tree.map(lambda a: a[i], layers))
         for name, parts in _MERGED.items():
             projections = [lp.pop(part) for part in parts]
-            lp[name] = {key: jnp.concatenate([p[key] for p in projections], axis=-1) for key in projections[0]}
+            lp[name] = {
+                key: jnp.concatenate([p[key] for p in projections], axis=-1)
+                for key in projections[0]
+            }
         return lp
 
     # Quantized weights are laid out for the native matmul once merged (`serving_layout`).
-    return serving_layout({**params, "layers": tuple(layer(i) for i in range(jax.tree.leaves(layers)[0].shape[0]))})
+    return serving_layout(
+        {**params, "layers": tuple(layer(i) for i in range(jax.tree.leaves(layers)[0].shape[0]))}
+    )
 
 
 # ----------------------------------------------------------------------------------------- math
@@ -180,7 +204,9 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> np.ndarray:
     if local:
         cfg = dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=None)
     dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
+    inv_freq = 1.0 / (
+        cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim)
+    )
     if cfg.rope_scaling is None:
         return inv_freq.astype(np.float32)
     kind, p = cfg.rope_scaling[0], cfg.rope_scaling_dict
@@ -223,7 +249,9 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 QuantizedMatmul = Callable[[jax.Array, Params], jax.Array]
 
 
-def _linear(matmul: QuantizedMatmul, x: jax.Array, p: dict[str, jax.Array], axis: str | None = None) -> jax.Array:
+def _linear(
+    matmul: QuantizedMatmul, x: jax.Array, p: dict[str, jax.Array], axis: str | None = None
+) -> jax.Array:
     """`x @ kernel + bias` by `matmul` (`minivllm_jax.quantization.MATMUL`: float and quantized
     projections, XLA's dot or the native kernels). With `axis` the kernel's input rows are split over that mesh axis (o_proj
     and down_proj under tensor parallelism, `minivllm_jax.parallel`): the partial products are
@@ -234,7 +262,9 @@ def _linear(matmul: QuantizedMatmul, x: jax.Array, p: dict[str, jax.Array], axis
     return y + p["bias"] if "bias" in p else y
 
 
-def _attention_inputs(cfg: ModelConfig, matmul: QuantizedMatmul, lp: Params, x: jax.Array) -> tuple[jax.Array, ...]:
+def _attention_inputs(
+    cfg: ModelConfig, matmul: QuantizedMatmul, lp: Params, x: jax.Array
+) -> tuple[jax.Array, ...]:
     T, q_dim, kv_dim = x.shape[0], cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     eps, offset = cfg.rms_norm_eps, cfg.norm_weight_offset
     qkv = _linear(matmul, rms_norm(x, lp["input_layernorm"], eps, offset), lp["qkv_proj"])
@@ -245,18 +275,30 @@ def _attention_inputs(cfg: ModelConfig, matmul: QuantizedMatmul, lp: Params, x: 
     return q, k, v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
 
 
-def _attention_output_and_mlp(cfg: ModelConfig, matmul: QuantizedMatmul, axis: str | None, lp: Params,
-                              x: jax.Array, attn: jax.Array) -> jax.Array:  # fmt: skip
+def _attention_output_and_mlp(
+    cfg: ModelConfig,
+    matmul: QuantizedMatmul,
+    axis: str | None,
+    lp: Params,
+    x: jax.Array,
+    attn: jax.Array,
+) -> jax.Array:
     eps, offset = cfg.rms_norm_eps, cfg.norm_weight_offset
-    if cfg.sandwich_norms:  # Gemma: post_attention_layernorm norms the attention output, not the MLP input
-        x = x + rms_norm(_linear(matmul, attn, lp["o_proj"], axis), lp["post_attention_layernorm"], eps, offset)
+    if (
+        cfg.sandwich_norms
+    ):  # Gemma: post_attention_layernorm norms the attention output, not the MLP input
+        x = x + rms_norm(
+            _linear(matmul, attn, lp["o_proj"], axis), lp["post_attention_layernorm"], eps, offset
+        )
         h = rms_norm(x, lp["pre_feedforward_layernorm"], eps, offset)
     else:
         x = x + _linear(matmul, attn, lp["o_proj"], axis)
         h = rms_norm(x, lp["post_attention_layernorm"], eps, offset)
     gate, up = jnp.split(_linear(matmul, h, lp["gate_up_proj"]), 2, axis=-1)
     y = _linear(matmul, ACTIVATIONS[cfg.hidden_act](gate) * up, lp["down_proj"], axis)
-    return x + (rms_norm(y, lp["post_feedforward_layernorm"], eps, offset) if cfg.sandwich_norms else y)
+    return x + (
+        rms_norm(y, lp["post_feedforward_layernorm"], eps, offset) if cfg.sandwich_norms else y
+    )
 
 
 def _with_layer(layers: Sequence[Params], layer: jax.Array, fn, *args):
@@ -265,9 +307,19 @@ def _with_layer(layers: Sequence[Params], layer: jax.Array, fn, *args):
     return lax.switch(layer, [functools.partial(fn, lp) for lp in layers], *args)
 
 
-def _layer(cfg: ModelConfig, attention: AttentionFn, matmul: QuantizedMatmul, axis: str | None, x: jax.Array,
-           layers: Sequence[Params], cache: KVCache, layer: jax.Array, cos: jax.Array, sin: jax.Array,
-           batch: StepBatch):  # fmt: skip
+def _layer(
+    cfg: ModelConfig,
+    attention: AttentionFn,
+    matmul: QuantizedMatmul,
+    axis: str | None,
+    x: jax.Array,
+    layers: Sequence[Params],
+    cache: KVCache,
+    layer: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    batch: StepBatch,
+):
     T = x.shape[0]
     with jax.named_scope("qkv"):
         q, k, v = _with_layer(layers, layer, functools.partial(_attention_inputs, cfg, matmul), x)
@@ -276,7 +328,9 @@ def _layer(cfg: ModelConfig, attention: AttentionFn, matmul: QuantizedMatmul, ax
     with jax.named_scope("attention"):
         attn = attention(q, k, v, cache, layer, batch).reshape(T, cfg.num_heads * cfg.head_dim)
     with jax.named_scope("mlp"):
-        x = _with_layer(layers, layer, functools.partial(_attention_output_and_mlp, cfg, matmul, axis), x, attn)
+        x = _with_layer(
+            layers, layer, functools.partial(_attention_output_and_mlp, cfg, matmul, axis), x, attn
+        )
     return x, q, k, v
 
 
@@ -325,7 +379,10 @@ def forward(
     def body(x, layer):
         c, s = cos, sin
         if local_rope:
-            c, s = jnp.where(is_local[layer], local_cos, cos), jnp.where(is_local[layer], local_sin, sin)
+            c, s = (
+                jnp.where(is_local[layer], local_cos, cos),
+                jnp.where(is_local[layer], local_sin, sin),
+            )
         x, q, k, v = _layer(cfg, attend, qmatmul, axis, x, layers, cache, layer, c, s, batch)
         return x, (k, v, q) if return_queries else (k, v)  # the default program stacks no queries
 
@@ -337,7 +394,9 @@ def forward(
     return (logits, cache, stacked[2]) if return_queries else (logits, cache)
 
 
-def _rope(cfg: ModelConfig, positions: jax.Array, dtype: Any, local: bool = False) -> tuple[jax.Array, jax.Array]:
+def _rope(
+    cfg: ModelConfig, positions: jax.Array, dtype: Any, local: bool = False
+) -> tuple[jax.Array, jax.Array]:
     """cos and sin `[T, hd]` of the tokens' positions (`local`: see `rope_inv_freq`)."""
     freqs = positions[:, None].astype(jnp.float32) * rope_inv_freq(cfg, local)
     emb = jnp.concatenate([freqs, freqs], axis=-1)
@@ -352,21 +411,36 @@ def _layer_attention(cfg: ModelConfig, name: str) -> AttentionFn:
     if not cfg.attention_extras:
         return attend
     if name not in ATTENTION_WITH_EXTRAS:
-        raise ValueError(f"attention={name!r} does not implement {', '.join(cfg.attention_extras)}, which this "
-                         f"model uses; use {' or '.join(map(repr, ATTENTION_WITH_EXTRAS))} ('auto' picks it)")  # fmt: skip
+        raise ValueError(
+            f"attention={name!r} does not implement {', '.join(cfg.attention_extras)}, which this "
+            f"model uses; use {' or '.join(map(repr, ATTENTION_WITH_EXTRAS))} ('auto' picks it)"
+        )
     options = dict(scale=cfg.attention_scale, softcap=cfg.attn_logit_softcap)
     windows = set(cfg.layer_windows)
     per_layer = len(windows) > 1  # else none, or every layer's the same (Mistral): a constant
 
     def attend_layer(q, k, v, cache, layer, batch):
-        window = jnp.asarray(cfg.layer_windows, jnp.int32)[layer] if per_layer else next(iter(windows), None)
+        window = (
+            jnp.asarray(cfg.layer_windows, jnp.int32)[layer]
+            if per_layer
+            else next(iter(windows), None)
+        )
         return attend(q, k, v, cache, layer, batch, window=window, **options)
 
     return attend_layer
 
 
-def _logits(params: Params, cfg: ModelConfig, matmul: str, qmatmul: QuantizedMatmul, axis: str | None, x: jax.Array,
-            batch: StepBatch, all_logits: bool, logit_rows: jax.Array | None) -> jax.Array:  # fmt: skip
+def _logits(
+    params: Params,
+    cfg: ModelConfig,
+    matmul: str,
+    qmatmul: QuantizedMatmul,
+    axis: str | None,
+    x: jax.Array,
+    batch: StepBatch,
+    all_logits: bool,
+    logit_rows: jax.Array | None,
+) -> jax.Array:
     """Float32 logits of the final hidden states `x` at the rows `forward` returns."""
     if logit_rows is not None:
         x = x[logit_rows]
@@ -377,17 +451,23 @@ def _logits(params: Params, cfg: ModelConfig, matmul: str, qmatmul: QuantizedMat
     head = params["embed_tokens"] if cfg.tie_word_embeddings else params["lm_head"]
     if is_quantized(head):  # int8 per vocabulary entry (`quantization.quantize_head`)
         return qmatmul(x, head).astype(jnp.float32)
-    if cfg.tie_word_embeddings and matmul == "native":  # the embedding read in place by the native kernel
+    if (
+        cfg.tie_word_embeddings and matmul == "native"
+    ):  # the embedding read in place by the native kernel
         logits = float_matmul_transposed_native(x, head)
     else:
         head = head.T if cfg.tie_word_embeddings else head
         logits = jnp.einsum("...d,dv->...v", x, head, preferred_element_type=jnp.float32)
-    if axis is not None and logits.shape[-1] < cfg.vocab_size:  # this device's slice of the vocabulary
+    if (
+        axis is not None and logits.shape[-1] < cfg.vocab_size
+    ):  # this device's slice of the vocabulary
         logits = lax.all_gather(logits, axis, axis=logits.ndim - 1, tiled=True)
     return logits
 
 
-def _embed(table: Any, tokens: jax.Array, cfg: ModelConfig, dtype: Any, axis: str | None) -> jax.Array:
+def _embed(
+    table: Any, tokens: jax.Array, cfg: ModelConfig, dtype: Any, axis: str | None
+) -> jax.Array:
     """The tokens' embeddings. A table split by vocabulary over `axis` (tensor parallelism)
     holds rows `[i * rows, (i + 1) * rows)` on device `i`: each device looks up the tokens it
     holds, zeros the others, and the sum over devices is every token's row."""

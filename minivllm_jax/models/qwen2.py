@@ -14,7 +14,10 @@ def qwen_layer_windows(hf: dict[str, Any]) -> tuple[int, ...]:
     `max_window_layers` on slide; only with `use_sliding_window`."""
     window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
     first = hf.get("max_window_layers", 28)
-    default = ["sliding_attention" if i >= first else "full_attention" for i in range(hf["num_hidden_layers"])]
+    default = [
+        "sliding_attention" if i >= first else "full_attention"
+        for i in range(hf["num_hidden_layers"])
+    ]
     return layer_windows(hf, window, default)
 
 

@@ -12,9 +12,18 @@ from minivllm_jax.models.registry import ModelFamily
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     check_activation(hf, ("silu",))
-    return ModelConfig(**decoder_fields(hf), attention_bias=bool(hf.get("attention_bias", False)), qk_norm=True,
-                       layer_windows=qwen_layer_windows(hf))  # fmt: skip
+    return ModelConfig(
+        **decoder_fields(hf),
+        attention_bias=bool(hf.get("attention_bias", False)),
+        qk_norm=True,
+        layer_windows=qwen_layer_windows(hf),
+    )
 
 
-FAMILY = ModelFamily("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), config_from_hf,
-                     layer_weights=(("q_norm", "self_attn.q_norm"), ("k_norm", "self_attn.k_norm")))  # fmt: skip
+FAMILY = ModelFamily(
+    "qwen3",
+    ("Qwen3ForCausalLM",),
+    ("qwen3",),
+    config_from_hf,
+    layer_weights=(("q_norm", "self_attn.q_norm"), ("k_norm", "self_attn.k_norm")),
+)

@@ -22,7 +22,10 @@ FAMILY_MODULES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
 
 # Our per-layer leaves that are not projections (norm weights) -> their HF module under
 # `model.layers.{i}.`. Families add theirs with `ModelFamily.layer_weights`.
-LLAMA_LAYER_WEIGHTS = (("input_layernorm", "input_layernorm"), ("post_attention_layernorm", "post_attention_layernorm"))
+LLAMA_LAYER_WEIGHTS = (
+    ("input_layernorm", "input_layernorm"),
+    ("post_attention_layernorm", "post_attention_layernorm"),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +33,9 @@ class ModelFamily:
     name: str  # ModelConfig.family
     architectures: tuple[str, ...]  # HF `architectures` entries
     model_types: tuple[str, ...]  # HF `model_type` values (a config without architectures)
-    config_from_hf: Callable[[dict[str, Any]], ModelConfig]  # sets the family's fields; `decoder_fields` does the rest
+    config_from_hf: Callable[
+        [dict[str, Any]], ModelConfig
+    ]  # sets the family's fields; `decoder_fields` does the rest
     layer_weights: tuple[tuple[str, str], ...] = ()  # extra per-layer (our key, HF module) pairs
 
 
@@ -38,7 +43,9 @@ class ModelFamily:
 def families() -> tuple[ModelFamily, ...]:
     """Every registered family, in `FAMILY_MODULES` order (imported on first use: the family
     modules import `minivllm_jax.config`, which asks this module for them lazily)."""
-    return tuple(importlib.import_module(f"minivllm_jax.models.{name}").FAMILY for name in FAMILY_MODULES)
+    return tuple(
+        importlib.import_module(f"minivllm_jax.models.{name}").FAMILY for name in FAMILY_MODULES
+    )
 
 
 def supported_architectures() -> tuple[str, ...]:
@@ -49,7 +56,9 @@ def get_family(name: str) -> ModelFamily:
     for family in families():
         if family.name == name:
             return family
-    raise UnsupportedModelError(f"unknown model family {name!r}; known: {', '.join(f.name for f in families())}")
+    raise UnsupportedModelError(
+        f"unknown model family {name!r}; known: {', '.join(f.name for f in families())}"
+    )
 
 
 def family_for_hf(hf: dict[str, Any]) -> ModelFamily:
@@ -64,8 +73,10 @@ def family_for_hf(hf: dict[str, Any]) -> ModelFamily:
         if model_type in family.model_types:
             return family
     model_types = ", ".join(repr(t) for f in families() for t in f.model_types)
-    raise UnsupportedModelError(f"unsupported architecture {archs or model_type!r}; supported: "
-                                f"{', '.join(supported_architectures())} (model_type {model_types})")  # fmt: skip
+    raise UnsupportedModelError(
+        f"unsupported architecture {archs or model_type!r}; supported: "
+        f"{', '.join(supported_architectures())} (model_type {model_types})"
+    )
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
