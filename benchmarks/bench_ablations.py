@@ -52,7 +52,7 @@ from benchmarks.common import (  # noqa: E402
     save_plot,
     write_result,
 )
-from minivllm_jax.engine.block_manager import BlockManager  # noqa: E402
+from minivllm_jax.engine.kv.block_manager import BlockManager  # noqa: E402
 from minivllm_jax.engine.scheduler import Scheduler  # noqa: E402
 
 Batches = list[tuple[list[list[int]], list[int]]]  # requests run together, one group after another

@@ -50,12 +50,12 @@ def bench_ours(model: str, prompt_ids: list[int], tokens: int, reps: int) -> dic
     import numpy as np
 
     from convert import resolve_model
-    from minivllm_jax.batch import single_sequence_batch
-    from minivllm_jax.checkpoint import load_converted
-    from minivllm_jax.greedy import greedy_stream
-    from minivllm_jax.kv_cache import init_kv_cache
+    from minivllm_jax.engine.step import forward_jit
+    from minivllm_jax.loading.checkpoint import load_converted
     from minivllm_jax.models.llama import unstack_layers
-    from minivllm_jax.step import forward_jit
+    from minivllm_jax.ops.batch import single_sequence_batch
+    from minivllm_jax.ops.kv_cache import init_kv_cache
+    from minivllm_jax.reference.greedy import greedy_stream
 
     cfg, _, params = load_converted(resolve_model(model))
     params = unstack_layers(params)  # as the engine holds them: no weight copies per step

@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     best = max(*bandwidth.values(), *bandwidth_after.values())
     result["bandwidth"] = {"before": bandwidth, "after": bandwidth_after, "best_gb_s": best}
     from convert import resolve_model
-    from minivllm_jax.checkpoint import load_converted
+    from minivllm_jax.loading.checkpoint import load_converted
 
     bytes_per_token = decode_bytes_per_token(load_converted(resolve_model(args.model))[2])
     result["multi_step"] = bench_multi_step(args, same_len[0], bytes_per_token, best)

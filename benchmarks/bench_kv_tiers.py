@@ -145,7 +145,7 @@ def preemption(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _page_bytes(engine) -> int:
-    from minivllm_jax.kv_cache import kv_bytes_per_page
+    from minivllm_jax.ops.kv_cache import kv_bytes_per_page
 
     c = engine.config
     return kv_bytes_per_page(
@@ -161,7 +161,7 @@ def _system_prompt(model: str, tokens: int) -> str:
     from transformers import AutoTokenizer
 
     from benchmarks.quant_quality import read_text
-    from convert.resolve import resolve_model
+    from minivllm_jax.loading.resolve import resolve_model
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(model)))
     ids = tokenizer(read_text(None)[0], add_special_tokens=False)["input_ids"][:tokens]
@@ -260,10 +260,10 @@ def compression(args: argparse.Namespace) -> dict[str, Any]:
 
     from benchmarks.kv_compression_quality import evaluate
     from benchmarks.quant_quality import read_text
-    from convert.resolve import resolve_model
     from minivllm_jax import kernels
-    from minivllm_jax.checkpoint import load_converted
-    from minivllm_jax.kv_compression import KVCompressionConfig
+    from minivllm_jax.config import KVCompressionConfig
+    from minivllm_jax.loading.checkpoint import load_converted
+    from minivllm_jax.loading.resolve import resolve_model
     from minivllm_jax.models.llama import unstack_layers
 
     folder = resolve_model(args.model)

@@ -285,7 +285,7 @@ def measure_ours(args: argparse.Namespace) -> dict[str, Any]:
     """Build the engine, run the workload sampling the timeline, and collect the memory facts."""
     import jax
 
-    from minivllm_jax.kv_cache import kv_bytes_per_page
+    from minivllm_jax.ops.kv_cache import kv_bytes_per_page
 
     rss_start = rss_bytes()
     llm = build_llm(args, preemption_mode=args.preemption_mode, kv_disk_dir=args.kv_disk_dir)

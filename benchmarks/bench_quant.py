@@ -242,7 +242,7 @@ def skip_reason(model: str, base: str, kv: str) -> str | None:
     """Why this mode does not apply to `model` (None: it does): gguf needs a GGUF model."""
     quant = BASE_MODES[base]["quantization"]
     if quant == "gguf":
-        from convert.quantize import gguf_source_of
+        from minivllm_jax.loading.quantize import gguf_source_of
 
         try:
             gguf_source_of(model)
@@ -375,7 +375,7 @@ def build_mode_llm(args: argparse.Namespace, spec: dict[str, Any], inputs: dict[
 def decode_bytes_per_token(params: Any) -> int:
     """Weight bytes a batch-1 decode step reads: every param byte, less an untied input embedding
     (a step gathers one row of it; tied, it is the output head and read whole)."""
-    from minivllm_jax.quantization import param_bytes
+    from minivllm_jax.ops.quantization import param_bytes
 
     untied = "lm_head" in params
     return param_bytes(params) - (param_bytes(params["embed_tokens"]) if untied else 0)
@@ -431,7 +431,7 @@ def run_mode(args: argparse.Namespace) -> dict[str, Any]:
     """The child: one mode, everything measured in this process."""
     import jax
 
-    from minivllm_jax.quantization import param_bytes
+    from minivllm_jax.ops.quantization import param_bytes
 
     workdir = Path(args.workdir)
     name = args.child

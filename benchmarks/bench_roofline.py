@@ -5,7 +5,7 @@ bound by memory bandwidth: tok/s <= bandwidth / bytes read per token. Prefill re
 weight for many tokens, so it is bound by compute: tok/s <= peak FLOP/s / (2 * non-embedding
 params). This script measures both ceilings here (numpy and jitted JAX: large-array read/copy
 bandwidth, fp32 matmul GFLOP/s; medians of several reps), then measures our batch-1 greedy
-decode twice (`minivllm_jax.greedy.greedy_stream`, the bare model loop; and the full `LLM`
+decode twice (`minivllm_jax.reference.greedy.greedy_stream`, the bare model loop; and the full `LLM`
 engine serving one temperature-0 request) plus one prefill step, and reports each as a
 fraction of its bound, with a roofline plot.
 
@@ -150,7 +150,7 @@ def measure_greedy_stream(
     params: Any, cfg: Any, prompt: list[int], tokens: int, reps: int
 ) -> dict[str, Any]:
     """Batch-1 decode through the bare model loop (no scheduler, no sampler)."""
-    from minivllm_jax.greedy import greedy_stream
+    from minivllm_jax.reference.greedy import greedy_stream
 
     list(greedy_stream(params, cfg, prompt, tokens))  # compile prefill + decode
     rates, ttfts, ids = [], [], []
@@ -213,10 +213,10 @@ def measure_engine(
 def measure_prefill(params: Any, cfg: Any, length: int, reps: int, seed: int) -> float:
     """Seconds for one prefill step of `length` tokens at batch 1 (compiled once, then timed)."""
 
-    from minivllm_jax.batch import single_sequence_batch
-    from minivllm_jax.kv_cache import init_kv_cache
+    from minivllm_jax.engine.step import forward_jit
     from minivllm_jax.models.llama import model_dtype
-    from minivllm_jax.step import forward_jit
+    from minivllm_jax.ops.batch import single_sequence_batch
+    from minivllm_jax.ops.kv_cache import init_kv_cache
 
     page = 16
     pages = list(range(1, -(-length // page) + 1))
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from convert import resolve_model
-    from minivllm_jax.checkpoint import load_converted
+    from minivllm_jax.loading.checkpoint import load_converted
     from minivllm_jax.models.llama import unstack_layers
 
     bandwidth = measure_bandwidth(args.array_mb, args.reps)

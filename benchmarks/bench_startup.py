@@ -3,7 +3,7 @@
 Deliver 6 of the ragged-step issue: cold (empty caches) <= 60 s, warm (caches from an earlier
 start) <= 15 s on this machine. Cold: a fresh cache folder (`MINIVLLM_COMPILE_CACHE`), so every
 bucket is traced, lowered and compiled (and stored). Warm, `--repeats` times: the same folder,
-so every program is loaded whole (`minivllm_jax.program_cache`).
+so every program is loaded whole (`minivllm_jax.engine.compilation`).
 
 The converted checkpoint is reused by all of them (conversion happens once per model, before
 the first start, and is not timed). The program counts (compiled, of which loaded) come from

@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import jsonschema
 
     from minivllm_jax import LLM, SamplingParams, StructuredOutputsParams
-    from minivllm_jax.structured_output import Grammar
+    from minivllm_jax.engine.decoding.structured_output import Grammar
 
     llm = LLM(args.model, max_num_seqs=max(args.batch_sizes), max_model_len=512, use_tqdm=False)
     engine = llm.engine

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from minivllm_jax import kernels
     from minivllm_jax.kernels.w8a8_matmul import w8a8_matmul_native
-    from minivllm_jax.quantization import quantize_w8a8, to_panels, w8a8_matmul_reference
+    from minivllm_jax.ops.quantization import quantize_w8a8, to_panels, w8a8_matmul_reference
 
     if not kernels.native_available():
         print(

@@ -112,7 +112,7 @@ def load_hf_model(model: str, dtype: str = "float32", threads: int = 2):
     import torch
     import transformers
 
-    from convert.resolve import MODEL_ALIASES, alias_source
+    from minivllm_jax.loading.resolve import MODEL_ALIASES, alias_source
 
     torch.set_num_threads(threads)
     torch_dtype = getattr(torch, dtype)
@@ -307,7 +307,7 @@ def latency_summary(
 def local_model_dir(model: str) -> Path | None:
     """The local folder holding `model`'s config.json and tokenizer (alias -> its converted
     cache dir, which the engine made already), or None when `model` is not on this machine."""
-    from convert.resolve import MODEL_ALIASES
+    from minivllm_jax.loading.resolve import MODEL_ALIASES
 
     if model in MODEL_ALIASES:
         from convert import resolve_model
@@ -396,7 +396,7 @@ class PaddingCounter:
 
     A ragged step pads its token count and its sequence count to a bucket; the waste is what
     the bucket computes beyond the real tokens and sequences (attention walks only real pages,
-    see `minivllm_jax.attention`). Steps with prompt tokens count as "mixed", the others as
+    see `minivllm_jax.ops.attention`). Steps with prompt tokens count as "mixed", the others as
     "decode". `uninstall()` restores the runner.
     """
 

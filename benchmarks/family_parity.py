@@ -150,9 +150,9 @@ def our_logits(params, cfg, ids: np.ndarray) -> np.ndarray:
     """Our logits at every token of `ids`, one prefill over shuffled pages of `PAGE_SIZE`."""
     import jax.numpy as jnp
 
-    from minivllm_jax.batch import single_sequence_batch
-    from minivllm_jax.kv_cache import init_kv_cache
-    from minivllm_jax.step import forward_jit
+    from minivllm_jax.engine.step import forward_jit
+    from minivllm_jax.ops.batch import single_sequence_batch
+    from minivllm_jax.ops.kv_cache import init_kv_cache
 
     num_pages = -(-len(ids) // PAGE_SIZE)
     pages = list(
@@ -168,10 +168,10 @@ def our_logits(params, cfg, ids: np.ndarray) -> np.ndarray:
 def parity(name: str, workdir: str | Path) -> dict[str, Any]:
     """One row of the table: family `name` built, saved under `workdir`, converted and compared."""
     from convert import read_checkpoint
-    from minivllm_jax.attention import resolve_attention
     from minivllm_jax.config import ModelConfig
-    from minivllm_jax.greedy import greedy_generate
     from minivllm_jax.models.llama import unstack_layers
+    from minivllm_jax.ops.attention import resolve_attention
+    from minivllm_jax.reference.greedy import greedy_generate
 
     path = Path(workdir) / name
     model = make_tiny_family(name, path)

@@ -1,4 +1,4 @@
-"""What KV compression (`minivllm_jax.kv_compression`) costs in quality and saves in memory: a
+"""What KV compression (`minivllm_jax.engine.kv.compression`) costs in quality and saves in memory: a
 long text teacher-forced through the model chunk by chunk over ONE sequence's page list,
 dropping pages by a policy after every chunk as the engine would, against the same text under
 full attention.
@@ -25,17 +25,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from minivllm_jax.batch import Chunk, build_step_batch
-from minivllm_jax.config import ModelConfig
-from minivllm_jax.kv_cache import init_kv_cache, kv_bytes_per_page
-from minivllm_jax.kv_compression import (
-    KVCompressionConfig,
-    kept_pages,
-    needs_scores,
-    wants_compression,
-)
+from minivllm_jax.config import KVCompressionConfig, ModelConfig
+from minivllm_jax.engine.kv.compression import kept_pages, needs_scores, wants_compression
+from minivllm_jax.engine.step import forward_jit, page_attention_scores_jit
 from minivllm_jax.models.llama import Params, init_params, model_dtype, unstack_layers
-from minivllm_jax.step import forward_jit, page_attention_scores_jit
+from minivllm_jax.ops.batch import Chunk, build_step_batch
+from minivllm_jax.ops.kv_cache import init_kv_cache, kv_bytes_per_page
 
 
 @jax.jit
@@ -176,8 +171,8 @@ def _load(args: argparse.Namespace) -> tuple[Params, ModelConfig, list[int], dic
     from transformers import AutoTokenizer
 
     from benchmarks.quant_quality import read_text
-    from convert.resolve import resolve_model
-    from minivllm_jax.checkpoint import load_converted
+    from minivllm_jax.loading.checkpoint import load_converted
+    from minivllm_jax.loading.resolve import resolve_model
 
     folder = resolve_model(args.model, dtype=args.dtype)
     cfg, _, params = load_converted(folder)

@@ -96,7 +96,7 @@ def run_variants(
 
 def source_gguf(model: str) -> Path | None:
     """The GGUF behind `model` (an alias of a shipped GGUF, or a .gguf path), else None."""
-    from convert.resolve import MODEL_ALIASES, alias_source
+    from minivllm_jax.loading.resolve import MODEL_ALIASES, alias_source
 
     path = alias_source(model) if model in MODEL_ALIASES else Path(model)
     return path if path.suffix == ".gguf" and path.is_file() else None
@@ -141,7 +141,7 @@ def write_dequantized_gguf(src: str | Path, dst: str | Path, variant: str = "f32
 
 def dequantized_gguf(src: Path, variant: str = "f32", cache_dir: str | Path | None = None) -> Path:
     """`src` dequantized to `variant`, written once into the model cache and reused."""
-    from convert.resolve import _cache_key, cache_root
+    from minivllm_jax.loading.resolve import _cache_key, cache_root
 
     dst = cache_root(cache_dir) / "gguf" / f"{_cache_key(src)}-{variant.upper()}.gguf"
     if not dst.is_file():

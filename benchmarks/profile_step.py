@@ -5,7 +5,7 @@ Random weights at SmolLM2-135M size (fp32 by default) and a random paged cache. 
 out as one flat ragged step in its bucket, on pages scattered over the cache as in serving;
 `+` joins groups into one mixed step, e.g. `8:1:1500+1:64:0` is 8 decodes at 1,500 cached
 tokens and a fresh 64-token prompt chunk. For each shape it times (median of `--reps`):
-- `step`: the engine's program (model + penalties + sampling, `minivllm_jax.step.engine_step`);
+- `step`: the engine's program (model + penalties + sampling, `minivllm_jax.engine.step.engine_step`);
 - `forward`: the model alone (logits of each sequence's last token);
 - `no attention`: the model with attention replaced by zeros (an implementation registered
   here only), so `forward - no attention` is the attention and `step - forward` the sampler;
@@ -125,7 +125,7 @@ def random_like(a, dtype):
     import jax
     import jax.numpy as jnp
 
-    from minivllm_jax.kv_cache import as_bits
+    from minivllm_jax.ops.kv_cache import as_bits
 
     key = jax.random.PRNGKey(1)
     if a.dtype == jnp.uint16:
@@ -142,7 +142,7 @@ def parse_shape(text: str) -> list[tuple[int, int, int]]:
 
 
 def make_chunks(rng, groups: list[tuple[int, int, int]], page_size: int, num_pages: int) -> list:
-    from minivllm_jax.batch import Chunk
+    from minivllm_jax.ops.batch import Chunk
 
     chunks = []
     for B, T, C in groups:
@@ -159,16 +159,17 @@ def main(argv=None) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from minivllm_jax import attention, kernels
-    from minivllm_jax.batch import build_step_batch
+    from minivllm_jax import kernels
     from minivllm_jax.config import EngineConfig, bucket_for
-    from minivllm_jax.kv_cache import init_kv_cache, write_kv
+    from minivllm_jax.engine.runtime import keep_freed_memory
+    from minivllm_jax.engine.step import PenaltyRows, engine_step, init_penalty_state
     from minivllm_jax.models.llama import forward, init_params, unstack_layers
-    from minivllm_jax.quantization import quantize_params
-    from minivllm_jax.runtime import keep_freed_memory
-    from minivllm_jax.sampler import make_sampling_arrays
+    from minivllm_jax.ops import attention
+    from minivllm_jax.ops.batch import build_step_batch
+    from minivllm_jax.ops.kv_cache import init_kv_cache, write_kv
+    from minivllm_jax.ops.quantization import quantize_params
+    from minivllm_jax.ops.sampler import make_sampling_arrays
     from minivllm_jax.sampling_params import SamplingParams
-    from minivllm_jax.step import PenaltyRows, engine_step, init_penalty_state
 
     keep_freed_memory()  # the allocator set-up `LLM` does: without it each step's temporaries fault in afresh
     cfg = tiny_config() if args.quick else smollm2_config()

@@ -63,8 +63,8 @@ def score_text(
     import jax
     import numpy as np
 
-    from minivllm_jax.batch import single_sequence_batch
-    from minivllm_jax.step import forward_jit
+    from minivllm_jax.engine.step import forward_jit
+    from minivllm_jax.ops.batch import single_sequence_batch
 
     cfg, ps = runner.model_config, runner.config.page_size
     pages = list(range(1, -(-window // ps) + 1))

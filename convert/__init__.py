@@ -1,6 +1,6 @@
 """Checkpoint conversion: HF safetensors folders and llama.cpp GGUF files -> our params pytree."""
 
-from convert.errors import (
+from minivllm_jax.loading.errors import (
     CheckpointNotFoundError,
     ConversionError,
     CorruptCheckpointError,
@@ -9,9 +9,9 @@ from convert.errors import (
     UnsupportedArchitectureError,
     WeightMismatchError,
 )
-from convert.reader import read_checkpoint
-from convert.resolve import MODEL_ALIASES, resolve_model
-from convert.writer import convert_checkpoint
+from minivllm_jax.loading.reader import read_checkpoint
+from minivllm_jax.loading.resolve import MODEL_ALIASES, resolve_model
+from minivllm_jax.loading.writer import convert_checkpoint
 
 __all__ = [
     "MODEL_ALIASES",

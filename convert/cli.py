@@ -8,12 +8,12 @@ import sys
 import time
 from pathlib import Path
 
-from convert.errors import CheckpointNotFoundError, ConversionError
-from convert.reader import DTYPES, EXPECTED
-from convert.resolve import MODEL_ALIASES, alias_source
-from convert.writer import convert_checkpoint
-from minivllm_jax.checkpoint import CheckpointError
-from minivllm_jax.quantization import INT4_GROUP_SIZES, LLM_QUANTIZATIONS
+from minivllm_jax.loading.checkpoint import CheckpointError
+from minivllm_jax.loading.errors import CheckpointNotFoundError, ConversionError
+from minivllm_jax.loading.reader import DTYPES, EXPECTED
+from minivllm_jax.loading.resolve import MODEL_ALIASES, alias_source
+from minivllm_jax.loading.writer import convert_checkpoint
+from minivllm_jax.ops.quantization import INT4_GROUP_SIZES, LLM_QUANTIZATIONS
 
 
 def main(argv: list[str] | None = None) -> int:

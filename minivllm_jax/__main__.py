@@ -19,9 +19,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    from convert import ConversionError, resolve_model
-    from minivllm_jax.checkpoint import load_converted
-    from minivllm_jax.greedy import greedy_stream
+    from minivllm_jax.loading.checkpoint import load_converted
+    from minivllm_jax.loading.errors import ConversionError
+    from minivllm_jax.loading.resolve import resolve_model
+    from minivllm_jax.reference.greedy import greedy_stream
 
     try:
         model_dir = resolve_model(args.model)

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
-
-from minivllm_jax.kv_compression import KVCompressionConfig
-from minivllm_jax.speculative import SpeculativeConfig
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 
@@ -228,28 +226,28 @@ class EngineConfig:
     - `target_ttft_ms`: a prompt that has waited this long gets the full budget anyway.
     - `max_batch_wait_ms`: hold new admissions up to this long to gather a bigger batch.
     - `attention`: which implementation of the ragged attention contract runs
-      (`minivllm_jax.attention.ATTENTION`: "reference" or "native", or "auto": native where
+      (`minivllm_jax.ops.attention.ATTENTION`: "reference" or "native", or "auto": native where
       the kernels are built; the runner resolves it with `resolve_attention`).
     - `async_scheduling`: schedule and dispatch step N+1 before reading step N's tokens (they
       are fed back on the device), so host work overlaps the device step; False waits for
       each step before scheduling the next (same tokens either way).
     - `kv_cache_dtype`: "int8" stores K/V pages as int8 with a scale per token and KV head
-      (`minivllm_jax.kv_cache`): 3.8x fewer KV bytes per token at head_dim 64, so more sequences
+      (`minivllm_jax.ops.kv_cache`): 3.8x fewer KV bytes per token at head_dim 64, so more sequences
       fit and attention reads less.
     - `num_scheduler_steps`: k > 1 runs k decode steps in one device program whenever a step
       would only decode (nobody waiting, no prompt work): one dispatch and one read for k
       tokens a row. Rows that stop inside it drop their extra tokens; streams get up to k
       tokens at a time, and a new request waits up to k steps for its first.
-    - `speculative`: n-gram speculative decoding (`minivllm_jax.speculative`) in decode-only
+    - `speculative`: n-gram speculative decoding (`minivllm_jax.engine.decoding.speculative`) in decode-only
       steps: drafts are verified in one step that samples at every fed token.
     - `preemption_mode`: what happens to a preempted sequence's KV: "recompute" (pages freed,
       recomputed from its tokens on resume), "swap" (pages copied to a host pool of
       `swap_space_gb`, copied back on resume) or "auto" (whichever the cost model says is
-      cheaper for that sequence: `minivllm_jax.engine.swap`).
+      cheaper for that sequence: `minivllm_jax.engine.kv.swap`).
     - `kv_disk_dir` / `kv_disk_gb`: a disk tier under the prefix cache
-      (`minivllm_jax.engine.kv_disk`): full pages evicted from memory (and all cached pages at a
+      (`minivllm_jax.engine.kv.disk`): full pages evicted from memory (and all cached pages at a
       clean shutdown) are written there and found again, also by a later process.
-    - `kv_compression`: drop KV pages of long sequences by a policy (`minivllm_jax.kv_compression`)
+    - `kv_compression`: drop KV pages of long sequences by a policy (`minivllm_jax.engine.kv.compression`)
       for every request.
     - `allow_request_kv_compression`: a request may ask for its own policy
       (`SamplingParams.kv_compression`); its programs (page scores) compile at warm-up, so
@@ -358,7 +356,7 @@ class EngineConfig:
 
     def num_listed_pages(self, num_seqs: int) -> int:
         """Length of the flat page list of a step of `num_seqs` sequences: room for all of
-        their pages. Work follows the real count (see `minivllm_jax.attention`), not this."""
+        their pages. Work follows the real count (see `minivllm_jax.ops.attention`), not this."""
         return num_seqs * self.max_pages_per_seq
 
     def step_shapes(self) -> list[tuple[int, int]]:
@@ -395,3 +393,137 @@ def bucket_for(value: int, buckets: tuple[int, ...]) -> int:
         if value <= b:
             return b
     raise ValueError(f"{value} exceeds the largest bucket {buckets[-1]}")
+
+
+# KV compression (engine/kv/compression.py applies it): what to keep of a long sequence's cache.
+POLICIES = ("sink_window", "page_scores")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCompressionConfig:
+    """What to keep of a long sequence's KV cache. Hashable: it may sit in a static config."""
+
+    policy: str  # "sink_window" | "page_scores"
+    sink_tokens: int = 4  # attention sinks: the first pages covering these tokens are always kept
+    window_tokens: int = 256  # the most recent (full-page) tokens always kept
+    budget_tokens: int | None = (
+        None  # page_scores: tokens kept in all (sinks + window + best-scored pages)
+    )
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(
+                f"unknown KV compression policy {self.policy!r}; available: {', '.join(POLICIES)}"
+            )
+        for name in ("sink_tokens", "window_tokens", "budget_tokens"):
+            value = getattr(self, name)
+            if value is None and name == "budget_tokens":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.policy == "page_scores":
+            if self.budget_tokens is None:
+                raise ValueError("policy 'page_scores' needs budget_tokens (tokens kept in all)")
+            if self.budget_tokens < self.sink_tokens + self.window_tokens:
+                raise ValueError(
+                    f"budget_tokens ({self.budget_tokens}) must be >= sink_tokens + window_tokens "
+                    f"({self.sink_tokens} + {self.window_tokens})"
+                )
+        elif self.budget_tokens is not None:
+            raise ValueError(f"budget_tokens is for policy 'page_scores', not {self.policy!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KVCompressionConfig:
+        """From a JSON object (a server flag or a request field); unknown keys are an error."""
+        if not isinstance(d, dict):
+            raise ValueError(
+                f"a KV compression config must be a JSON object, got {type(d).__name__}"
+            )
+        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown KV compression keys: {', '.join(map(str, unknown))}")
+        if "policy" not in d:
+            raise ValueError(
+                f"a KV compression config needs 'policy' (one of {', '.join(POLICIES)})"
+            )
+        return cls(**d)
+
+    def check_page_size(self, page_size: int) -> None:
+        """The budget must hold the sink and window pages whole: both round up to pages."""
+        if self.policy == "page_scores":
+            fixed = (
+                -(-self.sink_tokens // page_size) - (-self.window_tokens // page_size)
+            ) * page_size
+            if self.budget_tokens < fixed:
+                raise ValueError(
+                    f"budget_tokens ({self.budget_tokens}) must be >= the sink and window rounded to "
+                    f"pages of {page_size} ({fixed})"
+                )
+
+    def check_model(self, model_config: Any) -> None:
+        """Refuse a model with sliding-window layers (`ModelConfig.has_sliding_window`): its windows
+        count keys by cache index, which dropped pages would make differ from positions."""
+        if model_config.has_sliding_window:
+            raise ValueError(
+                f"KV compression is not supported for {model_config.family} models with sliding-window "
+                f"attention; use kv_compression=None"
+            )
+
+
+# Speculative decoding (engine/decoding/speculative.py proposes and verifies drafts).
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # draft tokens proposed per step, at most
+    prompt_lookup_max: int = 4  # longest suffix n-gram looked up
+    prompt_lookup_min: int = 2  # shortest
+    # vLLM's: no drafts while more sequences than this run. A verify step feeds 1 + k rows a
+    # sequence; past a few rows the step is compute-bound (on CPU, XLA's matmul of 2-8 rows
+    # already costs about twice its 1-row one), so a large batch gains less than it pays.
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(
+                f"speculative method {self.method!r} is not supported; use 'ngram' (prompt lookup)"
+            )
+        if (
+            not isinstance(self.num_speculative_tokens, int)
+            or not 1 <= self.num_speculative_tokens <= 16
+        ):
+            raise ValueError(
+                f"num_speculative_tokens must be an integer in [1, 16], got {self.num_speculative_tokens!r}"
+            )
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+            raise ValueError(
+                f"need integers 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r} and {hi!r}"
+            )
+        limit = self.disable_by_batch_size
+        if limit is not None and (not isinstance(limit, int) or limit < 1):
+            raise ValueError(
+                f"disable_by_batch_size must be a positive integer or None, got {limit!r}"
+            )
+
+    @classmethod
+    def from_dict(
+        cls, config: Mapping[str, Any] | SpeculativeConfig | None
+    ) -> SpeculativeConfig | None:
+        """vLLM's dict form. A missing `prompt_lookup_min` is 2, or `prompt_lookup_max` when
+        that is smaller."""
+        if config is None or isinstance(config, SpeculativeConfig):
+            return config
+        if not isinstance(config, Mapping):
+            raise ValueError(f"speculative_config must be a dict, got {type(config).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(config) - names
+        if unknown:
+            raise ValueError(
+                f"unknown speculative_config keys {sorted(unknown)}; accepted: {sorted(names)}"
+            )
+        if "method" not in config:
+            raise ValueError("speculative_config needs a 'method' (only 'ngram' is supported)")
+        config = dict(config)
+        if "prompt_lookup_max" in config and "prompt_lookup_min" not in config:
+            config["prompt_lookup_min"] = min(config["prompt_lookup_max"], cls.prompt_lookup_min)
+        return cls(**config)

@@ -12,21 +12,30 @@ import jax
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from minivllm_jax import distributed
-from minivllm_jax.attention import resolve_attention
-from minivllm_jax.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
-from minivllm_jax.config import EngineConfig, ModelConfig, check_kv_cache_dtype
+from minivllm_jax.config import (
+    EngineConfig,
+    KVCompressionConfig,
+    ModelConfig,
+    SpeculativeConfig,
+    check_kv_cache_dtype,
+)
+from minivllm_jax.engine.decoding.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from minivllm_jax.engine.engine import LLMEngine
+from minivllm_jax.engine.kv.compression import needs_scores
 from minivllm_jax.engine.router import PrefixRouter
-from minivllm_jax.kv_cache import kv_bytes_per_page
-from minivllm_jax.kv_compression import KVCompressionConfig, needs_scores  # noqa: TC001 (a parameter's type)
+from minivllm_jax.engine.runtime import (
+    available_memory_bytes,
+    enable_compilation_cache,
+    keep_freed_memory,
+)
 from minivllm_jax.models.llama import Params, unstack_layers
+from minivllm_jax.ops.attention import resolve_attention
+from minivllm_jax.ops.kv_cache import kv_bytes_per_page
+from minivllm_jax.ops.quantization import CHECKPOINT_KEY, LLM_QUANTIZATIONS
 from minivllm_jax.outputs import RequestOutput
-from minivllm_jax.parallel import check_tensor_parallel, make_mesh
-from minivllm_jax.quantization import CHECKPOINT_KEY, LLM_QUANTIZATIONS
-from minivllm_jax.runtime import available_memory_bytes, enable_compilation_cache, keep_freed_memory
+from minivllm_jax.parallel import distributed
+from minivllm_jax.parallel.sharding import check_tensor_parallel, make_mesh
 from minivllm_jax.sampling_params import SamplingParams
-from minivllm_jax.speculative import SpeculativeConfig
 
 Prompt = str | Sequence[int]
 
@@ -131,9 +140,9 @@ class LLM:
     ) -> None:
         from transformers import AutoTokenizer
 
-        from convert import resolve_model
-        from convert.quantize import quantize_model_params
-        from minivllm_jax.checkpoint import load_converted
+        from minivllm_jax.loading.checkpoint import load_converted
+        from minivllm_jax.loading.quantize import quantize_model_params
+        from minivllm_jax.loading.resolve import resolve_model
 
         if quantization is not None and quantization not in LLM_QUANTIZATIONS:
             raise ValueError(
@@ -221,7 +230,7 @@ class LLM:
     # ------------------------------------------------------------------ several processes
 
     def follow(self) -> None:
-        """On every process but the leader of a multi-process run (`minivllm_jax.distributed`):
+        """On every process but the leader of a multi-process run (`minivllm_jax.parallel.distributed`):
         run the leader's steps until the leader calls `shutdown()` (or exits)."""
         self.engine.runner.follow()
 
@@ -372,7 +381,7 @@ class LLM:
     def beam_search(
         self, prompts: Prompt | dict | Sequence[Prompt | dict], params: BeamSearchParams
     ) -> list[BeamSearchOutput]:
-        """Beam search with HF transformers' rules (`minivllm_jax.beam_search`): prompts as text,
+        """Beam search with HF transformers' rules (`minivllm_jax.engine.decoding.beam_search`): prompts as text,
         token ids or `{"prompt": ...}` / `{"prompt_token_ids": ...}`; one `BeamSearchOutput` per
         prompt, its `sequences` best first. Runs on the first replica, as ordinary requests it
         steps itself, so no other request may be unfinished; raises RuntimeError otherwise."""

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
 
-from minivllm_jax.kv_compression import KVCompressionConfig
-from minivllm_jax.structured_output import StructuredOutputsParams, as_structured_outputs
+from minivllm_jax.config import KVCompressionConfig
 
 MAX_LOGPROBS = 20  # top-k logprobs are computed for this many candidates on device, every step
 
@@ -61,10 +61,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     # Drop this request's KV pages by a policy as it grows (a dict is read as the config's
-    # fields); None: the engine's `kv_compression`, if any (`minivllm_jax.kv_compression`).
+    # fields); None: the engine's `kv_compression`, if any (`minivllm_jax.engine.kv.compression`).
     kv_compression: KVCompressionConfig | dict | None = None
     # Constrain the output to a JSON schema, regex, choice or grammar (a dict is read as the
-    # params' fields; `minivllm_jax.structured_output`).
+    # params' fields; `minivllm_jax.engine.decoding.structured_output`).
     structured_outputs: StructuredOutputsParams | dict | None = None
 
     def __post_init__(self) -> None:
@@ -163,3 +163,125 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+# Structured output (engine/decoding/structured_output.py compiles and applies it).
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What a request's output must match; exactly one of the constraints is set (vLLM's shape).
+
+    - `json`: a JSON schema (a dict, or its JSON text);
+    - `regex`: a regular expression the whole output matches;
+    - `choice`: the output is exactly one of these strings;
+    - `grammar`: a Lark grammar (llguidance's dialect) or a llama.cpp GBNF grammar;
+    - `json_object`: any JSON object (OpenAI's `response_format: {"type": "json_object"}`).
+
+    `disable_any_whitespace` (default True, unlike vLLM): JSON is generated compact, without
+    free whitespace between tokens. A small model given free whitespace can emit newlines until
+    `max_tokens` and never close the object.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = True
+
+    def __post_init__(self) -> None:
+        chosen = [
+            k for k in KINDS if (getattr(self, k) is not None and getattr(self, k) is not False)
+        ]
+        if len(chosen) != 1:
+            raise ValueError(
+                f"structured_outputs needs exactly one of {', '.join(KINDS)}; got "
+                f"{', '.join(chosen) if chosen else 'none'}"
+            )
+        if isinstance(self.json, str):
+            try:
+                schema = json.loads(self.json)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            object.__setattr__(self, "json", schema)
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise ValueError(
+                f"structured_outputs.json must be a JSON schema object, got {type(self.json).__name__}"
+            )
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise ValueError("structured_outputs.regex must be a non-empty string")
+        if self.grammar is not None and (
+            not isinstance(self.grammar, str) or not self.grammar.strip()
+        ):
+            raise ValueError("structured_outputs.grammar must be a non-empty string")
+        if self.choice is not None:
+            if (
+                not isinstance(self.choice, (list, tuple))
+                or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)
+            ):
+                raise ValueError(
+                    "structured_outputs.choice must be a non-empty list of non-empty strings"
+                )
+            object.__setattr__(self, "choice", list(self.choice))
+        if not isinstance(self.json_object, bool):
+            raise ValueError("structured_outputs.json_object must be a boolean")
+
+    @property
+    def kind(self) -> str:
+        return next(
+            k for k in KINDS if getattr(self, k) is not None and getattr(self, k) is not False
+        )
+
+    @property
+    def key(self) -> str:
+        """The cache key: the constraint in a canonical text form."""
+        value = {
+            "json": self.json,
+            "regex": self.regex,
+            "choice": self.choice,
+            "grammar": self.grammar,
+            "json_object": True,
+        }[self.kind]
+        return json.dumps([self.kind, value, self.disable_any_whitespace], sort_keys=True)
+
+    def llguidance_grammar(self) -> str:
+        """The constraint as an llguidance grammar (not yet checked: `GrammarCompiler` does)."""
+        import llguidance
+
+        options = {"whitespace_flexible": not self.disable_any_whitespace}
+        kind = self.kind
+        if kind in ("json", "json_object"):
+            schema = {"type": "object"} if kind == "json_object" else self.json
+            try:
+                return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+            except ValueError as e:
+                raise ValueError(f"invalid structured_outputs.json: {e}") from None
+        if kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(self.regex)
+        if kind == "choice":
+            return llguidance.grammar_from("choice", json.dumps(self.choice))
+        try:
+            return llguidance.grammar_from(
+                "grammar", self.grammar
+            )  # Lark, or GBNF converted to Lark
+        except Exception as e:  # the GBNF converter raises its own error types
+            raise ValueError(f"invalid structured_outputs.grammar: {e}") from None
+
+
+def as_structured_outputs(
+    value: StructuredOutputsParams | dict | None,
+) -> StructuredOutputsParams | None:
+    """`SamplingParams.structured_outputs` given as a dict (an HTTP body) or the params."""
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if isinstance(value, dict):
+        unknown = set(value) - {f.name for f in dataclasses.fields(StructuredOutputsParams)}
+        if unknown:
+            raise ValueError(f"structured_outputs: unknown field(s) {', '.join(sorted(unknown))}")
+        return StructuredOutputsParams(**value)
+    raise ValueError(
+        f"structured_outputs must be a StructuredOutputsParams, a dict or None, got {type(value).__name__}"
+    )

@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["int8", "int4", "w8a8", "gguf"],
         help="quantization of every layer's projections (default: none; int8/int4 weight-only, w8a8: "
         "int8 weights and activations; gguf: a GGUF model's own Q4_0/Q4_1 blocks as int4; see "
-        "minivllm_jax/quantization.py for the schemes "
+        "minivllm_jax/ops/quantization.py for the schemes "
         "and what stays full precision)",
     )
     p.add_argument(
@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
             args.host,
         )
 
-    from minivllm_jax import distributed
+    from minivllm_jax.parallel import distributed
 
     # Several processes: join them before anything uses JAX; all but process 0 only follow.
     if (

@@ -34,7 +34,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from minivllm_jax.beam_search import (
+from minivllm_jax.engine.decoding.beam_search import (
     MAX_BEAM_WIDTH,
     BeamSearchOutput,
     BeamSearchParams,

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from minivllm_jax.structured_output import StructuredOutputsParams
+from minivllm_jax.sampling_params import StructuredOutputsParams
 from server.protocol import APIError, constraint_error, invalid
 from server.tool_calls import messages_without_tool_support
 

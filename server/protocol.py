@@ -21,8 +21,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
-from minivllm_jax.beam_search import BeamSearchParams
-from minivllm_jax.engine.block_manager import MAX_CACHE_SALT_CHARS
+from minivllm_jax.engine.decoding.beam_search import BeamSearchParams
+from minivllm_jax.engine.kv.block_manager import MAX_CACHE_SALT_CHARS
 from minivllm_jax.sampling_params import (
     MAX_LOGPROBS,
     MAX_PENALTY,
@@ -33,8 +33,8 @@ from minivllm_jax.sampling_params import (
     MAX_TOKENS_LIMIT,
     MAX_TOP_K,
     SamplingParams,
+    StructuredOutputsParams,
 )
-from minivllm_jax.structured_output import StructuredOutputsParams
 from server.tool_calls import ToolPlan
 
 MAX_N = 16  # choices per request: each one is a sequence in the engine
@@ -208,7 +208,7 @@ class _Sampling(_Strict):
         None, max_length=MAX_STOP_TOKEN_IDS
     )
     skip_special_tokens: bool = True
-    # Extension: this request's KV compression policy (`minivllm_jax.kv_compression`), e.g.
+    # Extension: this request's KV compression policy (`minivllm_jax.engine.kv.compression`), e.g.
     # {"policy": "sink_window", "window_tokens": 512}.
     kv_compression: dict[str, Any] | None = None
     # vLLM extension: prefix-cache pages are shared only between requests of the same salt (and,

@@ -13,7 +13,7 @@ import math
 import time
 from typing import Any
 
-from minivllm_jax.beam_search import BeamSearchOutput
+from minivllm_jax.engine.decoding.beam_search import BeamSearchOutput
 from minivllm_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from server.preprocess import TokenTable
 from server.tool_calls import ToolCallParser, ToolPlan, delta_messages, message_parts

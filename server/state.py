@@ -19,9 +19,8 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Iterator
 from typing import Any, Protocol, TypeVar
 
-from minivllm_jax.beam_search import BeamSearchOutput, BeamSearchParams
-from minivllm_jax.sampling_params import SamplingParams
-from minivllm_jax.structured_output import StructuredOutputsParams
+from minivllm_jax.engine.decoding.beam_search import BeamSearchOutput, BeamSearchParams
+from minivllm_jax.sampling_params import SamplingParams, StructuredOutputsParams
 from server.engine_loop import (
     AsyncEngine,
     DataParallelEngine,

@@ -106,7 +106,7 @@ def hlo(model: str, tp: int) -> dict:
 
 
 def process(model: str, coordinator: str, num: int, pid: int) -> dict:
-    from minivllm_jax import distributed
+    from minivllm_jax.parallel import distributed
 
     distributed.initialize(coordinator, num, pid)
     import jax

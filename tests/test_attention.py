@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from minivllm_jax import kernels
-from minivllm_jax.attention import ATTENTION, get_attention
-from minivllm_jax.batch import Chunk, build_step_batch
-from minivllm_jax.kv_cache import KVCache
+from minivllm_jax.ops.attention import ATTENTION, get_attention
+from minivllm_jax.ops.batch import Chunk, build_step_batch
+from minivllm_jax.ops.kv_cache import KVCache
 
 L, NUM_PAGES, KVH, G, HD, PS = 2, 96, 2, 3, 16, 4
 # (cached tokens, new tokens) per sequence: decodes, a fresh prompt, chunks after context

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from minivllm_jax import LLM, BeamSearchParams, SamplingParams
-from minivllm_jax.beam_search import MAX_BEAM_WIDTH, BeamSearchState
 from minivllm_jax.config import ModelConfig
-from minivllm_jax.engine.block_manager import BlockManager
+from minivllm_jax.engine.decoding.beam_search import MAX_BEAM_WIDTH, BeamSearchState
+from minivllm_jax.engine.kv.block_manager import BlockManager
 from minivllm_jax.engine.sequence import Sequence
-from minivllm_jax.kv_cache import SCRATCH_PAGE, copy_pages, init_kv_cache
+from minivllm_jax.ops.kv_cache import SCRATCH_PAGE, copy_pages, init_kv_cache
 
 CFG = ModelConfig(
     vocab_size=64,

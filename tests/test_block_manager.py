@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from minivllm_jax.engine.block_manager import BlockManager
+from minivllm_jax.engine.kv.block_manager import BlockManager
 from minivllm_jax.engine.sequence import Sequence
 from minivllm_jax.sampling_params import SamplingParams
 
@@ -121,7 +121,7 @@ def test_double_free_is_caught():
 def test_digest_collision_cannot_serve_another_chains_page(monkeypatch):
     """A crafted prompt whose page key collides with another request's must not read its KV:
     a hit checks the stored parent digest and tokens, not only the key."""
-    import minivllm_jax.engine.block_manager as bm_module
+    import minivllm_jax.engine.kv.block_manager as bm_module
 
     monkeypatch.setattr(
         bm_module, "page_digest", lambda parent, tokens: b"collide"
@@ -141,7 +141,7 @@ def test_digest_collision_cannot_serve_another_chains_page(monkeypatch):
 
 
 def test_page_digest_is_sha256_chained_over_parent():
-    from minivllm_jax.engine.block_manager import ROOT_DIGEST, page_digest
+    from minivllm_jax.engine.kv.block_manager import ROOT_DIGEST, page_digest
 
     first = page_digest(ROOT_DIGEST, (1, 2, 3, 4))
     assert len(first) == 32 and first != page_digest(ROOT_DIGEST, (1, 2, 3, 5))

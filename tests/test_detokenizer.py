@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from minivllm_jax.detokenizer import IncrementalDetokenizer
+from minivllm_jax.engine.detokenizer import IncrementalDetokenizer
 
 # Its GGUF holds the SmolLM2 tokenizer: skip locally, fail under CI=true (tests/conftest.py).
 pytestmark = pytest.mark.requires_smollm2

@@ -32,15 +32,14 @@ from benchmarks.family_parity import (
 )
 from convert import read_checkpoint
 from minivllm_jax import LLM, SamplingParams
-from minivllm_jax.attention import resolve_attention
-from minivllm_jax.batch import single_sequence_batch
-from minivllm_jax.config import ModelConfig, UnsupportedModelError
-from minivllm_jax.greedy import greedy_generate
-from minivllm_jax.kv_cache import init_kv_cache
-from minivllm_jax.kv_compression import KVCompressionConfig
+from minivllm_jax.config import KVCompressionConfig, ModelConfig, UnsupportedModelError
+from minivllm_jax.engine.step import forward_jit
 from minivllm_jax.models.llama import unstack_layers
 from minivllm_jax.models.registry import families, supported_architectures
-from minivllm_jax.step import forward_jit
+from minivllm_jax.ops.attention import resolve_attention
+from minivllm_jax.ops.batch import single_sequence_batch
+from minivllm_jax.ops.kv_cache import init_kv_cache
+from minivllm_jax.reference.greedy import greedy_generate
 from tests.conftest import save_tiny_tokenizer
 
 VOCAB = TINY["vocab_size"]

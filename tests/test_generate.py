@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from minivllm_jax import LLM, SamplingParams, generate
-from minivllm_jax.functional import generate_tokens_jit
+from minivllm_jax.reference.functional import generate_tokens_jit
 from tests.conftest import TINY_LLAMA
 
 PROMPTS = [[5, 6, 7], list(range(10, 22)), [9], list(range(40, 47))]  # lengths 3, 12, 1, 7

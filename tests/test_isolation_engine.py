@@ -23,8 +23,8 @@ import pytest
 from minivllm_jax import LLM, SamplingParams
 from minivllm_jax.config import EngineConfig
 from minivllm_jax.engine.engine import LLMEngine
-from minivllm_jax.engine.swap import SwapPool
-from minivllm_jax.sampler import SAMPLING_ROW_DTYPE, sampling_row
+from minivllm_jax.engine.kv.swap import SwapPool
+from minivllm_jax.ops.sampler import SAMPLING_ROW_DTYPE, sampling_row
 from minivllm_jax.sampling_params import (
     MAX_N,
     MAX_REPETITION_PENALTY,

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from minivllm_jax import SamplingParams, StructuredOutputsParams
-from minivllm_jax import structured_output as so
-from minivllm_jax.structured_output import GrammarCompiler, fill_bitmasks
+from minivllm_jax.engine.decoding import structured_output as so
+from minivllm_jax.engine.decoding.structured_output import GrammarCompiler, fill_bitmasks
 from tests.test_server_structured import WEATHER, save_byte_tokenizer, tiny_byte_llm
 
 EOS = 2

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from minivllm_jax.engine import kv_disk
-from minivllm_jax.engine.block_manager import ROOT_DIGEST, page_digest
-from minivllm_jax.engine.kv_disk import DiskPageStore
+from minivllm_jax.engine.kv.block_manager import ROOT_DIGEST, page_digest
+from minivllm_jax.engine.kv.disk import DiskPageStore
 
 NS = "model-abc123"
 
@@ -181,7 +181,7 @@ def test_malformed_authentic_file_is_a_counted_miss_never_an_exception(tmp_path,
     d, p, t = _one_page()
     head, payload = MALFORMED[kind](store)
     _forge(store, d, head, payload)
-    with caplog.at_level(logging.WARNING, logger="minivllm_jax.engine.kv_disk"):
+    with caplog.at_level(logging.WARNING, logger="minivllm_jax.engine.kv.disk"):
         assert store.load(d, p, t) is None
     assert store.num_corrupt == 1 and store.misses == 1 and store.hits == 0
     assert not store._path(d).exists() and "dropping" in caplog.text
@@ -242,12 +242,12 @@ def _double():
 
 
 def test_program_cache_off_for_a_folder_others_can_write(tmp_path, caplog):
-    from minivllm_jax.program_cache import ProgramCache
+    from minivllm_jax.engine.compilation import ProgramCache
 
     folder = tmp_path / "programs"
     folder.mkdir()
     folder.chmod(0o777)
-    with caplog.at_level(logging.WARNING, logger="minivllm_jax.program_cache"):
+    with caplog.at_level(logging.WARNING, logger="minivllm_jax.engine.compilation"):
         cache = ProgramCache(folder)
     assert cache.directory is None and "compiled-program cache is off" in caplog.text
     program, loaded = cache.load_or_compile(("double",), _double(), _program_args(), {})
@@ -256,7 +256,7 @@ def test_program_cache_off_for_a_folder_others_can_write(tmp_path, caplog):
 
 
 def test_program_cache_creates_a_private_folder(tmp_path):
-    from minivllm_jax.program_cache import ProgramCache
+    from minivllm_jax.engine.compilation import ProgramCache
 
     ProgramCache(tmp_path / "a" / "programs").load_or_compile(
         ("double",), _double(), _program_args(), {}
@@ -265,8 +265,8 @@ def test_program_cache_creates_a_private_folder(tmp_path):
 
 
 def test_program_cache_never_unpickles_a_file_of_another_user(tmp_path, monkeypatch, caplog):
-    from minivllm_jax import program_cache
-    from minivllm_jax.program_cache import ProgramCache
+    from minivllm_jax.engine import compilation as program_cache
+    from minivllm_jax.engine.compilation import ProgramCache
 
     ProgramCache(tmp_path).load_or_compile(("double",), _double(), _program_args(), {})
     cache = ProgramCache(tmp_path)
@@ -276,7 +276,7 @@ def test_program_cache_never_unpickles_a_file_of_another_user(tmp_path, monkeypa
     monkeypatch.setattr(
         program_cache.pickle, "loads", lambda *_: pytest.fail("unpickled another user's file")
     )
-    with caplog.at_level(logging.WARNING, logger="minivllm_jax.program_cache"):
+    with caplog.at_level(logging.WARNING, logger="minivllm_jax.engine.compilation"):
         program, loaded = cache.load_or_compile(("double",), _double(), _program_args(), {})
     assert not loaded and "not by this user" in caplog.text
     np.testing.assert_array_equal(program(*_program_args()), np.arange(4) * 2.0)
@@ -576,7 +576,7 @@ def test_native_attention_refuses_indices_outside_its_arrays(pages, bad):
     import jax.numpy as jnp
 
     from minivllm_jax import kernels
-    from minivllm_jax.attention import get_attention
+    from minivllm_jax.ops.attention import get_attention
     from tests.test_kernels import random_step
 
     if not kernels.native_available():

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from minivllm_jax import LLM, SamplingParams, kernels
-from minivllm_jax.attention import get_attention, resolve_attention
-from minivllm_jax.batch import Chunk, build_step_batch
-from minivllm_jax.kv_cache import KVCache
+from minivllm_jax.ops.attention import get_attention, resolve_attention
+from minivllm_jax.ops.batch import Chunk, build_step_batch
+from minivllm_jax.ops.kv_cache import KVCache
 from tests.conftest import in_ci, requires_smollm2
 
 # (kv heads, group size, head_dim, page_size): GQA and MHA on small shapes (the general code
@@ -155,7 +155,7 @@ def test_engine_on_native_attention_matches_hf_and_is_batch_invariant(smollm2_gr
 @pytest.mark.parametrize("rows", [1, 3, 4, 6, 16, 64])
 def test_native_quantized_matmul_equals_reference(scheme, group_size, rows):
     """Every row-pass size (1-4, and passes of 4 with a remainder), each scheme and int4 group."""
-    from minivllm_jax.quantization import MATMUL, quantize_projection, to_panels
+    from minivllm_jax.ops.quantization import MATMUL, quantize_projection, to_panels
 
     rng = np.random.default_rng(rows)
     w = rng.standard_normal((256, 192)).astype(np.float32)
@@ -178,7 +178,7 @@ def test_native_float_matmul_equals_reference(rows, n_in, n_out):
     """Every row-pass size (2-4, a pass of 4 and a remainder) of a float projection; one row, rows
     past the native limit and an output size that is not a multiple of 64 stay with XLA."""
     from minivllm_jax.kernels.float_matmul import MAX_NATIVE_ROWS
-    from minivllm_jax.quantization import MATMUL
+    from minivllm_jax.ops.quantization import MATMUL
 
     rng = np.random.default_rng(rows)
     p = {"kernel": jnp.asarray(rng.standard_normal((n_in, n_out)).astype(np.float32))}

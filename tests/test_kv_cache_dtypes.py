@@ -12,7 +12,7 @@ import pytest
 
 from minivllm_jax import LLM, SamplingParams
 from minivllm_jax.config import EngineConfig, ModelConfig
-from minivllm_jax.kv_cache import as_stored, init_kv_cache, kv_bytes_per_token, write_kv
+from minivllm_jax.ops.kv_cache import as_stored, init_kv_cache, kv_bytes_per_token, write_kv
 
 CFG = ModelConfig(
     vocab_size=64,

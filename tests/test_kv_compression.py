@@ -1,4 +1,4 @@
-"""KV compression (`minivllm_jax/kv_compression.py`): the page policies, `Chunk.position_offset`,
+"""KV compression (`minivllm_jax/engine/kv/compression.py`): the page policies, `Chunk.position_offset`,
 the exactness of dropping pages (a decode over a page list with holes equals full attention
 with the dropped keys masked out, at the original positions), and the device page scores."""
 
@@ -9,17 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from minivllm_jax.batch import Chunk, build_step_batch
-from minivllm_jax.config import ModelConfig
-from minivllm_jax.kv_cache import init_kv_cache
-from minivllm_jax.kv_compression import (
-    KVCompressionConfig,
-    kept_pages,
-    needs_scores,
-    wants_compression,
-)
+from minivllm_jax.config import KVCompressionConfig, ModelConfig
+from minivllm_jax.engine.kv.compression import kept_pages, needs_scores, wants_compression
+from minivllm_jax.engine.step import page_attention_scores_jit
 from minivllm_jax.models.llama import apply_rope, forward, init_params, rms_norm, rope_inv_freq
-from minivllm_jax.step import page_attention_scores_jit
+from minivllm_jax.ops.batch import Chunk, build_step_batch
+from minivllm_jax.ops.kv_cache import init_kv_cache
 
 CFG = ModelConfig(
     vocab_size=128,
@@ -336,7 +331,7 @@ def test_benchmark_loop_equals_dense_attention_over_the_kept_tokens(params):
     visible tokens replayed from the policy (no cache, slots or position offsets), compiling
     its forward once for the whole text."""
     from benchmarks.kv_compression_quality import evaluate
-    from minivllm_jax.step import forward_jit
+    from minivllm_jax.engine.step import forward_jit
 
     ids = np.random.default_rng(2).integers(3, CFG.vocab_size, 50).tolist()
     config = KVCompressionConfig("sink_window", sink_tokens=4, window_tokens=8)

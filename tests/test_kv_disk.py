@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from minivllm_jax.engine.block_manager import ROOT_DIGEST, page_digest
-from minivllm_jax.engine.kv_disk import SUFFIX, TMP_MARK, DiskPageStore
+from minivllm_jax.engine.kv.block_manager import ROOT_DIGEST, page_digest
+from minivllm_jax.engine.kv.disk import SUFFIX, TMP_MARK, DiskPageStore
 
 L, KVH, HD, PS = 2, 2, 4, 4
 NS = "model-abc123"
@@ -152,7 +152,7 @@ def test_corrupt_file_is_a_miss_and_removed(store, caplog, damage, reason):
     else:
         data = b""
     path.write_bytes(bytes(data))
-    with caplog.at_level(logging.WARNING, logger="minivllm_jax.engine.kv_disk"):
+    with caplog.at_level(logging.WARNING, logger="minivllm_jax.engine.kv.disk"):
         assert store.load(d, p, t) is None
     assert str(path) in caplog.text and reason in caplog.text
     assert not path.exists()
@@ -262,7 +262,7 @@ WRITER = textwrap.dedent("""
 
 
 def test_processes_writing_the_same_pages(tmp_path):
-    import minivllm_jax.engine.kv_disk as kv_disk
+    import minivllm_jax.engine.kv.disk as kv_disk
 
     go = tmp_path / "go"
     cmd = [sys.executable, "-c", WRITER, kv_disk.__file__, str(tmp_path / "cache"), NS, str(go)]
@@ -338,7 +338,7 @@ def test_save_later_fetch_error_is_logged_not_raised(store, caplog):
     def fetch():
         raise RuntimeError("device copy failed")
 
-    with caplog.at_level(logging.ERROR, logger="minivllm_jax.engine.kv_disk"):
+    with caplog.at_level(logging.ERROR, logger="minivllm_jax.engine.kv.disk"):
         store.save_later(pages, fetch)
         store.flush()
     assert "device copy failed" in caplog.text

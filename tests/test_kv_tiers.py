@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from minivllm_jax import SamplingParams
-from minivllm_jax.engine.block_manager import ROOT_DIGEST, page_digest
 from minivllm_jax.engine.engine import LLMEngine
+from minivllm_jax.engine.kv.block_manager import ROOT_DIGEST, page_digest
 from tests.test_engine_paths import (
     MAX_LEN,
     PAGE,

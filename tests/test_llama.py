@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from convert import read_checkpoint
-from minivllm_jax.batch import single_sequence_batch
 from minivllm_jax.config import ModelConfig
-from minivllm_jax.greedy import greedy_generate
-from minivllm_jax.kv_cache import init_kv_cache
+from minivllm_jax.engine.step import forward_jit
 from minivllm_jax.models.llama import init_params, unstack_layers
-from minivllm_jax.step import forward_jit
+from minivllm_jax.ops.batch import single_sequence_batch
+from minivllm_jax.ops.kv_cache import init_kv_cache
+from minivllm_jax.reference.greedy import greedy_generate
 from tests.conftest import make_tiny_llama
 
 LLAMA3_ROPE = {

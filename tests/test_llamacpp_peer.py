@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from benchmarks import llamacpp_peer
-from convert.reader import read_checkpoint
+from minivllm_jax.loading.reader import read_checkpoint
 from tests.conftest import make_tiny_llama, requires_smollm2
 from tests.test_convert import write_tiny_gguf
 

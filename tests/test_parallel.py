@@ -1,4 +1,4 @@
-"""Scale-out on JAX's runtime (`minivllm_jax.parallel`, `minivllm_jax.distributed`, the router):
+"""Scale-out on JAX's runtime (`minivllm_jax.parallel.sharding`, `minivllm_jax.parallel.distributed`, the router):
 tensor parallelism, data parallelism and several processes give the same greedy tokens as one
 device, with zero recompiles, and refuse what they cannot split.
 
@@ -19,7 +19,12 @@ import pytest
 
 from minivllm_jax.config import ModelConfig
 from minivllm_jax.engine.router import PrefixRouter
-from minivllm_jax.parallel import check_tensor_parallel, kv_replicas, local_config, stored_config
+from minivllm_jax.parallel.sharding import (
+    check_tensor_parallel,
+    kv_replicas,
+    local_config,
+    stored_config,
+)
 from tests.conftest import make_tiny_llama, requires_smollm2, save_tiny_tokenizer
 
 WORKER = Path(__file__).with_name("parallel_worker.py")

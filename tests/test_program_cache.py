@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from minivllm_jax import LLM, SamplingParams, kernels
-from minivllm_jax.program_cache import ProgramCache, program_key
+from minivllm_jax.engine.compilation import ProgramCache, program_key
 
 
 def _scale_and_add(x, y, *, factor):
@@ -71,7 +71,7 @@ def test_corrupt_file_is_a_logged_miss(tmp_path, caplog, damage):
     else:
         blob[len(blob) // 2] ^= 0xFF
     path.write_bytes(bytes(blob))
-    with caplog.at_level(logging.WARNING, logger="minivllm_jax.program_cache"):
+    with caplog.at_level(logging.WARNING, logger="minivllm_jax.engine.compilation"):
         program, loaded = ProgramCache(tmp_path).load_or_compile(
             ("f",), scale_and_add, _args(), {"factor": 2.0}
         )
@@ -123,7 +123,7 @@ def test_engine_warm_start_loads_every_program(tiny_model_with_tokenizer, tmp_pa
 
 XLA_CACHE_SCRIPT = """
 import sys, jax, jax.numpy as jnp
-from minivllm_jax.program_cache import ProgramCache
+from minivllm_jax.engine.compilation import ProgramCache
 jax.config.update("jax_compilation_cache_dir", sys.argv[1])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 f = jax.jit(lambda x: jnp.cumsum(x * jnp.arange(x.shape[0])) + jnp.sort(x))

@@ -12,7 +12,7 @@ import pytest
 
 from minivllm_jax import LLM, SamplingParams, kernels
 from minivllm_jax.models.llama import init_params, unstack_layers
-from minivllm_jax.quantization import (
+from minivllm_jax.ops.quantization import (
     dequantize,
     from_panels,
     lookup_embedding,
@@ -251,7 +251,7 @@ def test_native_w8a8_equals_reference_exactly(rows, n_in, n_out):
     floats bit for bit (tolerance zero) at every row count: micro-tiles of 6 rows and their
     remainders, panels of 64 columns and a 48-column one, inputs padded to a multiple of 4."""
     from minivllm_jax.kernels.w8a8_matmul import TARGET
-    from minivllm_jax.quantization import MATMUL
+    from minivllm_jax.ops.quantization import MATMUL
 
     rng = np.random.default_rng(rows * n_in)
     p = to_panels(quantize_w8a8(rng.standard_normal((n_in, n_out)).astype(np.float32)))  # as served
@@ -272,7 +272,7 @@ def test_native_w8a8_equals_reference_exactly(rows, n_in, n_out):
 def test_native_w8a8_falls_back_to_the_reference_where_the_kernel_does_not_apply():
     """Output sizes that are not a multiple of 16, non-float32 activations and weights not in the
     serving layout run the reference (no custom call in the program)."""
-    from minivllm_jax.quantization import MATMUL
+    from minivllm_jax.ops.quantization import MATMUL
 
     rng = np.random.default_rng(9)
     for n_out, dtype, served in [
@@ -336,7 +336,7 @@ def test_llm_refuses_an_unknown_quantization(tiny_model):
 def test_gguf_int4_blocks_equal_the_gguf_dequantizer(type_name):
     import gguf
 
-    from convert.gguf_source import int4_blocks
+    from minivllm_jax.loading.gguf_source import int4_blocks
 
     w = np.random.default_rng(5).standard_normal((6, 96)).astype(np.float32)
     qtype = gguf.GGMLQuantizationType[type_name]
@@ -374,8 +374,8 @@ def test_gguf_projections_come_back_exactly_and_serve_like_their_float_conversio
     """quantization='gguf' takes Q4_1 blocks as they are: dequantized, they equal the float
     conversion of the same file (GGML's own dequantizer). Only the int8 head differs from that
     conversion, so greedy tokens keep fp32's on at least 90% of positions (as int8's test)."""
-    from convert.gguf_source import read_int4_projections
-    from convert.reader import read_checkpoint
+    from minivllm_jax.loading.gguf_source import read_int4_projections
+    from minivllm_jax.loading.reader import read_checkpoint
 
     _, float_params = read_checkpoint(q4_gguf["Q4_1"], progress=False)
     blocks = read_int4_projections(q4_gguf["Q4_1"], num_layers=2)
@@ -414,7 +414,7 @@ def test_quantized_checkpoints_round_trip_and_load_without_quantizing_again(
     exactly what quantizing at load gives (int8 here), or the GGUF's own blocks (gguf), and
     refuses to quantize them a second way."""
     from convert.cli import main as convert_main
-    from minivllm_jax.checkpoint import load_converted
+    from minivllm_jax.loading.checkpoint import load_converted
 
     out = tmp_path / "int8"
     assert convert_main([tiny_model, str(out), "--quantize", "int8", "--no-progress"]) == 0
@@ -453,7 +453,7 @@ def test_quantized_checkpoints_round_trip_and_load_without_quantizing_again(
 
 def _float_params(model: str):
     from convert import resolve_model
-    from minivllm_jax.checkpoint import load_converted
+    from minivllm_jax.loading.checkpoint import load_converted
 
     return load_converted(resolve_model(model, progress=False))[2]
 

@@ -7,7 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from minivllm_jax.sampler import FILTER_K, Penalties, apply_penalties, make_sampling_arrays, sample
+from minivllm_jax.ops.sampler import (
+    FILTER_K,
+    Penalties,
+    apply_penalties,
+    make_sampling_arrays,
+    sample,
+)
 from minivllm_jax.sampling_params import MAX_LOGPROBS
 from minivllm_jax.sampling_params import SamplingParams as SP
 

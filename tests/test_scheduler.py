@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from minivllm_jax.config import AUTO_TPOT_FACTOR, EngineConfig, bucket_for
-from minivllm_jax.engine.block_manager import BlockManager
+from minivllm_jax.engine.kv.block_manager import BlockManager
 from minivllm_jax.engine.scheduler import MIN_PROMPT_CHUNK, ScheduledBatch, Scheduler
 from minivllm_jax.engine.sequence import Sequence, SequenceStatus
 from minivllm_jax.sampling_params import SamplingParams
@@ -507,7 +507,7 @@ def test_default_server_config_compiles_few_step_programs():
 def test_grammar_rows_never_run_multi_step_or_speculate():
     """A structured-output row's next mask needs its last token: no multi-step batch and no
     draft while one runs; the same batch without it runs multi-step and may draft."""
-    from minivllm_jax.speculative import SpeculativeConfig
+    from minivllm_jax.config import SpeculativeConfig
 
     s = make(
         num_scheduler_steps=4,

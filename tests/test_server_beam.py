@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from minivllm_jax import LLM, BeamSearchParams, SamplingParams
-from minivllm_jax.beam_search import BeamSearchOutput
+from minivllm_jax.engine.decoding.beam_search import BeamSearchOutput
 from server.app import create_app
 from server.engine_loop import AsyncEngine, QueueFull
 from server.protocol import (

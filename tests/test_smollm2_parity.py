@@ -14,7 +14,7 @@ import pytest
 
 from convert import read_checkpoint
 from minivllm_jax.config import ModelConfig
-from minivllm_jax.greedy import greedy_generate
+from minivllm_jax.reference.greedy import greedy_generate
 from tests.conftest import require_smollm2
 
 pytestmark = [pytest.mark.slow, pytest.mark.requires_smollm2]

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from minivllm_jax import LLM, SamplingParams
-from minivllm_jax.speculative import SpeculativeConfig, accepted_length, propose_ngram
+from minivllm_jax.config import SpeculativeConfig
+from minivllm_jax.engine.decoding.speculative import accepted_length, propose_ngram
 from tests.conftest import make_tiny_llama, save_tiny_tokenizer
 
 NGRAM = {
@@ -155,9 +156,9 @@ def test_no_drafts_while_more_sequences_run_than_disable_by_batch_size(model_dir
 
 
 def test_backoff_doubles_on_misses_and_resets_on_acceptance():
+    from minivllm_jax.engine.decoding.speculative import MAX_BACKOFF
     from minivllm_jax.engine.scheduler import note_draft_result
     from minivllm_jax.engine.sequence import Sequence
-    from minivllm_jax.speculative import MAX_BACKOFF
 
     seq = Sequence("r", [1, 2], SamplingParams())
     waits = []

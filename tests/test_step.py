@@ -1,4 +1,4 @@
-"""The fused device step (`minivllm_jax/step.py`): sampling inside the step program and the
+"""The fused device step (`minivllm_jax/engine/step.py`): sampling inside the step program and the
 device-resident penalty history, which must equal what the host knows of every sequence
 through chunking, prefix-cache hits, forks and preemption."""
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from minivllm_jax import LLM, SamplingParams, StructuredOutputsParams
-from minivllm_jax.sampler import apply_token_bitmask, make_sampling_arrays, sample
+from minivllm_jax.ops.sampler import apply_token_bitmask, make_sampling_arrays, sample
 from tests.conftest import requires_smollm2
 
 # ----------------------------------------------------------------------------- params

@@ -16,24 +16,19 @@ from concurrent.futures import Future
 
 from jax.sharding import Mesh
 
-from minivllm_jax.config import EngineConfig, ModelConfig
-from minivllm_jax.detokenizer import IncrementalDetokenizer
-from minivllm_jax.engine.block_manager import BlockManager, check_cache_salt
+from minivllm_jax.config import EngineConfig, KVCompressionConfig, ModelConfig
+from minivllm_jax.engine.decoding.speculative import accepted_length
+from minivllm_jax.engine.decoding.structured_output import GrammarCompiler
+from minivllm_jax.engine.detokenizer import IncrementalDetokenizer
+from minivllm_jax.engine.kv.block_manager import BlockManager, check_cache_salt
+from minivllm_jax.engine.kv.compression import kept_pages, needs_scores, wants_compression
+from minivllm_jax.engine.kv.tiers import FailedMoves, KVTiers
 from minivllm_jax.engine.runner import ModelRunner, PendingStep, RowsFailed, StepResult
 from minivllm_jax.engine.scheduler import ScheduledBatch, Scheduler, note_draft_result
 from minivllm_jax.engine.sequence import Sequence, SequenceStatus
-from minivllm_jax.engine.tiers import FailedMoves, KVTiers
-from minivllm_jax.kv_compression import (
-    KVCompressionConfig,
-    kept_pages,
-    needs_scores,
-    wants_compression,
-)
 from minivllm_jax.models.llama import Params
 from minivllm_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minivllm_jax.sampling_params import SamplingParams
-from minivllm_jax.speculative import accepted_length
-from minivllm_jax.structured_output import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -631,7 +626,7 @@ class LLMEngine:
 
     def _compress(self, seq: Sequence) -> None:
         """Apply the sequence's KV compression policy: drop the full pages it does not keep
-        (`minivllm_jax.kv_compression`), back to the pool. Steps already dispatched read the old
+        (`minivllm_jax.engine.kv.compression`), back to the pool. Steps already dispatched read the old
         page list and run before any later step can reuse a dropped page; later steps see the
         shorter list, with the tokens' true positions (`Sequence.num_dropped_tokens`)."""
         config, ps = seq.kv_compression, self.config.page_size

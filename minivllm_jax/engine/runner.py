@@ -2,10 +2,10 @@
 runs the precompiled step programs.
 
 Every program is compiled ahead of time (`jit(...).lower(...).compile()`, or loaded whole from
-the program cache, `minivllm_jax.program_cache`) for one bucket shape and kept in a dict keyed
+the program cache, `minivllm_jax.engine.compilation`) for one bucket shape and kept in a dict keyed
 by that shape, so a shape outside the warm-up set is visible (`num_compiles` grows) rather than
 a silent recompile. A step program is the model and the
-sampler together (`minivllm_jax.step`); the KV cache and the penalty state are donated to it.
+sampler together (`minivllm_jax.engine.step`); the KV cache and the penalty state are donated to it.
 """
 
 from __future__ import annotations
@@ -24,20 +24,15 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from minivllm_jax import distributed, kernels, parallel
-from minivllm_jax.attention import resolve_attention
-from minivllm_jax.batch import Chunk, StepBatch, build_step_batch
+from minivllm_jax import kernels
 from minivllm_jax.config import EngineConfig, ModelConfig, bucket_for
-from minivllm_jax.distributed import StepChannel
+from minivllm_jax.engine.compilation import ProgramCache
+from minivllm_jax.engine.decoding.structured_output import fill_bitmasks
+from minivllm_jax.engine.kv.compression import needs_scores
+from minivllm_jax.engine.runtime import program_cache_dir
 from minivllm_jax.engine.scheduler import ScheduledBatch
 from minivllm_jax.engine.sequence import Sequence
-from minivllm_jax.kv_cache import SCRATCH_PAGE, KVCache, init_kv_cache
-from minivllm_jax.kv_compression import needs_scores
-from minivllm_jax.models.llama import Params, model_dtype, unstack_layers
-from minivllm_jax.program_cache import ProgramCache
-from minivllm_jax.runtime import program_cache_dir
-from minivllm_jax.sampler import SampleResult, SamplingArrays, make_sampling_arrays, sampling_arrays
-from minivllm_jax.step import (
+from minivllm_jax.engine.step import (
     PenaltyRows,
     PenaltyState,
     copy_pages_jit,
@@ -50,7 +45,18 @@ from minivllm_jax.step import (
     page_attention_scores_jit,
     scatter_pages_jit,
 )
-from minivllm_jax.structured_output import fill_bitmasks
+from minivllm_jax.models.llama import Params, model_dtype, unstack_layers
+from minivllm_jax.ops.attention import resolve_attention
+from minivllm_jax.ops.batch import Chunk, StepBatch, build_step_batch
+from minivllm_jax.ops.kv_cache import SCRATCH_PAGE, KVCache, init_kv_cache
+from minivllm_jax.ops.sampler import (
+    SampleResult,
+    SamplingArrays,
+    make_sampling_arrays,
+    sampling_arrays,
+)
+from minivllm_jax.parallel import distributed, sharding
+from minivllm_jax.parallel.distributed import StepChannel
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +113,7 @@ class RowsFailed(Exception):
 
 
 class ModelRunner:
-    """`mesh`: the devices the model runs on. Several: tensor-parallel (`minivllm_jax.parallel`):
+    """`mesh`: the devices the model runs on. Several: tensor-parallel (`minivllm_jax.parallel.sharding`):
     params and cache split over them, the sampler's state on all of them. One: everything on
     that device (a data-parallel replica). None: the default device."""
 
@@ -128,8 +134,8 @@ class ModelRunner:
             self.step_config = model_config
             self.params = params if self.device is None else jax.device_put(params, self.device)
         else:  # KV heads as stored when there are fewer than devices (repeated)
-            self.step_config = parallel.stored_config(model_config, mesh.size)
-            self.params = parallel.shard_params(params, model_config, mesh)
+            self.step_config = sharding.stored_config(model_config, mesh.size)
+            self.params = sharding.shard_params(params, model_config, mesh)
         # Where the host's per-step arrays go: the default device needs no placing; a replica's
         # device or a mesh (whole on each device) does, since a compiled program takes its
         # arguments where it was compiled for them.
@@ -182,7 +188,7 @@ class ModelRunner:
             return
         cache = jax.eval_shape(make)[0]
         cache_sharding = (
-            self.host_sharding if self.mesh is None else parallel.cache_shardings(cache, self.mesh)
+            self.host_sharding if self.mesh is None else sharding.cache_shardings(cache, self.mesh)
         )
         out = (cache_sharding, self.host_sharding, self.host_sharding)
         self.cache, self.penalty_state, self.fed_back = jax.jit(make, out_shardings=out)()
@@ -390,7 +396,7 @@ class ModelRunner:
         self.penalty_state = self._load_penalty_program()(self.penalty_state, *self._place(inputs))
 
     def follow(self) -> None:
-        """On a process other than the leader (`minivllm_jax.distributed`): run each program the
+        """On a process other than the leader (`minivllm_jax.parallel.distributed`): run each program the
         leader announces, with its inputs, until it announces the stop."""
         if self.channel is None or distributed.is_leader():
             raise RuntimeError(

@@ -6,7 +6,7 @@ priority) with what is left. While streaming requests decode, the prompt tokens 
 step are limited so the step stays within the TPOT target (`StepCosts`); offline work gets
 the whole budget. Under page pressure the lowest-priority, newest running sequence is
 preempted: its pages are freed and it waits to be recomputed (its prefix may still be
-cached), or its KV is swapped out to the host pool and back (`minivllm_jax.engine.swap`; the
+cached), or its KV is swapped out to the host pool and back (`minivllm_jax.engine.kv.swap`; the
 copies are queued in `swap_outs`/`swap_ins` for the engine). Nothing is ever dropped.
 """
 
@@ -16,10 +16,10 @@ import dataclasses
 import time
 
 from minivllm_jax.config import AUTO_TPOT_FACTOR, EngineConfig, bucket_for
-from minivllm_jax.engine.block_manager import BlockManager
+from minivllm_jax.engine.decoding.speculative import MAX_BACKOFF, propose_ngram
+from minivllm_jax.engine.kv.block_manager import BlockManager
+from minivllm_jax.engine.kv.swap import SwappedKV, SwapPool
 from minivllm_jax.engine.sequence import Sequence, SequenceStatus
-from minivllm_jax.engine.swap import SwappedKV, SwapPool
-from minivllm_jax.speculative import MAX_BACKOFF, propose_ngram
 
 MIN_PROMPT_CHUNK = 16  # prompt tokens a step may always add: waiting prompts always progress
 

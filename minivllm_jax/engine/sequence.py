@@ -7,14 +7,14 @@ import itertools
 import time
 from typing import TYPE_CHECKING
 
+from minivllm_jax.ops.sampler import sampling_row
 from minivllm_jax.outputs import TokenLogprobs
-from minivllm_jax.sampler import sampling_row
 from minivllm_jax.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from minivllm_jax.engine.swap import SwappedKV
-    from minivllm_jax.kv_compression import KVCompressionConfig
-    from minivllm_jax.structured_output import Grammar
+    from minivllm_jax.config import KVCompressionConfig
+    from minivllm_jax.engine.decoding.structured_output import Grammar
+    from minivllm_jax.engine.kv.swap import SwappedKV
 
 _seq_counter = itertools.count()
 
@@ -73,7 +73,7 @@ class Sequence:
             0  # prompt tokens served by the prefix cache (memory or disk) on admission
         )
         self.swapped: SwappedKV | None = None  # its computed pages while swapped out (preemption)
-        # KV compression (`minivllm_jax.kv_compression`): tokens whose pages were dropped. Its
+        # KV compression (`minivllm_jax.engine.kv.compression`): tokens whose pages were dropped. Its
         # K/V slots are then `len(self) - num_dropped_tokens`; positions stay the true ones.
         self.kv_compression: KVCompressionConfig | None = None
         self.num_dropped_tokens = 0
@@ -87,7 +87,7 @@ class Sequence:
         self.num_preemptions = 0
         self.penalty_slot: int | None = None  # row of the device penalty state, while running
         self.penalty_loaded = False  # that row holds this sequence's history
-        # Speculative decoding (`minivllm_jax.speculative`): no proposal before this many
+        # Speculative decoding (`minivllm_jax.engine.decoding.speculative`): no proposal before this many
         # output tokens, after misses; the wait doubles with each miss in a row.
         self.spec_resume_at = 0
         self.spec_backoff = 0

@@ -2,7 +2,7 @@
 
 Each kernel is a C++ source here (`*.cc`, built by `build.py` into one library at install
 time) with its JAX wrapper beside it (`ragged_paged_attention.py`); the pure-JAX reference it
-must equal stays where the op's contract lives (`minivllm_jax.attention`). To XLA a custom call
+must equal stays where the op's contract lives (`minivllm_jax.ops.attention`). To XLA a custom call
 is a pure function of its operands, so the model stays pure.
 
 `native_available()` says whether the library is built and loaded (its FFI targets registered

@@ -1,5 +1,5 @@
 """The native weight-only quantized matmul (`quantized_matmul.cc`) behind the contract of
-`minivllm_jax.quantization.quantized_matmul_reference` (same result to fp32 rounding). It serves
+`minivllm_jax.ops.quantization.quantized_matmul_reference` (same result to fp32 rounding). It serves
 steps of few rows (decodes), where reading the weights is the cost; weights in the serving
 layout (`quantization.to_panels`), float32 activations, output sizes that are multiples of 64:
 anything else runs the reference."""
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from minivllm_jax.kernels import require_native
-from minivllm_jax.quantization import PANEL, output_size, quantized_matmul_reference
+from minivllm_jax.ops.quantization import PANEL, output_size, quantized_matmul_reference
 
 MAX_NATIVE_ROWS = (
     64  # measured here at 64 rows: 1.6-4x faster than XLA dequantizing then multiplying

@@ -1,5 +1,5 @@
 """The native ragged paged attention (`ragged_paged_attention.cc`) behind the contract of
-`minivllm_jax.attention` (same signature, same result as its pure-JAX reference to fp32
+`minivllm_jax.ops.attention` (same signature, same result as its pure-JAX reference to fp32
 rounding). float32 queries and K/V, with float32 or int8 pages (`KVCache.quantized`); other
 dtypes run the reference."""
 
@@ -8,10 +8,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from minivllm_jax.attention import ragged_paged_attention
-from minivllm_jax.batch import StepBatch
 from minivllm_jax.kernels import require_native
-from minivllm_jax.kv_cache import KVCache, as_stored
+from minivllm_jax.ops.attention import ragged_paged_attention
+from minivllm_jax.ops.batch import StepBatch
+from minivllm_jax.ops.kv_cache import KVCache, as_stored
 
 TARGETS = {
     False: "minivllm_ragged_paged_attention_f32",

@@ -1,5 +1,5 @@
 """The native W8A8 matmul (`w8a8_matmul.cc`, AVX-512 VNNI) behind the contract of
-`minivllm_jax.quantization.w8a8_matmul_reference`: the same numbers exactly (integer sums are
+`minivllm_jax.ops.quantization.w8a8_matmul_reference`: the same numbers exactly (integer sums are
 exact, and the float steps are the reference's), for every row count: decode steps use it too.
 It reads the weights in the serving layout (`quantization.to_panels`); float32 activations and
 output sizes that are multiples of 16 only: anything else runs the reference."""
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from minivllm_jax.kernels import require_native
-from minivllm_jax.quantization import w8a8_matmul_reference
+from minivllm_jax.ops.quantization import w8a8_matmul_reference
 
 TARGET = "minivllm_matmul_w8a8_f32"
 

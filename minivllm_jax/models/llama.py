@@ -20,7 +20,7 @@ params = {
   "lm_head"?: [hidden, vocab],              # absent when embeddings are tied
 }
 (Quantized models replace projection kernels and the head by the arrays of
-`minivllm_jax.quantization`.)
+`minivllm_jax.ops.quantization`.)
 Kernels are `[in, out]` (HF's `[out, in]` transposed). Numerics follow HF's modeling_llama:
 RMSNorm in float32 then cast back before the weight, rotate-half RoPE, softmax in float32.
 
@@ -45,13 +45,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from minivllm_jax.attention import ATTENTION_WITH_EXTRAS, AttentionFn, get_attention
-from minivllm_jax.batch import StepBatch
 from minivllm_jax.config import ModelConfig, check_activation, decoder_fields
 from minivllm_jax.kernels.float_matmul import float_matmul_transposed_native
-from minivllm_jax.kv_cache import KVCache, write_kv
 from minivllm_jax.models.registry import ModelFamily, layer_weight_names
-from minivllm_jax.quantization import MATMUL, is_quantized, lookup_embedding, serving_layout
+from minivllm_jax.ops.attention import ATTENTION_WITH_EXTRAS, AttentionFn, get_attention
+from minivllm_jax.ops.batch import StepBatch
+from minivllm_jax.ops.kv_cache import KVCache, write_kv
+from minivllm_jax.ops.quantization import MATMUL, is_quantized, lookup_embedding, serving_layout
 
 Params = dict[str, Any]
 
@@ -252,9 +252,9 @@ QuantizedMatmul = Callable[[jax.Array, Params], jax.Array]
 def _linear(
     matmul: QuantizedMatmul, x: jax.Array, p: dict[str, jax.Array], axis: str | None = None
 ) -> jax.Array:
-    """`x @ kernel + bias` by `matmul` (`minivllm_jax.quantization.MATMUL`: float and quantized
+    """`x @ kernel + bias` by `matmul` (`minivllm_jax.ops.quantization.MATMUL`: float and quantized
     projections, XLA's dot or the native kernels). With `axis` the kernel's input rows are split over that mesh axis (o_proj
-    and down_proj under tensor parallelism, `minivllm_jax.parallel`): the partial products are
+    and down_proj under tensor parallelism, `minivllm_jax.parallel.sharding`): the partial products are
     summed over the devices (one all-reduce) before the bias is added, once."""
     y = matmul(x, p)
     if axis is not None:
@@ -353,15 +353,15 @@ def forward(
 
     Returns float32 logits at each sequence's last new token (`[S, V]`; a padded sequence
     gives a row of no meaning), or at every token (`[T, V]`) when `all_logits`, or at the
-    tokens `logit_rows` (`int32[R]` token indices: `[R, V]`), and the updated cache. `attention` names the implementation (`minivllm_jax.attention.ATTENTION`).
+    tokens `logit_rows` (`int32[R]` token indices: `[R, V]`), and the updated cache. `attention` names the implementation (`minivllm_jax.ops.attention.ATTENTION`).
 
     `axis`: run as one shard of a tensor-parallel model (inside `shard_map` over that mesh
-    axis, `minivllm_jax.parallel`): `cfg` counts this device's heads and `params`/`cache` are its
+    axis, `minivllm_jax.parallel.sharding`): `cfg` counts this device's heads and `params`/`cache` are its
     slices; the row-split projections are all-reduced, and an embedding or head split by vocab
     is looked up locally and summed, or all-gathered into full logits.
 
     `return_queries` (static): also return every layer's post-RoPE queries at the new tokens,
-    `[L, T, H, hd]`, as a third value (page scores, `minivllm_jax.step.page_attention_scores`);
+    `[L, T, H, hd]`, as a third value (page scores, `minivllm_jax.engine.step.page_attention_scores`);
     the logits and cache are the same either way.
     """
     attend, qmatmul = _layer_attention(cfg, attention), MATMUL[matmul]

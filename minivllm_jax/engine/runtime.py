@@ -14,11 +14,11 @@ _program_cache_dir: Path | None = None
 
 def enable_compilation_cache(path: str | None = None) -> str:
     """Keep the engine's compiled programs on disk so the next start-up loads them instead of
-    tracing and compiling (`minivllm_jax.program_cache`).
+    tracing and compiling (`minivllm_jax.engine.compilation`).
 
     XLA's own persistent compilation cache stays off: it would only save the compile, not the
     tracing and lowering, and an executable it loads cannot be stored whole again (see
-    `minivllm_jax.program_cache`). Returns the folder (`programs/` inside it holds them)."""
+    `minivllm_jax.engine.compilation`). Returns the folder (`programs/` inside it holds them)."""
     global _program_cache_dir
     path = (
         path

@@ -1,14 +1,14 @@
 """Quantizing a model as it loads or converts: a scheme applied to its float weights
-(`minivllm_jax.quantization`), or a GGUF's own 4-bit blocks taken as they are ("gguf")."""
+(`minivllm_jax.ops.quantization`), or a GGUF's own 4-bit blocks taken as they are ("gguf")."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from convert.gguf_source import read_int4_projections
-from convert.resolve import MODEL_ALIASES, alias_source
-from minivllm_jax.quantization import (
+from minivllm_jax.loading.gguf_source import read_int4_projections
+from minivllm_jax.loading.resolve import MODEL_ALIASES, alias_source
+from minivllm_jax.ops.quantization import (
     LLM_QUANTIZATIONS,
     quantize_head,
     quantize_params,

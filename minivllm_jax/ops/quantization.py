@@ -11,7 +11,7 @@ A quantized projection replaces `{"kernel": [in, out]}` in the per-layer params
   [in / g, out]}`, `w = q * scale + min` with `q` in 0..15; byte `i` holds input rows `2i`
   (low nibble) and `2i + 1` (high nibble). Scale-and-minimum groups along `in` are GGUF's Q4_1
   blocks, so those (and Q4_0's, `min = -8 * scale`) map onto this layout exactly: "gguf" serves
-  a GGUF's own blocks (`convert.gguf_source.read_int4_projections`). Q8_0 blocks (a scale per 32
+  a GGUF's own blocks (`minivllm_jax.loading.gguf_source.read_int4_projections`). Q8_0 blocks (a scale per 32
   inputs) have no exact place in per-channel int8, so that mode refuses them.
 - w8a8 (vLLM's INT8 W8A8): int8's weights, with int8 activations quantized per row on the fly:
   `{"qweight_a8": int8 [ceil(in / 4), 4 * out], "scales": f32 [out]}`, the weights packed for
@@ -411,7 +411,7 @@ def with_int4_projections(
     params: dict[str, Any], projections: dict[str, dict[str, Any]]
 ) -> dict[str, Any]:
     """Stacked params (before `unstack_layers`) with each named projection's float kernel
-    replaced by given int4 arrays stacked over layers (`convert.gguf_source.read_int4_projections`:
+    replaced by given int4 arrays stacked over layers (`minivllm_jax.loading.gguf_source.read_int4_projections`:
     a GGUF's own 4-bit blocks, so nothing is quantized twice). Every projection must be given,
     with the shapes its kernel implies."""
     layers = params["layers"]

@@ -23,12 +23,12 @@ import numpy as np
 from jax import lax
 
 from minivllm_jax import kernels
-from minivllm_jax.attention import resolve_attention
-from minivllm_jax.batch import StepBatch
 from minivllm_jax.config import ModelConfig
-from minivllm_jax.kv_cache import KVCache, init_kv_cache
 from minivllm_jax.models.llama import Params, forward, model_dtype, unstack_layers
-from minivllm_jax.sampler import (
+from minivllm_jax.ops.attention import resolve_attention
+from minivllm_jax.ops.batch import StepBatch
+from minivllm_jax.ops.kv_cache import KVCache, init_kv_cache
+from minivllm_jax.ops.sampler import (
     Penalties,
     SamplingArrays,
     apply_penalties,

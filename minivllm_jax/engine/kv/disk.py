@@ -9,7 +9,7 @@ model and KV layout, so pages of another model or layout are never seen. One fil
 
 A page read back is served to whichever request's prefix has its digest, so the folder is
 trusted only as far as it is private: the directory must be ours and writable by no one else
-(`minivllm_jax.private_dir`; created 0700, files 0600), and every file carries an HMAC-SHA256
+(`minivllm_jax.engine.private_dir`; created 0700, files 0600), and every file carries an HMAC-SHA256
 under the key in `<directory>/kv-disk.key` (32 random bytes, 0600, made on first use), so a file
 that another party wrote or damaged is a miss.
 
@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minivllm_jax.private_dir import (
+from minivllm_jax.engine.private_dir import (
     PRIVATE_DIR_MODE,
     PRIVATE_FILE_MODE,
     check_private_file,

@@ -36,8 +36,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from minivllm_jax.config import ModelConfig
-from minivllm_jax.kv_cache import KVCache
-from minivllm_jax.quantization import is_quantized
+from minivllm_jax.ops.kv_cache import KVCache
+from minivllm_jax.ops.quantization import is_quantized
 
 TP_AXIS = "tp"
 

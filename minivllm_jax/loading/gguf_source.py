@@ -13,8 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from convert.errors import ConversionError, CorruptCheckpointError, UnsupportedArchitectureError
-from convert.source import Source, TensorEntry
+from minivllm_jax.loading.errors import (
+    ConversionError,
+    CorruptCheckpointError,
+    UnsupportedArchitectureError,
+)
+from minivllm_jax.loading.source import Source, TensorEntry
 
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK = {
@@ -29,7 +33,7 @@ _BLOCK = {
     "ffn_down": "mlp.down_proj",
 }
 SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
-# GGML block types whose values are our int4 layout exactly (`minivllm_jax.quantization`):
+# GGML block types whose values are our int4 layout exactly (`minivllm_jax.ops.quantization`):
 # 32 values a block with a float16 scale and minimum (Q4_0: minimum = -8 * scale).
 INT4_BLOCK_TYPES = ("Q4_0", "Q4_1")
 _BLOCK_VALUES = 32
@@ -159,12 +163,12 @@ def int4_blocks(
 def read_int4_projections(path: Path, num_layers: int) -> dict[str, dict[str, np.ndarray]]:
     """Every layer projection of a GGUF whose weights are Q4_0/Q4_1 blocks, in our stacked int4
     layout without a round trip through floats: `{"q_proj": {"qweight4": uint8 [L, in / 2, out],
-    "scales"/"mins": f32 [L, in / 32, out]}, ...}` (`minivllm_jax.quantization`), Q/K rows
+    "scales"/"mins": f32 [L, in / 32, out]}, ...}` (`minivllm_jax.ops.quantization`), Q/K rows
     un-permuted as the float path does. A projection stored in another type is an error that
     says which: those files are served with quantization='int4' or 'int8' instead."""
     import gguf
 
-    from minivllm_jax.quantization import pack_int4
+    from minivllm_jax.ops.quantization import pack_int4
 
     reader = gguf.GGUFReader(str(path))
     hf_config = gguf_hf_config(path)

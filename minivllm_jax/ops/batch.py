@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from minivllm_jax.kv_cache import SCRATCH_PAGE
+from minivllm_jax.ops.kv_cache import SCRATCH_PAGE
 
 
 @jax.tree_util.register_dataclass
@@ -59,7 +59,7 @@ def token_sequences(batch: StepBatch) -> tuple[jax.Array, jax.Array]:
 class Chunk:
     """What one sequence feeds in a step: `token_ids` at cache indices `context_len...`; `pages`
     are all its pages (at least those the new tokens land in). `position_offset`: tokens dropped
-    from the cache before this chunk (`minivllm_jax.kv_compression`): the tokens' RoPE positions
+    from the cache before this chunk (`minivllm_jax.engine.kv.compression`): the tokens' RoPE positions
     are `context_len + position_offset...`, while their slots and attention use `context_len`."""
 
     token_ids: Sequence[int]

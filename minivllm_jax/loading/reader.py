@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from convert.errors import (
+from minivllm_jax.config import ModelConfig, UnsupportedModelError
+from minivllm_jax.loading.errors import (
     CheckpointNotFoundError,
     ConversionError,
     CorruptCheckpointError,
@@ -26,8 +27,7 @@ from convert.errors import (
     UnsupportedArchitectureError,
     WeightMismatchError,
 )
-from convert.source import Source, TensorEntry
-from minivllm_jax.config import ModelConfig, UnsupportedModelError
+from minivllm_jax.loading.source import Source, TensorEntry
 from minivllm_jax.models.llama import hf_weight_map, param_shapes
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -57,8 +57,8 @@ def model_config(hf_config: dict[str, Any]) -> ModelConfig:
 
 @contextlib.contextmanager
 def open_source(src: Path) -> Iterator[Source]:
-    from convert.gguf_source import open_gguf
-    from convert.safetensors_source import open_hf_folder
+    from minivllm_jax.loading.gguf_source import open_gguf
+    from minivllm_jax.loading.safetensors_source import open_hf_folder
 
     if not src.exists():
         raise CheckpointNotFoundError(f"{src} does not exist; expected {EXPECTED}")

@@ -11,11 +11,11 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from minivllm_jax.batch import single_sequence_batch
 from minivllm_jax.config import ModelConfig
-from minivllm_jax.kv_cache import init_kv_cache
+from minivllm_jax.engine.step import forward_jit
 from minivllm_jax.models.llama import Params, model_dtype, unstack_layers
-from minivllm_jax.step import forward_jit
+from minivllm_jax.ops.batch import single_sequence_batch
+from minivllm_jax.ops.kv_cache import init_kv_cache
 
 
 def greedy_stream(

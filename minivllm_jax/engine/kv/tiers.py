@@ -20,14 +20,14 @@ import jax
 import numpy as np
 
 from minivllm_jax.config import EngineConfig, ModelConfig
-from minivllm_jax.engine.block_manager import BlockManager, CachedPage
-from minivllm_jax.engine.kv_disk import DiskPageStore
+from minivllm_jax.engine.kv.block_manager import BlockManager, CachedPage
+from minivllm_jax.engine.kv.disk import DiskPageStore
+from minivllm_jax.engine.kv.swap import SwapPool
 from minivllm_jax.engine.runner import ModelRunner
 from minivllm_jax.engine.scheduler import Scheduler
 from minivllm_jax.engine.sequence import Sequence
-from minivllm_jax.engine.swap import SwapPool
-from minivllm_jax.kv_cache import KVCache, kv_bytes_per_page
 from minivllm_jax.models.llama import Params
+from minivllm_jax.ops.kv_cache import KVCache, kv_bytes_per_page
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ program's name, its static arguments and the shapes, dtypes and tree structure o
 arguments. A file holds a SHA-256 of its payload: a truncated or corrupt file
 is a miss (logged and removed), never a crash. Files are written atomically; the oldest are
 removed beyond `MAX_FILES`. Loading runs pickled code, so the directory must be ours alone
-(`minivllm_jax.private_dir`): one owned by another user or writable by group or others turns
+(`minivllm_jax.engine.private_dir`): one owned by another user or writable by group or others turns
 the cache off with a warning (programs are then compiled), and a file in it that is not ours
 is never unpickled.
 """
@@ -39,7 +39,7 @@ import jaxlib
 import numpy as np
 from jax.experimental import serialize_executable
 
-from minivllm_jax.private_dir import check_owned_by_us, ensure_private_dir
+from minivllm_jax.engine.private_dir import check_owned_by_us, ensure_private_dir
 
 logger = logging.getLogger(__name__)
 

@@ -10,8 +10,12 @@ from pathlib import Path
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so safetensors can return bf16 arrays)
 from safetensors import SafetensorError, safe_open
 
-from convert.errors import CheckpointNotFoundError, ConversionError, CorruptCheckpointError
-from convert.source import Source, TensorEntry
+from minivllm_jax.loading.errors import (
+    CheckpointNotFoundError,
+    ConversionError,
+    CorruptCheckpointError,
+)
+from minivllm_jax.loading.source import Source, TensorEntry
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"

@@ -13,7 +13,7 @@ of the step before it (async scheduling). Such a token is a placeholder `-(r + 1
 (`int32[max_num_seqs]`, the previous step's tokens as this step returns them). One compiled program per bucket
 (token count, sequence count); every per-request value is an array, so nothing recompiles
 when requests change. Static arguments: the model config and the attention implementation's
-name (`minivllm_jax.attention.ATTENTION`).
+name (`minivllm_jax.ops.attention.ATTENTION`).
 
 Penalty state: row `s` of `PenaltyState` belongs to the sequence the scheduler gave slot `s`
 (the last row is scratch: rows without penalties and padding write there). A step marks the
@@ -31,10 +31,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 
-from minivllm_jax import parallel
-from minivllm_jax.batch import StepBatch, token_sequences
 from minivllm_jax.config import ModelConfig
-from minivllm_jax.kv_cache import (
+from minivllm_jax.models.llama import Params, forward
+from minivllm_jax.ops.batch import StepBatch, token_sequences
+from minivllm_jax.ops.kv_cache import (
     KVCache,
     copy_pages,
     dequantize_k_blocks,
@@ -42,14 +42,14 @@ from minivllm_jax.kv_cache import (
     gather_pages,
     scatter_pages,
 )
-from minivllm_jax.models.llama import Params, forward
-from minivllm_jax.sampler import (
+from minivllm_jax.ops.sampler import (
     Penalties,
     SampleResult,
     SamplingArrays,
     apply_penalties,
     sample_penalized,
 )
+from minivllm_jax.parallel import sharding
 
 
 @jax.tree_util.register_dataclass
@@ -110,7 +110,7 @@ def engine_step(
     """Returns the sampled rows, the cache, the penalty state, and the tokens again padded to
     `fed_back`'s length (what the next step takes as its `fed_back`).
 
-    With a `mesh` the model runs tensor-parallel over it (`minivllm_jax.parallel`: `params` and
+    With a `mesh` the model runs tensor-parallel over it (`minivllm_jax.parallel.sharding`: `params` and
     `cache` sharded as `shard_params`/`cache_shardings` place them, `cfg` their `stored_config`);
     the sampler runs on the gathered logits, the same on every device."""
     pending = batch.tokens < 0
@@ -157,7 +157,7 @@ def engine_multi_step(
         cache, penalty_state, fed_back = carry
         positions = batch.positions + j
         # Slots follow the cache index, not the position: they differ by the tokens a sequence
-        # dropped from its cache (`Chunk.position_offset`, `minivllm_jax.kv_compression`).
+        # dropped from its cache (`Chunk.position_offset`, `minivllm_jax.engine.kv.compression`).
         index = batch.context_len[seq] + j
         page = batch.page_ids[
             jnp.clip(batch.page_start[seq] + index // page_size, 0, batch.page_ids.shape[0] - 1)
@@ -211,7 +211,7 @@ def engine_verify_step(
     """`engine_step` for a speculative step: samples at the tokens `logit_rows` (`int32[R]`,
     `sampling` has a row for each): each sequence's last token and, for one with a draft, every
     draft token's position too, so that the host can check each draft token against the sample
-    drawn where it was proposed (`minivllm_jax.speculative`). The host reads such a step before
+    drawn where it was proposed (`minivllm_jax.engine.decoding.speculative`). The host reads such a step before
     scheduling the next, so it feeds no placeholders and `fed_back` passes through."""
     logits, cache = model_forward(
         params, cache, batch, cfg, attention, matmul, mesh, logit_rows=logit_rows
@@ -247,10 +247,10 @@ def model_forward(
         return forward(
             params, cache, batch, cfg, attention, all_logits, matmul, logit_rows=logit_rows
         )
-    local = parallel.local_config(cfg, mesh.shape[parallel.TP_AXIS])
+    local = sharding.local_config(cfg, mesh.shape[sharding.TP_AXIS])
     every = all_logits or logit_rows is not None
     shard = lambda p, c, b, axis: forward(p, c, b, local, attention, every, matmul, axis)  # noqa: E731
-    logits, cache = parallel.sharded(mesh, shard)(params, cache, batch)
+    logits, cache = sharding.sharded(mesh, shard)(params, cache, batch)
     return (logits if logit_rows is None else logits[logit_rows]), cache
 
 
@@ -311,7 +311,7 @@ def page_attention_scores(
 ) -> jax.Array:
     """f32[N]: the attention mass the last new token of sequence 0 of `batch` puts on each page
     listed in `batch.page_ids`, summed over all layers and query heads and normalized to total 1
-    (the page-score policy of `minivllm_jax.kv_compression`).
+    (the page-score policy of `minivllm_jax.engine.kv.compression`).
 
     Each layer and head contributes its softmax over the sequence's `context_len` cached tokens
     only (scale `hd ** -0.5`); entries that are not the sequence's cached pages (padding, the

@@ -27,7 +27,7 @@ between steps it holds at most `ceil(sink / page) + ceil(window / page)` full pa
 ("sink_window") or `budget_tokens // page_size` ("page_scores") and its partial page, however
 long it runs (plus, within a step, the pages its new tokens fill before the next drop).
 
-Scores (`minivllm_jax.step.page_attention_scores`): for each cached page, the softmax
+Scores (`minivllm_jax.engine.step.page_attention_scores`): for each cached page, the softmax
 attention mass that the sequence's last computed token's query puts on the page's keys,
 summed over all layers and query heads, normalized to total 1: a one-token observation window
 (SnapKV) rather than H2O's running sum, so it needs no state kept between steps.
@@ -35,84 +35,11 @@ summed over all layers and query heads, normalized to total 1: a one-token obser
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
-POLICIES = ("sink_window", "page_scores")
-
-
-@dataclasses.dataclass(frozen=True)
-class KVCompressionConfig:
-    """What to keep of a long sequence's KV cache. Hashable: it may sit in a static config."""
-
-    policy: str  # "sink_window" | "page_scores"
-    sink_tokens: int = 4  # attention sinks: the first pages covering these tokens are always kept
-    window_tokens: int = 256  # the most recent (full-page) tokens always kept
-    budget_tokens: int | None = (
-        None  # page_scores: tokens kept in all (sinks + window + best-scored pages)
-    )
-
-    def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(
-                f"unknown KV compression policy {self.policy!r}; available: {', '.join(POLICIES)}"
-            )
-        for name in ("sink_tokens", "window_tokens", "budget_tokens"):
-            value = getattr(self, name)
-            if value is None and name == "budget_tokens":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        if self.policy == "page_scores":
-            if self.budget_tokens is None:
-                raise ValueError("policy 'page_scores' needs budget_tokens (tokens kept in all)")
-            if self.budget_tokens < self.sink_tokens + self.window_tokens:
-                raise ValueError(
-                    f"budget_tokens ({self.budget_tokens}) must be >= sink_tokens + window_tokens "
-                    f"({self.sink_tokens} + {self.window_tokens})"
-                )
-        elif self.budget_tokens is not None:
-            raise ValueError(f"budget_tokens is for policy 'page_scores', not {self.policy!r}")
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> KVCompressionConfig:
-        """From a JSON object (a server flag or a request field); unknown keys are an error."""
-        if not isinstance(d, dict):
-            raise ValueError(
-                f"a KV compression config must be a JSON object, got {type(d).__name__}"
-            )
-        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise ValueError(f"unknown KV compression keys: {', '.join(map(str, unknown))}")
-        if "policy" not in d:
-            raise ValueError(
-                f"a KV compression config needs 'policy' (one of {', '.join(POLICIES)})"
-            )
-        return cls(**d)
-
-    def check_page_size(self, page_size: int) -> None:
-        """The budget must hold the sink and window pages whole: both round up to pages."""
-        if self.policy == "page_scores":
-            fixed = (
-                _pages(self.sink_tokens, page_size) + _pages(self.window_tokens, page_size)
-            ) * page_size
-            if self.budget_tokens < fixed:
-                raise ValueError(
-                    f"budget_tokens ({self.budget_tokens}) must be >= the sink and window rounded to "
-                    f"pages of {page_size} ({fixed})"
-                )
-
-    def check_model(self, model_config: Any) -> None:
-        """Refuse a model with sliding-window layers (`ModelConfig.has_sliding_window`): its windows
-        count keys by cache index, which dropped pages would make differ from positions."""
-        if model_config.has_sliding_window:
-            raise ValueError(
-                f"KV compression is not supported for {model_config.family} models with sliding-window "
-                f"attention; use kv_compression=None"
-            )
+from minivllm_jax.config import KVCompressionConfig
 
 
 def _pages(tokens: int, page_size: int) -> int:
@@ -144,7 +71,7 @@ def wants_compression(config: KVCompressionConfig, num_full_pages: int, page_siz
 
 
 def needs_scores(config: KVCompressionConfig) -> bool:
-    """Does `kept_pages` need page scores (`minivllm_jax.step.page_attention_scores`)?"""
+    """Does `kept_pages` need page scores (`minivllm_jax.engine.step.page_attention_scores`)?"""
     return config.policy == "page_scores"
 
 

@@ -15,10 +15,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from convert.errors import ConversionError, OutputExistsError
-from convert.reader import read_checkpoint
-from minivllm_jax.checkpoint import save_params
-from minivllm_jax.quantization import CHECKPOINT_KEY
+from minivllm_jax.loading.checkpoint import save_params
+from minivllm_jax.loading.errors import ConversionError, OutputExistsError
+from minivllm_jax.loading.reader import read_checkpoint
+from minivllm_jax.ops.quantization import CHECKPOINT_KEY
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -87,7 +87,7 @@ def convert_checkpoint(
     """Convert an HF folder or .gguf into OUT (config.json, tokenizer, params/) and return OUT.
     `quantize` ("int8", "int4" in groups of `group_size`, or "gguf": a GGUF's own 4-bit blocks)
     stores the projections quantized, and config.json says how, so loading never quantizes again."""
-    from convert.quantize import quantize_model_params
+    from minivllm_jax.loading.quantize import quantize_model_params
 
     src, out = Path(src), Path(out).absolute()
     _check_out(out, overwrite)

@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 
 from minivllm_jax.config import ModelConfig
 from minivllm_jax.models.llama import Params, param_shapes
-from minivllm_jax.quantization import CHECKPOINT_KEY, quantized_shapes
+from minivllm_jax.ops.quantization import CHECKPOINT_KEY, quantized_shapes
 
 
 class CheckpointError(ValueError):

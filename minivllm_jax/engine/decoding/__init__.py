@@ -1,0 +1,1 @@
+"""Decoding features over the engine: speculative, structured output, beam search."""

@@ -1,0 +1,1 @@
+"""The KV pages: allocation and prefix cache, swap, the disk tier, compression."""

@@ -1,0 +1,1 @@
+"""Checkpoints: reading HF/GGUF sources, quantizing, writing and loading converted (orbax) params."""

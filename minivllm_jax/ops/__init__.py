@@ -1,0 +1,1 @@
+"""Pure-JAX contracts, references and the one dispatcher per op (attention, matmul, KV cache, batch, sampler)."""

@@ -1,0 +1,1 @@
+"""Tensor parallelism (sharding over a mesh) and multi-process runs."""

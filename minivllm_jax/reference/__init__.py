@@ -1,0 +1,1 @@
+"""Generation paths that are not the serving path: a greedy loop and a pure functional generate."""
