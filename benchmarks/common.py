@@ -112,7 +112,7 @@ def load_hf_model(model: str, dtype: str = "float32", threads: int = 2):
     import torch
     import transformers
 
-    from minivllm_jax.loading.resolve import MODEL_ALIASES, alias_source
+    from minivllm_jax.loading.aliases import MODEL_ALIASES, alias_source
 
     torch.set_num_threads(threads)
     torch_dtype = getattr(torch, dtype)
@@ -307,7 +307,7 @@ def latency_summary(
 def local_model_dir(model: str) -> Path | None:
     """The local folder holding `model`'s config.json and tokenizer (alias -> its converted
     cache dir, which the engine made already), or None when `model` is not on this machine."""
-    from minivllm_jax.loading.resolve import MODEL_ALIASES
+    from minivllm_jax.loading.aliases import MODEL_ALIASES
 
     if model in MODEL_ALIASES:
         from convert import resolve_model

@@ -96,7 +96,7 @@ def run_variants(
 
 def source_gguf(model: str) -> Path | None:
     """The GGUF behind `model` (an alias of a shipped GGUF, or a .gguf path), else None."""
-    from minivllm_jax.loading.resolve import MODEL_ALIASES, alias_source
+    from minivllm_jax.loading.aliases import MODEL_ALIASES, alias_source
 
     path = alias_source(model) if model in MODEL_ALIASES else Path(model)
     return path if path.suffix == ".gguf" and path.is_file() else None

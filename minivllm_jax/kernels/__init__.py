@@ -17,12 +17,15 @@ import ctypes
 import functools
 import logging
 import os
+from pathlib import Path
 
 import jax
 
 logger = logging.getLogger(__name__)
 
 FORCE_REFERENCE_ENV = "MINIVLLM_KERNELS"
+HERE = Path(__file__).resolve().parent
+LIBRARY = HERE / "_build" / "libminivllm_kernels.so"  # what `build.py` writes
 # FFI target name -> symbol in the library
 TARGETS = {
     "minivllm_ragged_paged_attention_f32": "MinivllmRaggedPagedAttentionF32",
@@ -35,17 +38,29 @@ TARGETS = {
 }
 
 
+def sources() -> list[Path]:
+    """The C++ sources built into `LIBRARY`: every `*.cc` here."""
+    return sorted(HERE.glob("*.cc"))
+
+
+def headers() -> list[Path]:
+    return sorted(HERE.glob("*.h"))
+
+
+def is_stale() -> bool:
+    """The library is missing or older than a source."""
+    if not LIBRARY.is_file():
+        return True
+    built = LIBRARY.stat().st_mtime
+    return any(src.stat().st_mtime > built for src in sources() + headers())
+
+
 def reference_forced() -> bool:
     return os.environ.get(FORCE_REFERENCE_ENV, "").strip().lower() == "reference"
 
 
 @functools.cache
 def _load() -> bool:
-    from minivllm_jax.kernels.build import (
-        LIBRARY,
-        is_stale,
-    )  # not at import: `python -m ...build` runs it
-
     if is_stale():
         logger.warning(
             "native kernels are not built (or older than their sources): run "

@@ -18,31 +18,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-LIBRARY = HERE / "_build" / "libminivllm_kernels.so"
+import jax
+
+from minivllm_jax.kernels import LIBRARY, sources
+
 FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno"]
-
-
-def sources() -> list[Path]:
-    return sorted(HERE.glob("*.cc"))
-
-
-def headers() -> list[Path]:
-    return sorted(HERE.glob("*.h"))
-
-
-def is_stale() -> bool:
-    """The library is missing or older than a source."""
-    if not LIBRARY.is_file():
-        return True
-    built = LIBRARY.stat().st_mtime
-    return any(src.stat().st_mtime > built for src in sources() + headers())
 
 
 def build(verbose: bool = True) -> bool:
     """Compile the library (atomically replaced); False, with a reason printed, if it cannot."""
-    import jax
-
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         print(

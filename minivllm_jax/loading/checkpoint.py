@@ -1,5 +1,8 @@
 """Params on disk: an orbax checkpoint, restored against `param_shapes` so tree and shapes are checked.
 
+orbax is imported where a checkpoint is read or written, not with the package: it is a heavy
+import (tensorstore and friends) that `import minivllm_jax` and the server's CLI need not pay.
+
 A converted model directory holds the HF `config.json`, the tokenizer files and `params/`. A
 quantized one (`minivllm-convert --quantize`) records its scheme in config.json
 (`quantization.CHECKPOINT_KEY`) and stores the projections as their quantized arrays.
@@ -9,16 +12,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 
 from minivllm_jax.config import ModelConfig
 from minivllm_jax.models.llama import Params, param_shapes
 from minivllm_jax.ops.quantization import CHECKPOINT_KEY, quantized_shapes
+
+if TYPE_CHECKING:
+    import orbax.checkpoint as ocp
 
 
 class CheckpointError(ValueError):
@@ -36,6 +41,8 @@ def save_params(path: str | Path, params: Params) -> None:
     Saved synchronously from host arrays without orbax's default defensive copy, so converting
     a model never holds it twice in memory.
     """
+    import orbax.checkpoint as ocp  # heavy: see the module docstring
+
     host = jax.tree.map(np.asarray, params)
     registry = ocp.type_handlers.create_type_handler_registry(
         (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False))
@@ -61,6 +68,8 @@ def load_params(
     Orbax would silently restore a saved shape that differs from the target, so we compare the
     on-disk metadata with `param_shapes(cfg)` ourselves.
     """
+    import orbax.checkpoint as ocp  # heavy: see the module docstring
+
     path = Path(path).absolute()
     with ocp.StandardCheckpointer() as ckptr:
         saved = _saved_leaves(ckptr, path)

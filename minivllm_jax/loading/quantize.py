@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from minivllm_jax.loading.aliases import MODEL_ALIASES, alias_source
 from minivllm_jax.loading.gguf_source import read_int4_projections
-from minivllm_jax.loading.resolve import MODEL_ALIASES, alias_source
 from minivllm_jax.ops.quantization import (
     LLM_QUANTIZATIONS,
     quantize_head,

@@ -27,6 +27,8 @@ from minivllm_jax.loading.errors import (
     UnsupportedArchitectureError,
     WeightMismatchError,
 )
+from minivllm_jax.loading.gguf_source import open_gguf
+from minivllm_jax.loading.safetensors_source import open_hf_folder
 from minivllm_jax.loading.source import Source, TensorEntry
 from minivllm_jax.models.llama import hf_weight_map, param_shapes
 
@@ -57,9 +59,6 @@ def model_config(hf_config: dict[str, Any]) -> ModelConfig:
 
 @contextlib.contextmanager
 def open_source(src: Path) -> Iterator[Source]:
-    from minivllm_jax.loading.gguf_source import open_gguf
-    from minivllm_jax.loading.safetensors_source import open_hf_folder
-
     if not src.exists():
         raise CheckpointNotFoundError(f"{src} does not exist; expected {EXPECTED}")
     if src.is_dir():

