@@ -148,24 +148,25 @@ def test_plan_runs_the_reference_first_and_skips_gguf_on_a_non_gguf_model(
     )
 
 
-def test_run_all_report_writes_the_quant_table(tmp_path, monkeypatch):
+def test_run_all_readme_writes_the_quant_table(tmp_path, monkeypatch):
     from benchmarks import run_all
+    from benchmarks.lib import readme
 
     monkeypatch.setattr(run_all, "RESULTS", tmp_path)
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# x\n{run_all.QUANT_START}\nold\n{run_all.QUANT_END}\nafter\n")
-    assert run_all.quant_report([readme]) is None  # no results yet: nothing written
+    target = tmp_path / "README.md"
+    target.write_text("# x\n<!-- results:quant -->\nSTALE\n<!-- /results -->\nafter\n")
+    monkeypatch.setattr(readme, "READMES", (target,))
+    assert run_all.main(["--readme"]) == 0
+    assert "not run yet" in target.read_text() and not (tmp_path / "QUANT.md").exists()
     result = {
         "modes": {"w8a8": {"status": "skipped", "reason": "not supported"}},
         "timestamp": "2026-01-02T10:00:00",
     }
     (tmp_path / "quant.json").write_text(json.dumps(result))
-    table = run_all.quant_report([readme])
-    text = readme.read_text()
-    assert "old" not in text and table in text and text.endswith(f"{run_all.QUANT_END}\nafter\n")
-    assert (
-        "- `w8a8`: skipped: not supported" in table and (tmp_path / "QUANT.md").read_text() == table
-    )
+    assert run_all.main(["--readme"]) == 0
+    text, table = target.read_text(), (tmp_path / "QUANT.md").read_text()
+    assert "STALE" not in text and table in text and text.endswith("<!-- /results -->\nafter\n")
+    assert "- `w8a8`: skipped: not supported" in table
 
 
 def test_decode_bytes_per_token_counts_a_tied_head_but_not_an_untied_embedding():

@@ -160,12 +160,12 @@ def test_energy_not_available_says_why(tmp_path):
         assert meter.result().startswith("not available (") and "RAPL" in meter.result()
 
 
-def test_summary_table_reads_results_and_dates_them(tmp_path, monkeypatch):
+def test_summary_table_reads_results_and_dates_them(tmp_path):
     """run_all's table is built from the JSON results; rows from different runs show the span."""
-    from benchmarks import run_all
+    from benchmarks.lib import readme
 
-    monkeypatch.setattr(run_all, "RESULTS", tmp_path)
-    assert "not run yet" in run_all.summary() and "| n/a | n/a |" in run_all.summary()
+    results = readme.loader(tmp_path)
+    assert "not run yet" in readme.summary(results) and "| n/a | n/a |" in readme.summary(results)
     tp = {
         "ours": {"output_tok_s": 60.0},
         "hf": {"output_tok_s": 20.0},
@@ -173,7 +173,7 @@ def test_summary_table_reads_results_and_dates_them(tmp_path, monkeypatch):
         "timestamp": "2026-01-02T10:00:00",
     }
     (tmp_path / "throughput.json").write_text(json.dumps(tp))
-    table = run_all.summary()
+    table = readme.summary(results)
     assert "| 60.0 | 20.0 | 3.00x |" in table and "Measured 2026-01-02T10:00:00 on" in table
     (tmp_path / "decode.json").write_text(json.dumps({"timestamp": "2026-01-01T09:00:00"}))
-    assert "from 2026-01-01T09:00:00 to 2026-01-02T10:00:00" in run_all.summary()
+    assert "from 2026-01-01T09:00:00 to 2026-01-02T10:00:00" in readme.summary(results)

@@ -1,0 +1,243 @@
+"""Results and how they are shown: percentiles and latency summaries, machine facts, the JSON
+result files, markdown tables and headless matplotlib figures."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def fmt(x: float | None, digits: int = 1) -> str:
+    """A number as the tables print it (thousands separators), or n/a."""
+    return "n/a" if x is None else f"{x:,.{digits}f}"
+
+
+def md_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A markdown table, one line per row."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    """p50/p90/p99/mean (nearest-rank on sorted values); None when there are no values."""
+    if not values:
+        return {"p50": None, "p90": None, "p99": None, "mean": None, "count": 0}
+    xs = sorted(values)
+    q = lambda p: xs[min(len(xs) - 1, max(0, int(np.ceil(p / 100 * len(xs))) - 1))]
+    return {
+        "p50": q(50),
+        "p90": q(90),
+        "p99": q(99),
+        "mean": statistics.fmean(xs),
+        "count": len(xs),
+    }
+
+
+# ------------------------------------------------------------------ latency under load
+
+# Goodput SLO defaults: a reply starts within a second, and then streams at 10 tokens/s or
+# faster per request (faster than people read). Every latency script uses the same ones.
+SLO_TTFT_MS = 1000.0
+SLO_TPOT_MS = 100.0
+
+
+def add_slo_args(p: argparse.ArgumentParser) -> None:
+    """--slo-ttft-ms / --slo-tpot-ms: a request counts toward goodput only if it meets both."""
+    ttft = f"goodput SLO on time to first token (default {SLO_TTFT_MS:g} ms)"
+    tpot = f"goodput SLO on time per output token after the first (default {SLO_TPOT_MS:g} ms)"
+    p.add_argument("--slo-ttft-ms", type=float, default=SLO_TTFT_MS, help=ttft)
+    p.add_argument("--slo-tpot-ms", type=float, default=SLO_TPOT_MS, help=tpot)
+
+
+def request_timings(arrival: float, token_times: list[float]) -> dict[str, Any]:
+    """One request's TTFT, TPOT (mean gap after the first token), ITL gaps and end-to-end time,
+    in seconds, from its arrival time and the host time each output token became available."""
+    n = len(token_times)
+    return {
+        "ttft": token_times[0] - arrival,
+        "tpot": (token_times[-1] - token_times[0]) / (n - 1) if n > 1 else None,
+        "itl": [b - a for a, b in zip(token_times, token_times[1:])],
+        "e2e": token_times[-1] - arrival,
+        "tokens": n,
+    }
+
+
+def meets_slo(record: dict[str, Any], slo_ttft_ms: float, slo_tpot_ms: float) -> bool:
+    """Both SLOs hold (a one-token request has no TPOT, so only TTFT applies)."""
+    tpot = record["tpot"]
+    return record["ttft"] * 1000 <= slo_ttft_ms and (tpot is None or tpot * 1000 <= slo_tpot_ms)
+
+
+def latency_summary(
+    records: list[dict[str, Any]], wall_s: float, slo_ttft_ms: float, slo_tpot_ms: float
+) -> dict[str, Any]:
+    """Percentiles (seconds), throughput and goodput of completed requests (`request_timings` dicts);
+    goodput = completed requests per second that meet both SLOs."""
+    tokens = sum(r["tokens"] for r in records)
+    good = sum(meets_slo(r, slo_ttft_ms, slo_tpot_ms) for r in records)
+    per_s = (lambda x: x / wall_s) if wall_s > 0 else (lambda x: None)
+    return {
+        "completed": len(records),
+        "wall_s": wall_s,
+        "output_tokens": tokens,
+        "output_tokens_per_s": per_s(tokens),
+        "requests_per_s": per_s(len(records)),
+        "ttft_s": percentiles([r["ttft"] for r in records]),
+        "tpot_s": percentiles([r["tpot"] for r in records if r["tpot"] is not None]),
+        "itl_s": percentiles([x for r in records for x in r["itl"]]),
+        "e2e_s": percentiles([r["e2e"] for r in records]),
+        "goodput": {
+            "slo_ttft_ms": slo_ttft_ms,
+            "slo_tpot_ms": slo_tpot_ms,
+            "requests_meeting_slo": good,
+            "slo_attainment": good / len(records) if records else None,
+            "requests_per_s": per_s(good),
+        },
+    }
+
+
+# ------------------------------------------------------------------ machine and process facts
+
+# The CPU features a kernel's speed depends on (recorded with every result: the same code runs at
+# different speeds on CPUs with and without them).
+KERNEL_CPU_FLAGS = frozenset(
+    "avx avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni avx512_bf16 avx512vbmi avx_vnni "
+    "amx_tile amx_bf16 amx_int8".split()
+)
+
+
+def machine_info() -> dict[str, Any]:
+    """What a result was measured on, so numbers are never quoted without their machine."""
+    info: dict[str, Any] = {
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+    }
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):  # the instruction sets the native kernels dispatch on
+                info["cpu_flags"] = sorted(set(line.split(":", 1)[1].split()) & KERNEL_CPU_FLAGS)
+                break
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                info["mem_gib"] = round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    for mod in ("jax", "torch", "transformers"):
+        if mod in sys.modules:
+            info[mod] = getattr(sys.modules[mod], "__version__", None)
+    try:
+        import jax
+
+        info["jax_backend"] = jax.default_backend()
+        info["jax_devices"] = [str(d) for d in jax.devices()]
+    except Exception:  # noqa: BLE001 - machine facts are best effort
+        pass
+    return info
+
+
+def git_state() -> dict:
+    """The commit measured and the engine files that differ from it (a baseline says what it measured)."""
+    run = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout
+    return {
+        "commit": run("rev-parse", "HEAD").strip() or None,
+        "dirty": run("status", "--porcelain", "minivllm_jax").rstrip().splitlines(),
+    }
+
+
+def _proc_status_bytes(field: str) -> int | None:
+    """A `kB` field of /proc/self/status (Linux), in bytes; None where it cannot be read."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process now (Linux /proc; psutil elsewhere)."""
+    rss = _proc_status_bytes("VmRSS")
+    if rss is not None:
+        return rss
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def peak_rss_bytes() -> int:
+    """Peak RSS of this process so far: VmHWM from /proc (per address space, reset by exec).
+
+    getrusage's ru_maxrss is the fallback only: Linux carries it across fork+exec, so a child
+    started by a big parent would report the parent's peak."""
+    peak = _proc_status_bytes("VmHWM")
+    if peak is None:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return max(peak, rss_bytes())
+
+
+# ------------------------------------------------------------------ files
+
+
+def write_result(result: dict[str, Any], out: str | Path) -> Path:
+    """Write `result` plus timestamp and machine facts as JSON at `out`; returns the path."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now().isoformat(timespec="seconds")
+    full = {**result, "timestamp": stamp, "machine": machine_info()}
+    out.write_text(json.dumps(full, indent=2) + "\n")
+    print(f"wrote {out}")
+    return out
+
+
+def new_figure(ncols: int = 1, width: float = 6.0, height: float = 4.0):
+    """A headless matplotlib figure with `ncols` axes side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(1, ncols, figsize=(width * ncols, height), squeeze=False)
+
+
+def save_plot(fig, out: str | Path) -> Path:
+    """Save a matplotlib figure as PNG next to the JSON results (headless backend)."""
+    import matplotlib.pyplot as plt
+
+    out = Path(out).with_suffix(".png")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    print(f"wrote {out}")
+    return out
+
+
+def style_axes(axes, titles: Sequence[str], xlabel: str, xticks: Sequence[int] | None = None):
+    """Grid, legend, title and x label on each axis; log2 x with these ticks when given."""
+    for ax, title in zip(axes, titles):
+        if xticks is not None:
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(list(xticks), [str(c) for c in xticks])
+        ax.set_xlabel(xlabel)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
