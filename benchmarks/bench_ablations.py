@@ -53,7 +53,6 @@ from benchmarks.common import (  # noqa: E402
     write_result,
 )
 from minivllm_jax.engine.kv.block_manager import BlockManager  # noqa: E402
-from minivllm_jax.engine.scheduler import Scheduler  # noqa: E402
 
 Batches = list[tuple[list[list[int]], list[int]]]  # requests run together, one group after another
 
@@ -172,7 +171,7 @@ class Bench:
                 flush=True,
             )
             self._llms[key] = llm
-            self._counters[id(llm)] = PaddingCounter(llm.engine.runner)
+            self._counters[id(llm)] = PaddingCounter(llm.engine)
         return self._llms[key]
 
     def run(
@@ -220,7 +219,7 @@ class Bench:
 
         def on_step(e) -> None:
             nonlocal peak
-            peak = max(peak, len(e.scheduler.running))
+            peak = max(peak, e.stats().running)
 
         t0 = time.monotonic()
         runs = [
@@ -237,9 +236,9 @@ class Bench:
             **run.metrics(),
             "padding": counter.summary(),
             "peak_running": peak,
-            "preemptions": engine.scheduler.num_preemptions,
+            "preemptions": engine.stats().preemptions,
             "compiles_during_run": engine.num_compiles - compiles,
-            "scheduler": dataclasses.asdict(engine.scheduler.config),
+            "scheduler": dataclasses.asdict(_scheduler_config(engine, **knobs)),
         }
         return metrics, run.token_ids
 
@@ -311,8 +310,8 @@ COMPILED_LIMITS = (
 
 
 def _scheduler_config(engine, **knobs: Any):
-    """The runner's EngineConfig with scheduler-only knobs replaced; never above compiled buckets."""
-    base = engine.runner.config
+    """The engine's EngineConfig with scheduler-only knobs replaced; never above compiled buckets."""
+    base = engine.config
     for name, value in knobs.items():
         if name not in SCHEDULER_KNOBS:
             raise ValueError(f"{name} is not a scheduler knob ({', '.join(SCHEDULER_KNOBS)})")
@@ -334,13 +333,11 @@ def fresh_host_state(engine, contiguous: bool = False, **knobs: Any) -> None:
     Contiguous: a page holds a whole sequence and never grows, so admission must not reserve
     a growth page per running sequence (the engine's scheduler does, for paged growth).
     """
-    assert not engine.has_unfinished(), "fresh_host_state with requests in flight"
     cfg = _scheduler_config(engine, **knobs)
     bm = (NoReserveBlockManager if contiguous else BlockManager)(
         cfg.num_pages, cfg.page_size, cfg.enable_prefix_caching
     )
-    engine.block_manager = bm
-    engine.scheduler = Scheduler(cfg, bm)
+    engine.reset_host_state(cfg, bm)
 
 
 def _vocab_size(model: str, dtype: str) -> int:

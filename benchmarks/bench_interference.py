@@ -28,7 +28,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -111,44 +110,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class Recorder:
-    """Drives the engine step by step; stamps every stream token and times every runner step."""
+    """Drives the engine step by step; stamps every stream token and records every device step
+    (the engine's step listener)."""
 
     def __init__(self, engine) -> None:
         self.engine, self.tokens, self.steps = engine, {}, []
-        run = engine.runner.run
+        engine.add_step_listener(self.record)
 
-        def timed(batch):
-            start = time.perf_counter()
-            pending = run(batch)
-            kind = (
-                "mixed" if batch.num_decodes < len(batch.seqs) else "decode"
-            )  # mixed: has prompt tokens
-            record = {
-                "start": start,
-                "kind": kind,
-                "rows": len(batch.seqs),
-                "decodes": batch.num_decodes,
-                "tokens": batch.num_tokens,
+    def record(self, event) -> None:
+        # Steps run back to back: a step dispatched while the one before it ran starts when that one ends.
+        self.steps.append(
+            {
+                "start": event.start,
+                "kind": event.kind,  # mixed: has prompt tokens
+                "rows": event.num_seqs,
+                "decodes": event.num_decodes,
+                "tokens": event.num_tokens,
+                "end": event.end,
             }
-
-            def fetch():  # dispatch is asynchronous: the step ends when its tokens are read
-                result = pending.fetch()
-                end = time.perf_counter()
-                # A step dispatched while the one before it ran starts when that one ends.
-                record["start"] = max(record["start"], self.steps[-1]["end"] if self.steps else 0.0)
-                self.steps.append({**record, "end": end})
-                return result
-
-            return SimpleNamespace(fetch=fetch)
-
-        engine.runner.run = timed  # an instance patch; `close()` restores the class method
+        )
 
     def close(self) -> None:
-        self.engine.runner.__dict__.pop("run", None)
+        self.engine.remove_step_listener(self.record)
 
     def step(self) -> list:
         outputs = self.engine.step()
-        now = time.perf_counter()
+        now = time.monotonic()
         for out in outputs:
             stamps = self.tokens.setdefault(out.request_id, [])
             stamps += [now] * (len(out.outputs[0].token_ids) - len(stamps))
@@ -178,7 +165,7 @@ def long_prompt(
 ) -> dict:
     """Submit one long prompt while the streams decode; step until it has finished (recording
     `tail_steps` steps past its first token at least); return the stall it caused."""
-    arrival = time.perf_counter()
+    arrival = time.monotonic()
     rid = rec.engine.add_request(prompt, params)
     while not rec.tokens.get(rid):
         rec.step()
@@ -248,10 +235,10 @@ def main(argv: list[str] | None = None) -> int:
         rec.step()
     compiles_before = engine.num_compiles
 
-    t0 = time.perf_counter()  # phase 1: the streams alone
+    t0 = time.monotonic()  # phase 1: the streams alone
     for _ in range(args.warm_steps):
         rec.step()
-    t1 = time.perf_counter()
+    t1 = time.monotonic()
     itl = [g for s in streams for g in gaps_within(rec.tokens[s], t0, t1)]
     decode_steps = [
         st["end"] - st["start"] for st in rec.steps if st["start"] >= t0 and st["end"] <= t1
@@ -330,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         "warmup_s": llm.warmup_seconds,
         "num_compiles": engine.num_compiles,
         "compiles_during_timed": engine.num_compiles - compiles_before,
-        "num_preemptions": engine.scheduler.num_preemptions,
+        "num_preemptions": engine.stats().preemptions,
         "streams_outlasted": alive == len(streams),
         "phase1": phase1,
         "median": median,

@@ -106,25 +106,26 @@ def preemption(args: argparse.Namespace) -> dict[str, Any]:
         engine = LLMEngine(
             base.model_config,
             config,
-            base.runner.params,
+            base.params,
             llm.tokenizer,
             eos_token_ids=base.eos_token_ids,
         )
         engine.warmup(progress=False)
         run = run_requests(engine, prompts, params)
         tokens = tokens or run.token_ids
-        pool = engine.scheduler.swap_pool
+        stats = engine.stats()
+        pool = mode != "recompute"  # the engine keeps a swap pool for the other modes
         rows.append(
             {
                 "mode": mode,
                 "elapsed_s": run.elapsed_s,
                 "output_tok_s": run.output_tokens / run.elapsed_s,
-                "preemptions": engine.scheduler.num_preemptions,
-                "swap_outs": pool.num_swap_outs if pool else 0,
-                "swap_ins": pool.num_swap_ins if pool else 0,
-                "recomputes": pool.num_recomputes if pool else None,
-                "prompt_tokens_computed": engine.num_prompt_tokens,
-                "swap_copy_gb_s": pool.bytes_per_second / 1e9 if pool else None,
+                "preemptions": stats.preemptions,
+                "swap_outs": stats.swap_outs,
+                "swap_ins": stats.swap_ins,
+                "recomputes": stats.swap_recomputes if pool else None,
+                "prompt_tokens_computed": stats.prompt_tokens,
+                "swap_copy_gb_s": stats.swap_bytes_per_second / 1e9 if pool else None,
                 "tokens_identical_to_recompute": run.token_ids == tokens,
             }
         )
@@ -145,11 +146,12 @@ def preemption(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _page_bytes(engine) -> int:
+    from minivllm_jax.models.llama import model_dtype
     from minivllm_jax.ops.kv_cache import kv_bytes_per_page
 
     c = engine.config
     return kv_bytes_per_page(
-        engine.model_config, c.page_size, engine.runner.dtype, c.kv_cache_dtype
+        engine.model_config, c.page_size, model_dtype(engine.params), c.kv_cache_dtype
     )
 
 

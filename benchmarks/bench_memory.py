@@ -200,21 +200,17 @@ class Timeline:
         self.t0 = time.monotonic()
 
     def __call__(self, engine) -> None:
-        bm, sched = engine.block_manager, engine.scheduler
-        # After a step a sequence's cache covers all its tokens but the one just sampled
-        # (a prompt mid chunked-prefill has pages for the whole prompt already).
-        held = [len(s) - (1 if s.output_token_ids else 0) for s in sched.running]
-        tiers = engine.tier_stats()
+        stats = engine.stats()
         self.samples.append(
             {
                 "step": len(self.samples),
                 "t_s": round(time.monotonic() - self.t0, 4),
-                "running": len(sched.running),
-                "waiting": len(sched.waiting),
-                "pages_used": bm.num_usable_pages - bm.num_free_pages,  # the memory tier
-                "swap_pages": tiers.get("swap_pages", 0),
-                "disk_pages": tiers.get("disk_pages", 0),
-                "seq_tokens": held,
+                "running": stats.running,
+                "waiting": stats.waiting,
+                "pages_used": stats.used_pages,  # the memory tier
+                "swap_pages": stats.swap_pages,
+                "disk_pages": stats.disk_pages,
+                "seq_tokens": engine.running_kv_tokens(),
             }
         )
 
@@ -285,12 +281,13 @@ def measure_ours(args: argparse.Namespace) -> dict[str, Any]:
     """Build the engine, run the workload sampling the timeline, and collect the memory facts."""
     import jax
 
+    from minivllm_jax.models.llama import model_dtype
     from minivllm_jax.ops.kv_cache import kv_bytes_per_page
 
     rss_start = rss_bytes()
     llm = build_llm(args, preemption_mode=args.preemption_mode, kv_disk_dir=args.kv_disk_dir)
     engine = llm.engine
-    cfg, mcfg, runner = engine.config, engine.model_config, engine.runner
+    cfg, mcfg, dtype = engine.config, engine.model_config, model_dtype(engine.params)
     rss_loaded = rss_bytes()
     wl = make_workload(args, vocab_hi=min(10000, mcfg.vocab_size))
     if wl.max_len > cfg.max_model_len:
@@ -299,9 +296,9 @@ def measure_ours(args: argparse.Namespace) -> dict[str, Any]:
         )
     timeline = Timeline()
     run = run_requests(engine, wl.prompts, greedy_params(wl.output_lens), on_step=timeline)
-    per_page = kv_bytes_per_page(mcfg, cfg.page_size, runner.dtype, cfg.kv_cache_dtype)
+    per_page = kv_bytes_per_page(mcfg, cfg.page_size, dtype, cfg.kv_cache_dtype)
     measured_pool = sum(
-        x.nbytes for x in jax.tree.leaves(runner.cache)
+        x.nbytes for x in jax.tree.leaves(engine.kv_cache)
     )  # int8 pages: with their scales
     assert measured_pool == cfg.num_pages * per_page, (measured_pool, cfg.num_pages, per_page)
     pages = [s["pages_used"] for s in timeline.samples]
@@ -318,11 +315,11 @@ def measure_ours(args: argparse.Namespace) -> dict[str, Any]:
             "page_size": cfg.page_size,
             "num_pages": cfg.num_pages,
             "max_num_batched_tokens": cfg.max_num_batched_tokens,
-            "dtype": str(runner.dtype),
+            "dtype": str(dtype),
         },
         "params": {
-            "count": sum(x.size for x in jax.tree.leaves(runner.params)),
-            "bytes": sum(x.nbytes for x in jax.tree.leaves(runner.params)),
+            "count": sum(x.size for x in jax.tree.leaves(engine.params)),
+            "bytes": sum(x.nbytes for x in jax.tree.leaves(engine.params)),
         },
         "kv_pool": {
             "num_pages": cfg.num_pages,

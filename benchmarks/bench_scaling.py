@@ -113,16 +113,16 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
         seconds = time.perf_counter() - start
-        runner, cfg = llm.engine.runner, llm.engine.model_config
+        cfg, shapes = llm.engine.model_config, llm.engine.config.step_shapes()
         run = {
             "tokens": [o.outputs[0].token_ids for o in outs],
             "tok_s": len(PROMPTS) * args.tokens / seconds,
-            "compiles_after_warmup": llm.engine.num_compiles - len(runner.config.step_shapes()) - 1,
+            "compiles_after_warmup": llm.engine.num_compiles - len(shapes) - 1,
         }
         if tp > 1:
             steps = {}
             for tokens, seqs in ((1, 1), (16, 4)):
-                got = measured(runner._step_program(tokens, seqs))
+                got = measured(llm.engine.step_program(tokens, seqs))
                 want = expected(
                     cfg.num_layers,
                     cfg.hidden_size,

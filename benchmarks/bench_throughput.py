@@ -131,7 +131,7 @@ def run_ours(args: argparse.Namespace, dtype: str, wl: Workload) -> dict[str, An
         "warmup_s": llm.warmup_seconds,
         "compiled_programs": compiles,
         "compiles_during_run": llm.engine.num_compiles - compiles,
-        "preemptions": llm.engine.scheduler.num_preemptions,
+        "preemptions": llm.engine.stats().preemptions,
         "num_pages": llm.engine.config.num_pages,
         "elapsed_s": elapsed,
         "output_tok_s": produced / elapsed,

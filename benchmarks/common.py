@@ -392,42 +392,34 @@ def run_requests(
 
 
 class PaddingCounter:
-    """Counts real vs padded work of every step by wrapping `runner.prepare` (an instance patch).
+    """Counts real vs padded work of every step, as the engine's step listener (`StepEvent`).
 
     A ragged step pads its token count and its sequence count to a bucket; the waste is what
     the bucket computes beyond the real tokens and sequences (attention walks only real pages,
     see `minivllm_jax.ops.attention`). Steps with prompt tokens count as "mixed", the others as
-    "decode". `uninstall()` restores the runner.
+    "decode". `uninstall()` stops counting.
     """
 
-    def __init__(self, runner) -> None:
-        self.runner = runner
+    def __init__(self, engine) -> None:
+        self.engine = engine
         self.reset()
-        prepare = runner.prepare
-
-        def counted(batch):
-            step_batch = prepare(batch)
-            self.record(batch, step_batch)
-            return step_batch
-
-        runner.prepare = counted
+        engine.add_step_listener(self.record)
 
     def uninstall(self) -> None:
-        self.runner.__dict__.pop("prepare", None)
+        self.engine.remove_step_listener(self.record)
 
     def reset(self) -> None:
         zero = {"steps": 0, "tokens": 0, "token_slots": 0, "rows": 0, "row_slots": 0, "pages": 0}
         self.counts = {"mixed": dict(zero), "decode": dict(zero)}
 
-    def record(self, batch, step_batch) -> None:
-        c = self.counts["mixed" if batch.num_decodes < len(batch.seqs) else "decode"]
-        ps = self.runner.config.page_size
+    def record(self, event) -> None:
+        c = self.counts[event.kind]
         c["steps"] += 1
-        c["tokens"] += batch.num_tokens
-        c["token_slots"] += step_batch.num_tokens
-        c["rows"] += len(batch.seqs)
-        c["row_slots"] += step_batch.num_seqs
-        c["pages"] += sum(-(-s.num_computed_tokens // ps) for s in batch.seqs)
+        c["tokens"] += event.num_tokens
+        c["token_slots"] += event.token_slots
+        c["rows"] += event.num_seqs
+        c["row_slots"] += event.seq_slots
+        c["pages"] += event.num_pages
 
     def summary(self) -> dict[str, Any]:
         """Per step kind: counts and % padded token slots and sequence rows."""

@@ -231,19 +231,19 @@ class LLM:
     def follow(self) -> None:
         """On every process but the leader of a multi-process run (`minivllm_jax.parallel.distributed`):
         run the leader's steps until the leader calls `shutdown()` (or exits)."""
-        self.engine.runner.follow()
+        self.engine.follow()
 
     def shutdown(self) -> None:
         """Write the cached pages to the disk tier (`kv_disk_dir`) and, on the leader of a
         multi-process run, release the followers. Also done at exit; safe to call twice."""
         for engine in self.engines:
             engine.close()
-        self.engine.runner.stop_followers()
+        self.engine.stop_followers()
 
     @property
     def params(self) -> Params:
         """The loaded params in the serving layout (`unstack_layers`), as the first replica holds them."""
-        return self.engine.runner.params
+        return self.engine.params
 
     @property
     def model_config(self) -> ModelConfig:

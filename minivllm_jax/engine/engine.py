@@ -11,8 +11,10 @@ import itertools
 import logging
 import random
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future
+from typing import Any
 
 from jax.sharding import Mesh
 
@@ -26,7 +28,9 @@ from minivllm_jax.engine.kv.tiers import FailedMoves, KVTiers
 from minivllm_jax.engine.runner import ModelRunner, PendingStep, RowsFailed, StepResult
 from minivllm_jax.engine.scheduler import ScheduledBatch, Scheduler, note_draft_result
 from minivllm_jax.engine.sequence import Sequence, SequenceStatus
+from minivllm_jax.engine.stats import EngineStats, StepEvent
 from minivllm_jax.models.llama import Params
+from minivllm_jax.ops.kv_cache import KVCache
 from minivllm_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minivllm_jax.sampling_params import SamplingParams
 
@@ -61,6 +65,7 @@ class _InFlight:
     pending: PendingStep
     slots: tuple[int | None, ...]
     dispatched: float
+    num_pages: int  # pages its sequences had computed into when it was dispatched
 
 
 class _DispatchFailed(Exception):
@@ -146,6 +151,8 @@ class LLMEngine:
         self.num_dropped_pages = 0  # KV compression: pages dropped by a policy
         self._in_flight: _InFlight | None = None  # the step dispatched and not read yet
         self._last_ready = 0.0  # when the last step's tokens were read
+        self.num_steps = 0  # `step()` calls
+        self._step_listeners: list[Callable[[StepEvent], None]] = []
 
     @property
     def num_compiles(self) -> int:
@@ -155,6 +162,80 @@ class LLMEngine:
     def num_programs_loaded(self) -> int:
         """Of `num_compiles`, the programs loaded whole from the program cache (warm start)."""
         return self.runner.num_loaded
+
+    @property
+    def params(self) -> Params:
+        """The loaded params, in the serving layout the runner holds them."""
+        return self.runner.params
+
+    @property
+    def kv_cache(self) -> KVCache:
+        """The KV buffers (tools measure them; nothing outside the engine writes them)."""
+        return self.runner.cache
+
+    def step_program(self, num_tokens: int, num_seqs: int) -> Any:
+        """The compiled step program of bucket (`num_tokens`, `num_seqs`) (tools read its HLO)."""
+        return self.runner._step_program(num_tokens, num_seqs)
+
+    def running_kv_tokens(self) -> list[int]:
+        """Per running sequence, the tokens its KV pages hold between steps: all its tokens but
+        the one just sampled (a prompt mid chunked prefill already has pages for all of it)."""
+        return [len(s) - (1 if s.output_token_ids else 0) for s in self.scheduler.running]
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the queues, the KV pages and the counters (`EngineStats`)."""
+        sched, bm, pool = self.scheduler, self.block_manager, self.scheduler.swap_pool
+        return EngineStats(
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            free_pages=bm.num_free_pages,
+            usable_pages=bm.num_usable_pages,
+            generated_tokens=self.num_generated_tokens,
+            prompt_tokens=self.num_prompt_tokens,
+            compiles=self.num_compiles,
+            programs_loaded=self.num_programs_loaded,
+            preemptions=sched.num_preemptions,
+            steps=self.num_steps,
+            draft_tokens=self.num_draft_tokens,
+            accepted_tokens=self.num_accepted_tokens,
+            **self.tier_stats(),
+            requests=len(self.requests),
+            swapped=sum(seq.swapped is not None for seq in sched.waiting),
+            cached_pages=len(bm.cached),
+            swap_recomputes=pool.num_recomputes if pool is not None else 0,
+            swap_bytes_per_second=pool.bytes_per_second if pool is not None else 0.0,
+        )
+
+    def add_step_listener(self, listener: Callable[[StepEvent], None]) -> None:
+        """Call `listener` with a `StepEvent` after each device step, once its tokens are read
+        (a step that failed gives none). A listener that raises fails the `step()` call."""
+        self._step_listeners.append(listener)
+
+    def remove_step_listener(self, listener: Callable[[StepEvent], None]) -> None:
+        self._step_listeners.remove(listener)
+
+    def reset_host_state(
+        self, config: EngineConfig | None = None, block_manager: BlockManager | None = None
+    ) -> None:
+        """Start the host side afresh with no request in the engine: a new scheduler and block
+        manager (an empty prefix cache), without the KV tiers; the compiled programs and the KV
+        buffers stay. `config` may change scheduler knobs, never the compiled limits upward;
+        `block_manager` replaces the default one. For tools (the benchmarks' ablations)."""
+        if self.has_unfinished() or self.requests:
+            raise RuntimeError("reset_host_state needs an idle engine: requests are unfinished")
+        config = config or self.config
+        self.block_manager = block_manager or BlockManager(
+            config.num_pages, config.page_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config, self.block_manager)
+
+    def follow(self) -> None:
+        """A follower process of a multi-process run: run the leader's steps until it stops."""
+        self.runner.follow()
+
+    def stop_followers(self) -> None:
+        """On the leader of a multi-process run: release the followers (a no-op elsewhere)."""
+        self.runner.stop_followers()
 
     def warmup(self, progress: bool = True) -> float:
         seconds = self.runner.warmup(progress)
@@ -335,6 +416,7 @@ class LLMEngine:
         tokens are read (the only wait) after that. A sequence that N stops has one wasted
         row in N+1, whose token is dropped. Without it, each step is read before returning."""
         now = time.monotonic()
+        self.num_steps += 1
         previous, self._in_flight = self._in_flight, None
         outputs: list[RequestOutput] = self._admit_compiled() if self._compiling else []
         # Drafts are looked up in known tokens only; a grammar's next mask needs its last token.
@@ -451,6 +533,8 @@ class LLMEngine:
         """Book a dispatched step as done before its tokens are known: each sequence's fed
         tokens count as computed, and each sampled token is a placeholder `-(row + 1)`."""
         slots = []
+        ps = self.config.page_size
+        num_pages = sum(-(-seq.num_computed_tokens // ps) for seq in batch.seqs)
         k = batch.num_steps  # a multi-step row also feeds itself the first k - 1 of its k tokens
         for i, seq in enumerate(batch.seqs):
             samples = batch.samples_next_token(i)
@@ -463,7 +547,7 @@ class LLMEngine:
                 seq.num_pending += k
             else:
                 slots.append(None)
-        return _InFlight(batch, pending, tuple(slots), now)
+        return _InFlight(batch, pending, tuple(slots), now, num_pages)
 
     def _read(self, step: _InFlight, only_finished: bool) -> list[RequestOutput]:
         """Wait for a dispatched step's tokens and process them."""
@@ -478,10 +562,25 @@ class LLMEngine:
             return self._fail_running_step(step, f"{type(e).__name__}: {e}")
         ready = time.monotonic()
         # With a step in flight before it, this one could only start when that one ended.
-        seconds = (ready - max(step.dispatched, self._last_ready)) / step.batch.num_steps
-        self.scheduler.costs.observe(step.batch.num_tokens, seconds)
+        start = max(step.dispatched, self._last_ready)
+        batch = step.batch
+        self.scheduler.costs.observe(batch.num_tokens, (ready - start) / batch.num_steps)
         self._last_ready = ready
-        return self._process(step, results, only_finished)
+        outputs = self._process(step, results, only_finished)
+        if self._step_listeners:
+            event = StepEvent(
+                len(batch.seqs),
+                batch.num_decodes,
+                batch.num_tokens,
+                batch.num_steps,
+                *step.pending.bucket,
+                step.num_pages,
+                start,
+                ready,
+            )
+            for listener in self._step_listeners:
+                listener(event)
+        return outputs
 
     def _fail_batch(self, batch: ScheduledBatch, error: str) -> list[RequestOutput]:
         """Finish the failed step's suspects (all samples of each) with finish_reason "error".

@@ -79,6 +79,8 @@ class PendingStep:
     num_rows: int  # real rows: one per sequence (a verify step: one per token)
     with_logprobs: bool
     num_steps: int = 1
+    # (tokens, rows) the compiled program computes: padding included
+    bucket: tuple[int, int] = (0, 0)
 
     def fetch(self) -> list[StepResult]:
         """One `StepResult` per decode step the program ran, in order."""
@@ -357,7 +359,11 @@ class ModelRunner:
             )
         result = self._run_step(step_batch.num_tokens, num_seqs, inputs, kind)
         return PendingStep(
-            result, len(rows), any(s.params.logprobs is not None for s in seqs), batch.num_steps
+            result,
+            len(rows),
+            any(s.params.logprobs is not None for s in seqs),
+            batch.num_steps,
+            (step_batch.num_tokens, step_batch.num_seqs),
         )
 
     def _sampling_arrays(
