@@ -213,113 +213,37 @@ def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
 
 
+def _check_at_least(config: Any, minimum: int, *names: str) -> None:
+    for name in names:
+        if getattr(config, name) < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {getattr(config, name)}")
+
+
+# The engine's knobs, grouped as vLLM groups them. Each field's default and meaning are declared
+# once, in `minivllm_jax.args.EngineArgs`, which builds these (`EngineArgs.create_engine_config`);
+# the groups hold the values, check them, and derive what follows from them (buckets, shapes).
+
+
 @dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Engine knobs (separate from the model math). Every step shape comes from the buckets here.
+class CacheConfig:
+    """Where KV pages live: the page pool, its dtype, the prefix cache and the tiers under it
+    (a host pool for swapped-out pages, a disk tier for evicted cached pages)."""
 
-    Scheduling policy (see the README's "Scheduling" section for the benchmark behind each):
-    - `max_num_batched_tokens`: hard cap on the tokens of one step (decodes + prompt chunks).
-    - `target_tpot_ms`: while some streaming request decodes, the prompt tokens added to a step
-      are chosen so the step's measured time stays under this; `None` = auto: about
-      `AUTO_TPOT_FACTOR` times the time of a decode-only step of the same decodes. Offline
-      requests (`LLM.generate`) have no TPOT to protect and always get the full budget.
-    - `target_ttft_ms`: a prompt that has waited this long gets the full budget anyway.
-    - `max_batch_wait_ms`: hold new admissions up to this long to gather a bigger batch.
-    - `attention`: which implementation of the ragged attention contract runs
-      (`minivllm_jax.ops.attention.ATTENTION`: "reference" or "native", or "auto": native where
-      the kernels are built; the runner resolves it with `resolve_attention`).
-    - `async_scheduling`: schedule and dispatch step N+1 before reading step N's tokens (they
-      are fed back on the device), so host work overlaps the device step; False waits for
-      each step before scheduling the next (same tokens either way).
-    - `kv_cache_dtype`: "int8" stores K/V pages as int8 with a scale per token and KV head
-      (`minivllm_jax.ops.kv_cache`): 3.8x fewer KV bytes per token at head_dim 64, so more sequences
-      fit and attention reads less.
-    - `num_scheduler_steps`: k > 1 runs k decode steps in one device program whenever a step
-      would only decode (nobody waiting, no prompt work): one dispatch and one read for k
-      tokens a row. Rows that stop inside it drop their extra tokens; streams get up to k
-      tokens at a time, and a new request waits up to k steps for its first.
-    - `speculative`: n-gram speculative decoding (`minivllm_jax.engine.decoding.speculative`) in decode-only
-      steps: drafts are verified in one step that samples at every fed token.
-    - `preemption_mode`: what happens to a preempted sequence's KV: "recompute" (pages freed,
-      recomputed from its tokens on resume), "swap" (pages copied to a host pool of
-      `swap_space_gb`, copied back on resume) or "auto" (whichever the cost model says is
-      cheaper for that sequence: `minivllm_jax.engine.kv.swap`).
-    - `kv_disk_dir` / `kv_disk_gb`: a disk tier under the prefix cache
-      (`minivllm_jax.engine.kv.disk`): full pages evicted from memory (and all cached pages at a
-      clean shutdown) are written there and found again, also by a later process.
-    - `kv_compression`: drop KV pages of long sequences by a policy (`minivllm_jax.engine.kv.compression`)
-      for every request.
-    - `allow_request_kv_compression`: a request may ask for its own policy
-      (`SamplingParams.kv_compression`); its programs (page scores) compile at warm-up, so
-      nothing compiles while serving. Off: such a request is refused (ValueError).
-    """
-
-    max_num_seqs: int = 64  # sequences in one step (and running at once)
-    max_model_len: int = 2048  # prompt + output tokens of one sequence
-    page_size: int = 16
-    num_pages: int = 1024  # including the scratch page
-    max_num_batched_tokens: int = 512  # tokens in one step: decodes first, then prompt chunks
-    enable_prefix_caching: bool = True
-    target_tpot_ms: float | None = None
-    target_ttft_ms: float | None = None
-    max_batch_wait_ms: float = 0.0
-    attention: str = "auto"  # "native" where the kernels are built, else "reference"
-    async_scheduling: bool = True
-    kv_cache_dtype: str = (
-        "auto"  # "auto": pages in the model's dtype; "int8": int8 with scales (kv_cache.py)
-    )
-    num_scheduler_steps: int = 1  # decode steps per program when only decodes run (1: off)
-    speculative: SpeculativeConfig | None = None  # n-gram speculative decoding (None: off)
-    preemption_mode: str = "recompute"  # "recompute" | "swap" | "auto"
-    swap_space_gb: float = 4.0  # host pool for swapped-out pages (preemption_mode swap/auto)
-    kv_disk_dir: str | None = None  # disk tier of the prefix cache (None: off)
-    kv_disk_gb: float = 10.0
-    kv_compression: KVCompressionConfig | dict | None = (
-        None  # engine-wide KV drop policy (None: off)
-    )
-    allow_request_kv_compression: bool = (
-        False  # requests may ask for their own policy (compiled at warm-up)
-    )
+    page_size: int
+    num_pages: int  # including the scratch page
+    kv_cache_dtype: str
+    enable_prefix_caching: bool
+    swap_space_gb: float
+    kv_disk_dir: str | None
+    kv_disk_gb: float
 
     def __post_init__(self) -> None:
-        for name in (
-            "max_num_seqs",
-            "max_model_len",
-            "page_size",
-            "max_num_batched_tokens",
-            "num_scheduler_steps",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        _check_at_least(self, 1, "page_size")
         if self.num_pages < 2:
             raise ValueError(
                 f"num_pages must be >= 2 (page 0 is the scratch page), got {self.num_pages}"
             )
-        if self.max_num_batched_tokens < 16:
-            raise ValueError(
-                f"max_num_batched_tokens must be >= 16, got {self.max_num_batched_tokens}"
-            )
-        for name in ("target_tpot_ms", "target_ttft_ms"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be > 0 or None, got {value}")
-        if not self.max_batch_wait_ms >= 0:
-            raise ValueError(f"max_batch_wait_ms must be >= 0, got {self.max_batch_wait_ms}")
         check_kv_cache_dtype(self.kv_cache_dtype)
-        if isinstance(self.kv_compression, dict):  # as a flag or a JSON body gives it
-            object.__setattr__(
-                self, "kv_compression", KVCompressionConfig.from_dict(self.kv_compression)
-            )
-        if self.kv_compression is not None:
-            self.kv_compression.check_page_size(self.page_size)
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(
-                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
-            )
-        if self.preemption_mode != "recompute" and not self.swap_space_gb > 0:
-            raise ValueError(
-                f"preemption_mode={self.preemption_mode!r} needs swap_space_gb > 0, got {self.swap_space_gb}"
-            )
         if self.kv_disk_dir is not None:
             if not self.kv_disk_gb > 0:
                 raise ValueError(f"kv_disk_gb must be > 0, got {self.kv_disk_gb}")
@@ -328,9 +252,34 @@ class EngineConfig:
                     "kv_disk_dir is a tier of the prefix cache: it needs enable_prefix_caching=True"
                 )
 
-    @property
-    def max_pages_per_seq(self) -> int:
-        return -(-self.max_model_len // self.page_size)
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """What one step may hold and how steps are chosen; every step shape comes from the buckets
+    here (see the README's "Scheduling" section for the benchmark behind each policy)."""
+
+    max_num_seqs: int  # sequences in one step (and running at once)
+    max_num_batched_tokens: int  # tokens in one step: decodes first, then prompt chunks
+    target_tpot_ms: float | None
+    target_ttft_ms: float | None
+    max_batch_wait_ms: float
+    async_scheduling: bool
+    num_scheduler_steps: int  # decode steps per program when only decodes run (1: off)
+    preemption_mode: str
+
+    def __post_init__(self) -> None:
+        _check_at_least(self, 1, "max_num_seqs", "num_scheduler_steps")
+        _check_at_least(self, 16, "max_num_batched_tokens")
+        for name in ("target_tpot_ms", "target_ttft_ms"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 or None, got {value}")
+        if not self.max_batch_wait_ms >= 0:
+            raise ValueError(f"max_batch_wait_ms must be >= 0, got {self.max_batch_wait_ms}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
+            )
 
     @property
     def token_buckets(self) -> tuple[int, ...]:
@@ -354,22 +303,9 @@ class EngineConfig:
         full = min(num_tokens, self.max_num_seqs)
         return tuple(sorted({full, min(full, SMALL_SEQ_BUCKET)}))
 
-    def num_listed_pages(self, num_seqs: int) -> int:
-        """Length of the flat page list of a step of `num_seqs` sequences: room for all of
-        their pages. Work follows the real count (see `minivllm_jax.ops.attention`), not this."""
-        return num_seqs * self.max_pages_per_seq
-
     def step_shapes(self) -> list[tuple[int, int]]:
         """(tokens, sequences) of every step program."""
         return [(t, s) for t in self.token_buckets for s in self.seq_buckets(t)]
-
-    def verify_rows(self, num_tokens: int, num_seqs: int) -> int:
-        """Sampled rows of a verify program: each sequence's last token and its draft tokens."""
-        return min(num_tokens, num_seqs * (1 + self.speculative.num_speculative_tokens))
-
-    def verify_shapes(self) -> list[tuple[int, int]]:
-        """(tokens, sequences) of the verify programs: every step bucket, when speculating."""
-        return self.step_shapes() if self.speculative is not None else []
 
     def multi_step_shapes(self) -> list[tuple[int, int]]:
         """(tokens, sequences) of the multi-step decode programs: the decode-only buckets."""
@@ -380,6 +316,76 @@ class EngineConfig:
             for t, s in self.step_shapes()
             if t <= min(self.max_num_seqs, self.max_num_batched_tokens)
         ]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """How many devices serve the model: tensor parallel within a replica, data-parallel replicas."""
+
+    tensor_parallel_size: int
+    data_parallel_size: int
+
+    def __post_init__(self) -> None:
+        _check_at_least(self, 1, "tensor_parallel_size", "data_parallel_size")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Engine knobs (separate from the model math), grouped: `cache`, `scheduler`, `parallel`,
+    plus the sequence length, the attention implementation, speculative decoding and KV
+    compression. Built by `minivllm_jax.args.EngineArgs.create_engine_config`, where each knob's
+    default and meaning are declared.
+
+    `attention` is resolved by the runner (`resolve_attention`); `speculative` and
+    `kv_compression` are None when off; `allow_request_kv_compression` compiles the page-score
+    programs at warm-up so that a request may bring its own policy."""
+
+    max_model_len: int  # prompt + output tokens of one sequence
+    attention: str
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    speculative: SpeculativeConfig | None
+    kv_compression: KVCompressionConfig | None
+    allow_request_kv_compression: bool
+
+    def __post_init__(self) -> None:
+        _check_at_least(self, 1, "max_model_len")
+        if self.kv_compression is not None:
+            self.kv_compression.check_page_size(self.cache.page_size)
+        mode = self.scheduler.preemption_mode
+        if mode != "recompute" and not self.cache.swap_space_gb > 0:
+            raise ValueError(
+                f"preemption_mode={mode!r} needs swap_space_gb > 0, got {self.cache.swap_space_gb}"
+            )
+
+    def replace(self, **knobs: Any) -> EngineConfig:
+        """A copy with some knobs changed, each named as `EngineArgs` names it (`page_size=8`,
+        `async_scheduling=False`) whichever group holds it; the groups check the new values."""
+        changes: dict[str, Any] = {}
+        for name in ("cache", "scheduler", "parallel"):
+            group = getattr(self, name)
+            mine = {f.name for f in dataclasses.fields(group)} & set(knobs)
+            if mine:
+                changes[name] = dataclasses.replace(group, **{k: knobs.pop(k) for k in mine})
+        return dataclasses.replace(self, **changes, **knobs)
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return -(-self.max_model_len // self.cache.page_size)
+
+    def num_listed_pages(self, num_seqs: int) -> int:
+        """Length of the flat page list of a step of `num_seqs` sequences: room for all of
+        their pages. Work follows the real count (see `minivllm_jax.ops.attention`), not this."""
+        return num_seqs * self.max_pages_per_seq
+
+    def verify_rows(self, num_tokens: int, num_seqs: int) -> int:
+        """Sampled rows of a verify program: each sequence's last token and its draft tokens."""
+        return min(num_tokens, num_seqs * (1 + self.speculative.num_speculative_tokens))
+
+    def verify_shapes(self) -> list[tuple[int, int]]:
+        """(tokens, sequences) of the verify programs: every step bucket, when speculating."""
+        return self.scheduler.step_shapes() if self.speculative is not None else []
 
 
 # Auto TPOT target: 2x a decode-only step is the ceiling; aim lower, since step times are

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
+import inspect
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -12,57 +14,24 @@ import jax
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from minivllm_jax.config import (
-    EngineConfig,
-    KVCompressionConfig,
-    ModelConfig,
-    SpeculativeConfig,
-    check_kv_cache_dtype,
-)
+from minivllm_jax.args import EngineArgs
+from minivllm_jax.config import ModelConfig
 from minivllm_jax.engine.decoding.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from minivllm_jax.engine.engine import LLMEngine
 from minivllm_jax.engine.kv.compression import needs_scores
 from minivllm_jax.engine.router import PrefixRouter
-from minivllm_jax.engine.runtime import (
-    available_memory_bytes,
-    enable_compilation_cache,
-    keep_freed_memory,
-)
+from minivllm_jax.engine.runtime import enable_compilation_cache, keep_freed_memory
 from minivllm_jax.loading.checkpoint import load_converted
 from minivllm_jax.loading.quantize import quantize_model_params
 from minivllm_jax.loading.resolve import resolve_model
 from minivllm_jax.models.llama import Params, unstack_layers
-from minivllm_jax.ops.attention import resolve_attention
-from minivllm_jax.ops.kv_cache import kv_bytes_per_page
-from minivllm_jax.ops.quantization import CHECKPOINT_KEY, LLM_QUANTIZATIONS
+from minivllm_jax.ops.quantization import CHECKPOINT_KEY
 from minivllm_jax.outputs import RequestOutput
 from minivllm_jax.parallel import distributed
 from minivllm_jax.parallel.sharding import check_tensor_parallel, make_mesh
 from minivllm_jax.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
-
-# num_pages=None gives the KV cache this fraction of the memory available after the weights.
-KV_MEMORY_FRACTION = 0.25
-
-
-def auto_num_pages(
-    cfg: ModelConfig,
-    max_num_seqs: int,
-    max_model_len: int,
-    page_size: int,
-    dtype: Any,
-    kv_cache_dtype: str = "auto",
-    replicas: int = 1,
-) -> int:
-    """num_pages = 1 + min(max_num_seqs * ceil(max_model_len / page_size),
-    KV_MEMORY_FRACTION * MemAvailable / replicas // bytes_per_page): never more than the engine
-    can use, and at least one full-length sequence. (`replicas`: data-parallel engines share
-    the budget.)"""
-    per_seq = -(-max_model_len // page_size)
-    budget = KV_MEMORY_FRACTION * available_memory_bytes() / replicas
-    fits = int(budget) // kv_bytes_per_page(cfg, page_size, dtype, kv_cache_dtype)
-    return 1 + max(per_seq, min(max_num_seqs * per_seq, fits))
 
 
 def replica_meshes(tensor_parallel_size: int, data_parallel_size: int) -> list[Mesh | None]:
@@ -106,53 +75,31 @@ def _eos_ids(cfg: ModelConfig, model_dir: Path, tokenizer: Any) -> set[int]:
 
 
 class LLM:
-    """Load a model (alias, converted dir, HF folder or .gguf), warm up every bucket, generate."""
+    """Load a model (alias, converted dir, HF folder or .gguf), warm up every bucket, generate.
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        dtype: str = "float32",
-        max_num_seqs: int = 64,
-        max_model_len: int | None = None,
-        page_size: int = 16,
-        num_pages: int | None = None,
-        max_num_batched_tokens: int = 512,
-        enable_prefix_caching: bool = True,
-        target_tpot_ms: float | None = None,
-        target_ttft_ms: float | None = None,
-        max_batch_wait_ms: float = 0.0,
-        attention: str = "auto",
-        async_scheduling: bool = True,
-        quantization: str | None = None,
-        kv_cache_dtype: str = "auto",
-        num_scheduler_steps: int = 1,
-        speculative_config: dict | None = None,
-        preemption_mode: str = "recompute",
-        swap_space_gb: float = 4.0,
-        kv_disk_dir: str | None = None,
-        kv_disk_gb: float = 10.0,
-        kv_compression: dict | KVCompressionConfig | None = None,
-        allow_request_kv_compression: bool = False,
-        tensor_parallel_size: int = 1,
-        data_parallel_size: int = 1,
-        seed: int = 0,
-        warmup: bool = True,
-        use_tqdm: bool = True,
-        compilation_cache_dir: str | None = None,
-    ) -> None:
+    `LLM(model, **knobs)`: each keyword is a field of `minivllm_jax.args.EngineArgs`, which
+    declares its default and what it does (`LLM("smollm2-135m", max_num_seqs=16,
+    kv_cache_dtype="int8")`); an unknown keyword is a TypeError naming the closest knob.
+    `LLM.from_engine_args` takes an `EngineArgs` as a command line builds it."""
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self._start(EngineArgs.from_kwargs({"model": model, **kwargs}, "LLM"))
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        llm = cls.__new__(cls)
+        llm._start(args)
+        return llm
+
+    def _start(self, args: EngineArgs) -> None:
         from transformers import AutoTokenizer
 
-        if quantization is not None and quantization not in LLM_QUANTIZATIONS:
-            raise ValueError(
-                f"unknown quantization {quantization!r}; use one of {LLM_QUANTIZATIONS} or None"
-            )
-        check_kv_cache_dtype(kv_cache_dtype)
-        meshes = replica_meshes(tensor_parallel_size, data_parallel_size)
-        enable_compilation_cache(compilation_cache_dir)
+        meshes = replica_meshes(args.tensor_parallel_size, args.data_parallel_size)
+        enable_compilation_cache(args.compilation_cache_dir)
         keep_freed_memory()
-        model_dir = resolve_model(model, dtype=dtype, progress=use_tqdm)
-        cfg, hf_config, params = load_converted(model_dir, dtype)
+        model, quantization = args.model, args.quantization
+        model_dir = resolve_model(model, dtype=args.dtype, progress=args.use_tqdm)
+        cfg, hf_config, params = load_converted(model_dir, args.dtype)
         saved = hf_config.get(CHECKPOINT_KEY)  # a quantized checkpoint loads as it was stored
         if saved is not None and quantization not in (None, saved["scheme"]):
             raise ValueError(
@@ -161,47 +108,23 @@ class LLM:
             )
         if saved is None:  # weight-only quantization; the full-precision kernels are dropped here
             params = quantize_model_params(params, quantization, model, cfg.num_layers)
-        if tensor_parallel_size > 1:  # before anything is built: says which sizes would work
-            check_tensor_parallel(cfg, tensor_parallel_size)
+        if args.tensor_parallel_size > 1:  # before anything is built: says which sizes would work
+            check_tensor_parallel(cfg, args.tensor_parallel_size)
         params = unstack_layers(params)  # the serving layout (merged projections, one tree a layer)
+        self.engine_args = args
         self.quantization = saved["scheme"] if saved is not None else quantization
         self.model_dir = model_dir
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        max_model_len = min(max_model_len or 2048, cfg.max_position_embeddings)
-        if num_pages is None:
-            num_pages = auto_num_pages(
-                cfg, max_num_seqs, max_model_len, page_size, dtype, kv_cache_dtype, len(meshes)
-            )
-        config = EngineConfig(
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            page_size=page_size,
-            num_pages=num_pages,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching,
-            target_tpot_ms=target_tpot_ms,
-            target_ttft_ms=target_ttft_ms,
-            max_batch_wait_ms=max_batch_wait_ms,
-            attention=resolve_attention(attention, cfg),
-            async_scheduling=async_scheduling,
-            kv_cache_dtype=kv_cache_dtype,
-            num_scheduler_steps=num_scheduler_steps,
-            speculative=SpeculativeConfig.from_dict(speculative_config),
-            preemption_mode=preemption_mode,
-            swap_space_gb=swap_space_gb,
-            kv_disk_dir=kv_disk_dir,
-            kv_disk_gb=kv_disk_gb,
-            kv_compression=kv_compression,
-            allow_request_kv_compression=allow_request_kv_compression,
-        )
-        if (
-            preemption_mode != "recompute" or kv_disk_dir is not None
-        ) and distributed.is_multiprocess():
+        config = args.create_engine_config(cfg)
+        multiprocess = distributed.is_multiprocess()
+        if multiprocess and (
+            config.scheduler.preemption_mode != "recompute" or config.cache.kv_disk_dir is not None
+        ):
             raise ValueError(
                 "preemption_mode swap/auto and kv_disk_dir run in one process, not across several"
             )
-        if distributed.is_multiprocess() and (
-            allow_request_kv_compression
+        if multiprocess and (
+            config.allow_request_kv_compression
             or (config.kv_compression is not None and needs_scores(config.kv_compression))
         ):
             raise ValueError(
@@ -212,17 +135,23 @@ class LLM:
         # replicas' seeds differ so that unseeded sampling does not repeat across them.
         self.engines = [
             LLMEngine(
-                cfg, config, params, self.tokenizer, eos_token_ids=eos, seed=seed + r, mesh=mesh
+                cfg,
+                config,
+                params,
+                self.tokenizer,
+                eos_token_ids=eos,
+                seed=args.seed + r,
+                mesh=mesh,
             )
             for r, mesh in enumerate(meshes)
         ]
         del params  # each engine placed its own copy on its devices
         self.engine = self.engines[0]
-        self.router = PrefixRouter(len(self.engines), page_size)
+        self.router = PrefixRouter(len(self.engines), config.cache.page_size)
         self.warmup_seconds = (
-            sum(e.warmup(progress=use_tqdm) for e in self.engines) if warmup else 0.0
+            sum(e.warmup(progress=args.use_tqdm) for e in self.engines) if args.warmup else 0.0
         )
-        if (distributed.is_multiprocess() and distributed.is_leader()) or kv_disk_dir is not None:
+        if (multiprocess and distributed.is_leader()) or config.cache.kv_disk_dir is not None:
             # Followers must not wait for a leader that is gone; cached pages go to the disk tier.
             atexit.register(self.shutdown)
 
@@ -386,6 +315,25 @@ class LLM:
         steps itself, so no other request may be unfinished; raises RuntimeError otherwise."""
         prompts = [prompts] if isinstance(prompts, dict) else _as_prompt_list(prompts)
         return beam_search(self.engine, prompts, params)
+
+
+def _init_signature() -> inspect.Signature:
+    """`LLM.__init__`'s signature as `inspect.signature` and `help()` show it: `model`, then
+    every other `EngineArgs` field with its default, keyword-only (what `**kwargs` accepts)."""
+    kinds = inspect.Parameter
+    params = [
+        kinds("self", kinds.POSITIONAL_OR_KEYWORD),
+        kinds("model", kinds.POSITIONAL_OR_KEYWORD),
+    ]
+    params += [
+        kinds(f.name, kinds.KEYWORD_ONLY, default=f.default, annotation=f.type)
+        for f in dataclasses.fields(EngineArgs)
+        if f.name != "model"
+    ]
+    return inspect.Signature(params, return_annotation="None")
+
+
+LLM.__init__.__signature__ = _init_signature()
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

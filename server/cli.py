@@ -1,5 +1,8 @@
 """`minivllm-serve` / `python -m server`: load a model, warm it up and serve it with uvicorn.
 
+Every engine knob is a flag of `minivllm_jax.args.EngineArgs` (`--max-num-seqs` ...), with the
+server's own defaults in `SERVER_DEFAULTS`; `--model` is also the name the API serves it under.
+
 uvicorn starts first, so `/health` answers 503 while the model loads and compiles, then 200.
 SIGTERM/SIGINT stop accepting connections, let in-flight requests (HTTP and WebSocket) finish
 for up to `--shutdown-timeout` seconds, cancel (abort) the rest, and exit with status 0. If the
@@ -11,14 +14,17 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import json
 import logging
 import os
 import signal
 import sys
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from minivllm_jax import LLM
+from minivllm_jax.args import EngineArgs
+from minivllm_jax.parallel import distributed
+from server.app import create_app
 from server.connections import (
     CONNECTION_HEADROOM,
     HUNG_STEP_TIMEOUT_S,
@@ -39,6 +45,16 @@ MAX_HEADER_BYTES = (
     16 * 1024
 )  # request line + headers (h11's own default, set explicitly); past it: 400
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+# The engine knobs whose server default differs from `EngineArgs`' (every other engine flag
+# has `EngineArgs`' default), each with the reason.
+SERVER_DEFAULTS: dict[str, Any] = {
+    # Clients read tokens as they come: a step of 16 sequences keeps each stream's time per
+    # token low, where the offline LLM's 64 trade that latency for throughput.
+    "max_num_seqs": 16,
+    # Progress bars only on a terminal: a supervisor's log would get every redraw.
+    "use_tqdm": sys.stderr.isatty(),
+}
 
 
 def positive_float(text: str) -> float:
@@ -109,11 +125,6 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "--model",
-        default="smollm2-135m",
-        help="alias, converted dir, HF folder or .gguf; also the served model name",
-    )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
@@ -156,145 +167,6 @@ def build_parser() -> argparse.ArgumentParser:
         "the server's own; '*' for any (default: none)",
     )
     p.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "float16"],
-        help="the model's float dtype (weights left full precision, activations, KV pages)",
-    )
-    p.add_argument(
-        "--quantization",
-        default=None,
-        choices=["int8", "int4", "w8a8", "gguf"],
-        help="quantization of every layer's projections (default: none; int8/int4 weight-only, w8a8: "
-        "int8 weights and activations; gguf: a GGUF model's own Q4_0/Q4_1 blocks as int4; see "
-        "minivllm_jax/ops/quantization.py for the schemes "
-        "and what stays full precision)",
-    )
-    p.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=["auto", "int8"],
-        help="KV pages in the model's dtype (auto) or int8 with a scale per token and head "
-        "(3.8x smaller at head_dim 64: more sequences fit)",
-    )
-    p.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=16,
-        help="sequences decoded together (largest batch bucket)",
-    )
-    p.add_argument(
-        "--max-model-len", type=int, default=2048, help="prompt + output tokens per sequence"
-    )
-    p.add_argument(
-        "--num-pages",
-        type=int,
-        default=None,
-        help="KV cache pages (default: sized from free memory)",
-    )
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=512,
-        help="hard cap on the tokens of one step (decodes + prompt chunks)",
-    )
-    p.add_argument(
-        "--target-tpot-ms",
-        type=float,
-        default=None,
-        help="limit prompt work added to steps with streams decoding so each step stays under this "
-        "(default: auto, about 2x a decode-only step)",
-    )
-    p.add_argument(
-        "--target-ttft-ms",
-        type=float,
-        default=None,
-        help="a prompt waiting this long gets the whole token budget (default: off)",
-    )
-    p.add_argument(
-        "--max-batch-wait-ms",
-        type=float,
-        default=0.0,
-        help="hold new admissions up to this long to gather a bigger batch (default: 0, run now)",
-    )
-    p.add_argument(
-        "--attention",
-        default="auto",
-        choices=["auto", "native", "reference"],
-        help="attention implementation: the pure-JAX reference, the native CPU kernel, or auto "
-        "(native where built); MINIVLLM_KERNELS=reference forces the reference",
-    )
-    p.add_argument(
-        "--no-async-scheduling",
-        action="store_true",
-        help="read each step's tokens before scheduling the next (default: the next step is "
-        "dispatched while the current one runs)",
-    )
-    p.add_argument(
-        "--num-scheduler-steps",
-        type=int,
-        default=1,
-        help="decode steps run in one device program when only decodes run (default: 1; e.g. 4 or "
-        "8 cut host round trips, streams then get up to that many tokens at a time)",
-    )
-    p.add_argument(
-        "--speculative-config",
-        type=json.loads,
-        default=None,
-        metavar="JSON",
-        help='speculative decoding, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off)',
-    )
-    p.add_argument(
-        "--preemption-mode",
-        default="recompute",
-        choices=["recompute", "swap", "auto"],
-        help="a preempted sequence's KV: recomputed later, swapped to a host pool and back, or "
-        "whichever a cost model says is cheaper for that sequence (default: recompute)",
-    )
-    p.add_argument(
-        "--swap-space-gb", type=float, default=4.0, help="host pool for swapped-out KV pages (GiB)"
-    )
-    p.add_argument(
-        "--kv-disk-dir",
-        default=None,
-        metavar="DIR",
-        help="disk tier of the prefix cache: evicted (and, at a clean shutdown, all) cached pages "
-        "are written here and found again, also after a restart (default: off)",
-    )
-    p.add_argument(
-        "--kv-disk-gb", type=float, default=10.0, help="size budget of --kv-disk-dir (GiB, LRU)"
-    )
-    p.add_argument(
-        "--kv-compression",
-        type=json.loads,
-        default=None,
-        metavar="JSON",
-        help='drop KV pages of long sequences, for every request: \'{"policy": "sink_window", '
-        '"window_tokens": 512}\' or \'{"policy": "page_scores", "budget_tokens": 1024}\' '
-        "(default: off)",
-    )
-    p.add_argument(
-        "--allow-request-kv-compression",
-        action="store_true",
-        help="let a request ask for its own policy with a kv_compression field (its programs are "
-        "compiled at warm-up; refused with several processes; default: a 400)",
-    )
-    p.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="split the model over this many devices (heads, MLP and vocabulary; docs/scaling.md)",
-    )
-    p.add_argument(
-        "--data-parallel-size",
-        type=int,
-        default=1,
-        help="serve this many replicas (each on tensor-parallel-size devices) behind one API; a "
-        "request goes to the replica that cached its prefix, else the least loaded",
-    )
-    p.add_argument(
         "--coordinator-address",
         default=None,
         metavar="HOST:PORT",
@@ -313,8 +185,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="several processes: this one's id; 0 serves the API, the others follow its steps "
         "(also MINIVLLM_PROCESS_ID)",
     )
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--max-queue", type=int, default=256, help="requests in flight before new ones get 429"
     )
@@ -362,41 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
-    return p
+    return EngineArgs.add_cli_args(p, defaults=SERVER_DEFAULTS)
 
 
-def load_llm(args: argparse.Namespace):
-    from minivllm_jax import LLM
-
-    return LLM(
-        args.model,
-        dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        page_size=args.page_size,
-        num_pages=args.num_pages,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=not args.no_prefix_caching,
-        seed=args.seed,
-        use_tqdm=sys.stderr.isatty(),
-        target_tpot_ms=args.target_tpot_ms,
-        target_ttft_ms=args.target_ttft_ms,
-        max_batch_wait_ms=args.max_batch_wait_ms,
-        attention=args.attention,
-        quantization=args.quantization,
-        async_scheduling=not args.no_async_scheduling,
-        kv_cache_dtype=args.kv_cache_dtype,
-        num_scheduler_steps=args.num_scheduler_steps,
-        speculative_config=args.speculative_config,
-        preemption_mode=args.preemption_mode,
-        swap_space_gb=args.swap_space_gb,
-        kv_disk_dir=args.kv_disk_dir,
-        kv_disk_gb=args.kv_disk_gb,
-        kv_compression=args.kv_compression,
-        allow_request_kv_compression=args.allow_request_kv_compression,
-        tensor_parallel_size=args.tensor_parallel_size,
-        data_parallel_size=args.data_parallel_size,
-    )
+def load_llm(args: argparse.Namespace) -> LLM:
+    """The engine the flags describe (its knobs are `EngineArgs` fields; see `SERVER_DEFAULTS`)."""
+    return LLM.from_engine_args(EngineArgs.from_cli_args(args))
 
 
 def resolve_api_keys(args: argparse.Namespace, environ: dict[str, str] | None = None) -> None:
@@ -438,8 +279,6 @@ def main(argv: list[str] | None = None) -> int:
             args.host,
         )
 
-    from minivllm_jax.parallel import distributed
-
     # Several processes: join them before anything uses JAX; all but process 0 only follow.
     if (
         distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
@@ -450,8 +289,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     import uvicorn
-
-    from server.app import create_app
 
     load_errors: list[BaseException] = []
 

@@ -212,7 +212,7 @@ class ServerState:
         if len(replicas) > 1:
             engine = DataParallelEngine(
                 replicas,
-                llm.engine.config.page_size,
+                llm.engine.config.cache.page_size,
                 max_queue=self.max_queue,
                 metrics=self.metrics,
             )

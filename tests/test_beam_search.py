@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from minivllm_jax.engine.kv.block_manager import BlockManager
 
 from minivllm_jax import LLM, BeamSearchParams, SamplingParams
 from minivllm_jax.config import ModelConfig
 from minivllm_jax.engine.decoding.beam_search import MAX_BEAM_WIDTH, BeamSearchState
-from minivllm_jax.engine.kv.block_manager import BlockManager
 from minivllm_jax.engine.sequence import Sequence
 from minivllm_jax.ops.kv_cache import SCRATCH_PAGE, copy_pages, init_kv_cache
 
@@ -260,7 +260,7 @@ def test_prefix_cache_keeps_a_round_to_about_a_page_of_prefill_a_beam(tiny, monk
     ]  # 2.5 pages of 8
     llm.beam_search([prompt], BeamSearchParams(2, 12, ignore_eos=True))
     prefilled = engine.num_prompt_tokens - before
-    page = engine.config.page_size
+    page = engine.config.cache.page_size
     assert len(lengths) > 12  # 12 rounds, two beams after the first
     assert (
         prefilled <= sum(min(n, page) for n in lengths[1:]) + lengths[0]

@@ -47,7 +47,7 @@ def test_batched_greedy_equals_batch_of_one(llm):
         assert t.outputs[0].token_ids == a.outputs[0].token_ids
         assert len(t.outputs[0].token_ids) == 48 and t.outputs[0].finish_reason == "length"
     assert [o.prompt for o in together] == PROMPTS  # input order
-    assert free_pages(llm) == llm.engine.config.num_pages - 1
+    assert free_pages(llm) == llm.engine.config.cache.num_pages - 1
 
 
 def test_batched_greedy_matches_hf_generate(llm, smollm2_greedy):
@@ -77,12 +77,12 @@ def test_pages_return_after_abort(llm):
     ids = [engine.add_request(p, SamplingParams(max_tokens=40)) for p in PROMPTS[:4]]
     for _ in range(5):
         engine.step()
-    assert free_pages(llm) < engine.config.num_pages - 1
+    assert free_pages(llm) < engine.config.cache.num_pages - 1
     for i in ids:
         assert engine.abort(i)
     assert not engine.abort(ids[0])  # already gone
     assert not engine.has_unfinished()
-    assert free_pages(llm) == engine.config.num_pages - 1
+    assert free_pages(llm) == engine.config.cache.num_pages - 1
 
 
 def test_no_compiles_after_warmup(llm):
@@ -250,7 +250,7 @@ def test_invalid_inputs_raise_and_engine_still_serves(llm):
     with pytest.raises(ValueError):
         llm.generate(["fine", ""], ok, use_tqdm=False)
     assert not llm.engine.has_unfinished()
-    assert free_pages(llm) == llm.engine.config.num_pages - 1
+    assert free_pages(llm) == llm.engine.config.cache.num_pages - 1
     assert llm.generate(["The capital of France is"], ok, use_tqdm=False)[0].outputs[0].token_ids
 
 
@@ -262,12 +262,12 @@ def test_prefix_cache_hit_gives_same_tokens(llm):
 
 
 def test_preemption_under_page_pressure_keeps_outputs(llm):
-    from minivllm_jax.config import EngineConfig
+    from minivllm_jax.args import EngineArgs
     from minivllm_jax.engine.engine import LLMEngine
 
-    small = EngineConfig(
+    small = EngineArgs(
         max_num_seqs=4, max_model_len=128, page_size=16, num_pages=13, max_num_batched_tokens=64
-    )
+    ).create_engine_config()
     engine = LLMEngine(
         llm.engine.model_config,
         small,

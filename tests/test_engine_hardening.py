@@ -4,7 +4,6 @@ prompt's pages, per-sample seeds."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 import pytest
 
@@ -75,9 +74,7 @@ def test_n_samples_prefill_the_prompt_once_and_share_its_pages(llm, prefix_cachi
     also without the prefix cache (sharing is a fork, not a lucky cache hit); every sample
     reads the shared pages right (top_k=1 makes each sample the greedy text)."""
     e = llm.engine
-    config = dataclasses.replace(
-        e.config, enable_prefix_caching=prefix_caching, max_num_batched_tokens=512
-    )
+    config = e.config.replace(enable_prefix_caching=prefix_caching, max_num_batched_tokens=512)
     engine = LLMEngine(
         e.model_config, config, e.runner.params, llm.tokenizer, eos_token_ids=e.eos_token_ids
     )

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from minivllm_jax import LLM, SamplingParams
-from minivllm_jax.config import EngineConfig
+from minivllm_jax.args import EngineArgs
 from minivllm_jax.engine.engine import LLMEngine
 from tests.conftest import TINY_LLAMA, missing_model_action
 
@@ -82,7 +82,7 @@ def side_engine(llm: LLM, **overrides) -> LLMEngine:
     e = llm.engine
     return LLMEngine(
         e.model_config,
-        EngineConfig(**{**base, **overrides}),
+        EngineArgs(**{**base, **overrides}).create_engine_config(),
         e.runner.params,
         llm.tokenizer,
         eos_token_ids=e.eos_token_ids,
@@ -101,7 +101,7 @@ def run_all(engine: LLMEngine, prompts, params) -> list:
 
 
 def idle_free_pages(engine: LLMEngine) -> int:
-    return engine.config.num_pages - 1
+    return engine.config.cache.num_pages - 1
 
 
 def hf_greedy(hf, ids: list[int], n: int) -> tuple[list[int], list[float]]:
@@ -145,7 +145,7 @@ def test_chunked_prefill_matches_hf(llm, tiny):
     mid-page, and the block table of the already computed part."""
     hf = tiny[1]
     cfg = llm.engine.config
-    assert cfg.max_num_batched_tokens == CHUNK and CHUNK % cfg.page_size != 0
+    assert cfg.scheduler.max_num_batched_tokens == CHUNK and CHUNK % cfg.cache.page_size != 0
     lengths = [7, 40, 41, 100, 217, 300]
     prompts = [random_ids(1400 + i, n) for i, n in enumerate(lengths)]
     outs = llm.generate(prompts, greedy(24), use_tqdm=False)

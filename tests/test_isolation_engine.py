@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from minivllm_jax import LLM, SamplingParams
-from minivllm_jax.config import EngineConfig
+from minivllm_jax.args import EngineArgs
 from minivllm_jax.engine.engine import LLMEngine
 from minivllm_jax.engine.kv.swap import SwapPool
 from minivllm_jax.ops.sampler import SAMPLING_ROW_DTYPE, sampling_row
@@ -75,7 +75,7 @@ def side_engine(llm: LLM, eos: tuple[int, ...] = (), **overrides) -> LLMEngine:
     e = llm.engine
     return LLMEngine(
         e.model_config,
-        EngineConfig(**{**BASE, **overrides}),
+        EngineArgs(**{**BASE, **overrides}).create_engine_config(),
         e.runner.params,
         llm.tokenizer,
         eos_token_ids=eos,
@@ -108,7 +108,7 @@ def assert_idle(engine: LLMEngine) -> None:
     """Nothing left: the accounting is consistent, every page free, the pool empty."""
     engine.check_accounting()
     assert engine.requests == {} and not engine.has_unfinished()
-    assert engine.block_manager.num_free_pages == engine.config.num_pages - 1
+    assert engine.block_manager.num_free_pages == engine.config.cache.num_pages - 1
     assert not engine.scheduler.swap_outs and not engine.scheduler.swap_ins
     assert not engine.block_manager.loaded and not engine.block_manager.evicted
     pool = engine.scheduler.swap_pool
@@ -474,7 +474,9 @@ def test_recover_rebuilds_the_accounting_from_scratch(llm, monkeypatch):
     engine.recover()
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(engine.runner.cache))
     assert_idle(engine)
-    assert sorted(engine.scheduler.free_penalty_slots) == list(range(engine.config.max_num_seqs))
+    assert sorted(engine.scheduler.free_penalty_slots) == list(
+        range(engine.config.scheduler.max_num_seqs)
+    )
     want = run_all(side_engine(llm), [PRESSURE[0]], [greedy(20, presence_penalty=0.5)])[0]
     assert tokens(run_all(engine, [PRESSURE[0]], [greedy(20, presence_penalty=0.5)])[0]) == tokens(
         want

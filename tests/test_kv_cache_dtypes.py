@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from minivllm_jax import LLM, SamplingParams
-from minivllm_jax.config import EngineConfig, ModelConfig
+from minivllm_jax.args import EngineArgs
+from minivllm_jax.config import ModelConfig
 from minivllm_jax.ops.kv_cache import as_stored, init_kv_cache, kv_bytes_per_token, write_kv
 
 CFG = ModelConfig(
@@ -97,7 +98,7 @@ def test_bad_kv_cache_dtype_is_a_clear_error(tmp_path):
     with pytest.raises(
         ValueError, match=r"kv_cache_dtype must be one of \('auto', 'int8'\), got 'fp8'"
     ):
-        EngineConfig(kv_cache_dtype="fp8")
+        EngineArgs(kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         LLM(str(tmp_path / "not-loaded"), kv_cache_dtype="int4")  # refused before any loading
 
@@ -145,7 +146,7 @@ def test_engine_on_int8_pages_agrees_with_fp32_and_is_invariant(tiny_model):
         )
         == batched
     )
-    assert llm.engine.block_manager.num_free_pages == llm.engine.config.num_pages - 1
+    assert llm.engine.block_manager.num_free_pages == llm.engine.config.cache.num_pages - 1
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

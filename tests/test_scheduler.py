@@ -5,23 +5,29 @@ budget), the SLO-aware prompt budget, admission holds, limits, priorities and pr
 from __future__ import annotations
 
 import pytest
-
-from minivllm_jax.config import AUTO_TPOT_FACTOR, EngineConfig, bucket_for
 from minivllm_jax.engine.kv.block_manager import BlockManager
+
+from minivllm_jax.args import EngineArgs
+from minivllm_jax.config import AUTO_TPOT_FACTOR, EngineConfig, bucket_for
 from minivllm_jax.engine.scheduler import MIN_PROMPT_CHUNK, ScheduledBatch, Scheduler
 from minivllm_jax.engine.sequence import Sequence, SequenceStatus
 from minivllm_jax.sampling_params import SamplingParams
 
 
+def engine_config(num_pages: int = 1024, **knobs) -> EngineConfig:
+    """An EngineConfig of these knobs (no model: the page count is given)."""
+    return EngineArgs(num_pages=num_pages, **knobs).create_engine_config()
+
+
 def make(num_pages=64, max_num_batched_tokens=32, max_model_len=64, **kw) -> Scheduler:
-    cfg = EngineConfig(
+    cfg = engine_config(
         page_size=4,
         num_pages=num_pages,
         max_model_len=max_model_len,
         max_num_batched_tokens=max_num_batched_tokens,
         **kw,
     )
-    return Scheduler(cfg, BlockManager(cfg.num_pages, cfg.page_size))
+    return Scheduler(cfg, BlockManager(cfg.cache.num_pages, cfg.cache.page_size))
 
 
 def request(n_prompt, max_tokens=4, priority=0, arrival=0.0, first=0, streaming=True) -> Sequence:
@@ -56,14 +62,17 @@ def check_batch(s: Scheduler, batch: ScheduledBatch) -> None:
     the token budget and the sequence limit, and a compiled step shape exists for it."""
     cfg = s.config
     assert len(batch.seqs) == len(batch.num_new_tokens) and len(set(batch.seqs)) == len(batch.seqs)
-    assert 0 < batch.num_tokens <= cfg.max_num_batched_tokens
-    assert len(batch.seqs) <= cfg.max_num_seqs
+    assert 0 < batch.num_tokens <= cfg.scheduler.max_num_batched_tokens
+    assert len(batch.seqs) <= cfg.scheduler.max_num_seqs
     assert all(n == 1 for n in batch.num_new_tokens[: batch.num_decodes])
     assert all(n >= 1 for n in batch.num_new_tokens)
     assert all(seq.status == SequenceStatus.RUNNING and seq in s.running for seq in batch.seqs)
     assert all(n <= seq.num_uncomputed_tokens for seq, n in zip(batch.seqs, batch.num_new_tokens))
-    tokens = bucket_for(batch.num_tokens, cfg.token_buckets)
-    assert (tokens, bucket_for(len(batch.seqs), cfg.seq_buckets(tokens))) in cfg.step_shapes()
+    tokens = bucket_for(batch.num_tokens, cfg.scheduler.token_buckets)
+    assert (
+        tokens,
+        bucket_for(len(batch.seqs), cfg.scheduler.seq_buckets(tokens)),
+    ) in cfg.scheduler.step_shapes()
 
 
 def run_all(s: Scheduler, limit=500) -> list[ScheduledBatch]:
@@ -149,7 +158,8 @@ def test_a_step_mixes_decodes_and_a_prompt_chunk_up_to_the_budget():
     batch = fake_step(s)
     assert batch.seqs == (a, b, q) and batch.num_decodes == 2
     assert (
-        batch.num_new_tokens == (1, 1, 30) and batch.num_tokens == s.config.max_num_batched_tokens
+        batch.num_new_tokens == (1, 1, 30)
+        and batch.num_tokens == s.config.scheduler.max_num_batched_tokens
     )
     batch = fake_step(s)
     assert batch.seqs == (a, b, q) and batch.num_new_tokens == (1, 1, 20)
@@ -299,8 +309,8 @@ def test_admission_reserves_a_page_for_rows_admitted_in_the_same_step():
 def shared_prefix_hits(with_long_prompt: bool, scheduler_cls=Scheduler) -> int:
     """Prefix-cache hits (tokens) of two requests reusing cached prefixes, optionally while a
     long prompt is being chunked beside them."""
-    cfg = EngineConfig(page_size=4, num_pages=33, max_model_len=64, max_num_batched_tokens=16)
-    s = scheduler_cls(cfg, BlockManager(cfg.num_pages, cfg.page_size))
+    cfg = engine_config(page_size=4, num_pages=33, max_model_len=64, max_num_batched_tokens=16)
+    s = scheduler_cls(cfg, BlockManager(cfg.cache.num_pages, cfg.cache.page_size))
     prefix_a, prefix_b = list(range(100, 116)), list(range(200, 216))  # 4 full pages each
     for prefix in (prefix_a, prefix_b):  # warm the cache, then finish
         s.add(Sequence("warm", prefix + [1, 2], SamplingParams(max_tokens=2)))
@@ -353,13 +363,13 @@ def test_auto_tpot_budget_keeps_the_step_within_1_5x_a_decode_only_step():
     limit = AUTO_TPOT_FACTOR * COSTS[4]
     within = max(
         b
-        for b in s.config.token_buckets
+        for b in s.config.scheduler.token_buckets
         if s.costs.estimate(b) is not None and s.costs.estimate(b) <= limit
     )
     assert within == 24
     assert batch.seqs == (*decodes, q) and batch.num_decodes == 4
     assert batch.num_new_tokens == (1, 1, 1, 1, within - 4)
-    assert s.costs.estimate(bucket_for(batch.num_tokens, s.config.token_buckets)) <= limit
+    assert s.costs.estimate(bucket_for(batch.num_tokens, s.config.scheduler.token_buckets)) <= limit
 
 
 def test_explicit_target_tpot_sets_the_limit():
@@ -473,8 +483,8 @@ def test_token_buckets_cover_the_budget_with_bounded_padding():
     100% (those steps carry prompt work, and prompt tokens fill the bucket)."""
     for max_num_seqs in (1, 16, 64, 100, 2048):
         for budget in (16, 32, 96, 100, 512, 1000):
-            cfg = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
-            buckets = cfg.token_buckets
+            cfg = engine_config(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+            buckets = cfg.scheduler.token_buckets
             assert (
                 list(buckets) == sorted(set(buckets)) and buckets[0] == 1 and buckets[-1] == budget
             )
@@ -489,30 +499,29 @@ def test_token_buckets_cover_the_budget_with_bounded_padding():
 
 def test_seq_buckets_hold_every_step():
     for max_num_seqs in (1, 4, 16, 64, 256):
-        cfg = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=128)
-        for t in cfg.token_buckets:
-            seqs = cfg.seq_buckets(t)
+        cfg = engine_config(max_num_seqs=max_num_seqs, max_num_batched_tokens=128)
+        for t in cfg.scheduler.token_buckets:
+            seqs = cfg.scheduler.seq_buckets(t)
             assert min(t, max_num_seqs) in seqs and all(
                 1 <= n <= min(t, max_num_seqs) for n in seqs
             )
-        shapes = cfg.step_shapes()
+        shapes = cfg.scheduler.step_shapes()
         assert len(shapes) == len(set(shapes))
-        assert {t for t, _ in shapes} == set(cfg.token_buckets)
+        assert {t for t, _ in shapes} == set(cfg.scheduler.token_buckets)
 
 
 def test_default_server_config_compiles_few_step_programs():
-    assert len(EngineConfig(max_num_seqs=16).step_shapes()) <= 40
+    assert len(engine_config(max_num_seqs=16).scheduler.step_shapes()) <= 40
 
 
 def test_grammar_rows_never_run_multi_step_or_speculate():
     """A structured-output row's next mask needs its last token: no multi-step batch and no
     draft while one runs; the same batch without it runs multi-step and may draft."""
-    from minivllm_jax.config import SpeculativeConfig
 
     s = make(
         num_scheduler_steps=4,
         max_num_seqs=2,
-        speculative=SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2}),
+        speculative_config={"method": "ngram", "num_speculative_tokens": 2},
     )
     plain, constrained = request(5, max_tokens=20), request(5, max_tokens=20, first=10)
     constrained.grammar = object()  # the scheduler only asks whether there is one

@@ -81,7 +81,9 @@ def test_penalty_history_follows_chunks_cache_hits_forks_and_preemption(llm):
         checked += assert_history_matches_host(engine)
     assert checked > 50
     assert engine.scheduler.num_preemptions > preemptions  # 24 pages are too few for all of them
-    assert sorted(engine.scheduler.free_penalty_slots) == list(range(engine.config.max_num_seqs))
+    assert sorted(engine.scheduler.free_penalty_slots) == list(
+        range(engine.config.scheduler.max_num_seqs)
+    )
     assert engine.block_manager.num_free_pages == engine.block_manager.num_usable_pages
 
 
@@ -121,7 +123,7 @@ def test_one_program_per_bucket_no_separate_sampler(llm):
     """The warm-up compiles one program per step shape plus the penalty-row loader, and a run
     mixing greedy, sampled, penalized and logprob rows compiles nothing more."""
     cfg = llm.engine.config
-    assert llm.engine.num_compiles == len(cfg.step_shapes()) + 1
+    assert llm.engine.num_compiles == len(cfg.scheduler.step_shapes()) + 1
     before = llm.engine.num_compiles
     llm.generate(
         [ids(20, 30), ids(21, 70)],

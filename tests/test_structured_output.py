@@ -3,7 +3,6 @@ engine on the shipped SmolLM2 (every constrained output parses and validates).""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import threading
@@ -211,7 +210,7 @@ def test_json_schemas_mixed_with_unconstrained_rows(llm):
             checked += 1
     assert checked == 12
     assert llm.engine.num_compiles == compiles
-    assert llm.engine.block_manager.num_free_pages == llm.engine.config.num_pages - 1
+    assert llm.engine.block_manager.num_free_pages == llm.engine.config.cache.num_pages - 1
 
 
 @requires_smollm2
@@ -266,12 +265,12 @@ def test_async_and_sync_scheduling_give_the_same_constrained_tokens(llm):
     before = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     scheduler = llm.engine.scheduler
     config = scheduler.config
-    scheduler.config = dataclasses.replace(config, async_scheduling=False)  # what `step` reads
+    scheduler.config = config.replace(async_scheduling=False)  # what `step` reads
     try:
         after = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     finally:
         scheduler.config = config
-    assert before == after and config.async_scheduling
+    assert before == after and config.scheduler.async_scheduling
 
 
 @requires_smollm2
@@ -325,4 +324,4 @@ def test_failed_compile_on_the_engine_fails_only_that_request(llm):
         and done[bad].outputs[0].finish_reason == "error"
     )
     assert done[good].error is None and len(done[good].outputs[0].token_ids) == 5
-    assert engine.block_manager.num_free_pages == engine.config.num_pages - 1
+    assert engine.block_manager.num_free_pages == engine.config.cache.num_pages - 1

@@ -115,10 +115,10 @@ class LLMEngine:
         mesh: Mesh | None = None,
     ) -> None:
         """`mesh`: the devices this engine's model runs on, tensor-parallel (`ModelRunner`)."""
-        if config.num_pages - 1 < config.max_pages_per_seq:
+        if config.cache.num_pages - 1 < config.max_pages_per_seq:
             raise ValueError(
-                f"num_pages={config.num_pages} cannot hold one max_model_len={config.max_model_len} sequence "
-                f"({config.max_pages_per_seq} pages of {config.page_size} + the scratch page)"
+                f"num_pages={config.cache.num_pages} cannot hold one max_model_len={config.max_model_len} sequence "
+                f"({config.max_pages_per_seq} pages of {config.cache.page_size} + the scratch page)"
             )
         if config.kv_compression is not None:
             config.kv_compression.check_model(model_config)
@@ -132,7 +132,10 @@ class LLMEngine:
             model_config, config, self.runner
         )  # the swap pool and the disk tier, if any
         self.block_manager = BlockManager(
-            config.num_pages, config.page_size, config.enable_prefix_caching, self.tiers.disk
+            config.cache.num_pages,
+            config.cache.page_size,
+            config.cache.enable_prefix_caching,
+            self.tiers.disk,
         )
         self.scheduler = Scheduler(config, self.block_manager, self.tiers.swap_pool)
         # Structured output: grammars compile on the compiler's thread; a request waits in
@@ -225,7 +228,7 @@ class LLMEngine:
             raise RuntimeError("reset_host_state needs an idle engine: requests are unfinished")
         config = config or self.config
         self.block_manager = block_manager or BlockManager(
-            config.num_pages, config.page_size, config.enable_prefix_caching
+            config.cache.num_pages, config.cache.page_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config, self.block_manager)
 
@@ -285,7 +288,7 @@ class LLMEngine:
         """A request's own KV compression policy: only where the engine allows them (their
         programs compiled at warm-up) and in one process. Raises ValueError naming the field."""
         try:
-            config.check_page_size(self.config.page_size)
+            config.check_page_size(self.config.cache.page_size)
             config.check_model(self.model_config)
         except ValueError as e:
             raise ValueError(f"kv_compression: {e}") from e
@@ -457,7 +460,7 @@ class LLMEngine:
             outputs += self._read(previous, only_finished)
         current = self._in_flight
         if current is not None and (
-            current.batch.drafts or not self.scheduler.config.async_scheduling
+            current.batch.drafts or not self.scheduler.config.scheduler.async_scheduling
         ):
             self._in_flight = (
                 None  # a speculative step's accepted length decides the next step's input
@@ -533,7 +536,7 @@ class LLMEngine:
         """Book a dispatched step as done before its tokens are known: each sequence's fed
         tokens count as computed, and each sampled token is a placeholder `-(row + 1)`."""
         slots = []
-        ps = self.config.page_size
+        ps = self.config.cache.page_size
         num_pages = sum(-(-seq.num_computed_tokens // ps) for seq in batch.seqs)
         k = batch.num_steps  # a multi-step row also feeds itself the first k - 1 of its k tokens
         for i, seq in enumerate(batch.seqs):
@@ -728,7 +731,7 @@ class LLMEngine:
         (`minivllm_jax.engine.kv.compression`), back to the pool. Steps already dispatched read the old
         page list and run before any later step can reuse a dropped page; later steps see the
         shorter list, with the tokens' true positions (`Sequence.num_dropped_tokens`)."""
-        config, ps = seq.kv_compression, self.config.page_size
+        config, ps = seq.kv_compression, self.config.cache.page_size
         known = min(seq.num_computed_tokens, len(seq) - seq.num_pending)  # tokens computed and read
         full = (
             known - 1 - seq.num_dropped_tokens

@@ -177,12 +177,16 @@ class ModelRunner:
 
         def make() -> tuple[KVCache, PenaltyState, jax.Array]:
             cache = init_kv_cache(
-                self.step_config, cfg.num_pages, cfg.page_size, self.dtype, cfg.kv_cache_dtype
+                self.step_config,
+                cfg.cache.num_pages,
+                cfg.cache.page_size,
+                self.dtype,
+                cfg.cache.kv_cache_dtype,
             )
             return (
                 cache,
-                init_penalty_state(cfg.max_num_seqs, self.model_config.vocab_size),
-                jnp.zeros(cfg.max_num_seqs, jnp.int32),
+                init_penalty_state(cfg.scheduler.max_num_seqs, self.model_config.vocab_size),
+                jnp.zeros(cfg.scheduler.max_num_seqs, jnp.int32),
             )
 
         if self.host_sharding is None:
@@ -227,7 +231,9 @@ class ModelRunner:
     def _step_program(self, num_tokens: int, num_seqs: int, kind: str = "step") -> Any:
         """The program of a step of this bucket: "step" (samples each sequence's next token),
         "multi_step" (`num_scheduler_steps` decode steps) or "verify" (samples at every token)."""
-        extra = {"num_steps": self.config.num_scheduler_steps} if kind == "multi_step" else {}
+        extra = (
+            {"num_steps": self.config.scheduler.num_scheduler_steps} if kind == "multi_step" else {}
+        )
         key = (kind, num_tokens, num_seqs, *extra.values())
         program = self._programs.get(key)
         if program is not None:  # every step after warm-up: no abstract arguments to build
@@ -262,8 +268,8 @@ class ModelRunner:
         cores), then run each once; any failure propagates (never swallowed)."""
         start = time.perf_counter()
         cfg = self.config
-        programs = [(*shape, "step") for shape in cfg.step_shapes()]
-        programs += [(*shape, "multi_step") for shape in cfg.multi_step_shapes()]
+        programs = [(*shape, "step") for shape in cfg.scheduler.step_shapes()]
+        programs += [(*shape, "multi_step") for shape in cfg.scheduler.multi_step_shapes()]
         programs += [(*shape, "verify") for shape in cfg.verify_shapes()]
         with ThreadPoolExecutor(max_workers=min(len(programs), os.cpu_count() or 1)) as pool:
             compiled = pool.map(lambda p: self._step_program(*p), programs)
@@ -278,7 +284,7 @@ class ModelRunner:
         for program in programs:
             self._exercise(*program)
         if (
-            cfg.preemption_mode != "recompute" or cfg.kv_disk_dir is not None
+            cfg.scheduler.preemption_mode != "recompute" or cfg.cache.kv_disk_dir is not None
         ):  # compiles the page moves too
             self.page_copy_bytes_per_s = self.measure_page_copy()
         if cfg.allow_request_kv_compression or (
@@ -294,8 +300,8 @@ class ModelRunner:
         one-time cost of a program's first run (about 100 ms each here: a step that admitted
         a prompt was the slowest of its stream). The work touches every part of the step: a
         decode and a prompt chunk with cached context (on the scratch page), penalties."""
-        ps = self.config.page_size
-        lookahead = self.config.num_scheduler_steps if kind == "multi_step" else 0
+        ps = self.config.cache.page_size
+        lookahead = self.config.scheduler.num_scheduler_steps if kind == "multi_step" else 0
         chunks = [Chunk([0], ps, [SCRATCH_PAGE] * -(-(ps + 1 + lookahead) // ps))]
         if num_tokens > 1 and num_seqs > 1 and kind != "multi_step":
             q = num_tokens - 1
@@ -439,7 +445,7 @@ class ModelRunner:
             raise RuntimeError(
                 "copying pages is not announced to the other processes of a multi-process run"
             )
-        n = self.config.max_num_seqs
+        n = self.config.scheduler.max_num_seqs
         for start in range(0, len(src), n):
             pairs = np.full((2, n), SCRATCH_PAGE, np.int32)
             chunk = src[start : start + n]
@@ -530,7 +536,7 @@ class ModelRunner:
 
     def _page_scores(self, chunk: Chunk) -> np.ndarray:
         batch = build_step_batch(
-            [chunk], self.config.page_size, 1, 1, self.config.max_pages_per_seq
+            [chunk], self.config.cache.page_size, 1, 1, self.config.max_pages_per_seq
         )
         program = self._program(
             ("page_scores",),
@@ -556,7 +562,9 @@ class ModelRunner:
             self.scatter_pages(self.gather_pages([SCRATCH_PAGE] * bucket), [SCRATCH_PAGE] * bucket)
         jax.block_until_ready(self.cache)
         seconds = (time.perf_counter() - start) / 3
-        page_bytes = sum(x.nbytes for x in jax.tree.leaves(self.cache)) // self.config.num_pages
+        page_bytes = (
+            sum(x.nbytes for x in jax.tree.leaves(self.cache)) // self.config.cache.num_pages
+        )
         return 2 * bucket * page_bytes / max(seconds, 1e-9)
 
     def prepare(self, batch: ScheduledBatch) -> StepBatch:
@@ -568,8 +576,10 @@ class ModelRunner:
 
     def _bucket(self, batch: ScheduledBatch) -> tuple[int, int]:
         """(tokens, sequences) of the smallest step program that holds the batch."""
-        num_tokens = bucket_for(batch.num_tokens, self.config.token_buckets)
-        return num_tokens, bucket_for(len(batch.seqs), self.config.seq_buckets(num_tokens))
+        num_tokens = bucket_for(batch.num_tokens, self.config.scheduler.token_buckets)
+        return num_tokens, bucket_for(
+            len(batch.seqs), self.config.scheduler.seq_buckets(num_tokens)
+        )
 
     def _row_chunks(self, batch: ScheduledBatch) -> tuple[list[Chunk], dict[int, Exception]]:
         """What each sequence feeds, its tokens already int32 (so building the step cannot fail
@@ -601,7 +611,12 @@ class ModelRunner:
         )  # the pages every inner step writes
         cfg = self.config
         return build_step_batch(
-            chunks, cfg.page_size, num_tokens, num_seqs, cfg.num_listed_pages(num_seqs), lookahead
+            chunks,
+            cfg.cache.page_size,
+            num_tokens,
+            num_seqs,
+            cfg.num_listed_pages(num_seqs),
+            lookahead,
         )
 
     def _penalty_rows(self, seqs: tuple[Sequence, ...], num_seqs: int) -> PenaltyRows:
@@ -678,5 +693,5 @@ def _penalty_row_inputs(config: EngineConfig) -> tuple:
 
 def _empty_batch(config: EngineConfig, num_tokens: int, num_seqs: int) -> StepBatch:
     return build_step_batch(
-        [], config.page_size, num_tokens, num_seqs, config.num_listed_pages(num_seqs)
+        [], config.cache.page_size, num_tokens, num_seqs, config.num_listed_pages(num_seqs)
     )

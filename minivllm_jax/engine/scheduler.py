@@ -114,9 +114,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_multi_steps = 0  # batches run as `num_scheduler_steps` decode steps in one program
-        self.costs = StepCosts(config.token_buckets)
+        self.costs = StepCosts(config.scheduler.token_buckets)
         # Rows of the device penalty state; a running sequence that uses penalties holds one.
-        self.free_penalty_slots = list(range(config.max_num_seqs))
+        self.free_penalty_slots = list(range(config.scheduler.max_num_seqs))
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -207,7 +207,7 @@ class Scheduler:
                 f"reset() with {len(self.running)} running and {len(self.waiting)} waiting sequences"
             )
         self.swap_outs, self.swap_ins = [], []
-        self.free_penalty_slots = list(range(self.config.max_num_seqs))
+        self.free_penalty_slots = list(range(self.config.scheduler.max_num_seqs))
         if self.swap_pool is not None:
             self.swap_pool.reset()
 
@@ -216,7 +216,9 @@ class Scheduler:
         that hold them (tests call it after every fault)."""
         seqs = self.running + self.waiting
         held = [s.penalty_slot for s in seqs if s.penalty_slot is not None]
-        if sorted(held + self.free_penalty_slots) != list(range(self.config.max_num_seqs)):
+        if sorted(held + self.free_penalty_slots) != list(
+            range(self.config.scheduler.max_num_seqs)
+        ):
             raise AssertionError(
                 f"penalty slots: held {sorted(held)}, free {sorted(self.free_penalty_slots)}"
             )
@@ -249,7 +251,7 @@ class Scheduler:
 
         # 1. Decodes, most urgent first; make page room by preempting the least urgent.
         for seq in sorted(self.running, key=lambda s: s.sort_key):
-            if len(seqs) == cfg.max_num_batched_tokens:
+            if len(seqs) == cfg.scheduler.max_num_batched_tokens:
                 break
             if seq.status != SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
                 continue  # preempted below while we walked the list, or a prompt chunk
@@ -279,13 +281,13 @@ class Scheduler:
             candidates += self.waiting
         admitted = 0
         for seq in candidates:
-            if budget <= 0 or len(seqs) == cfg.max_num_seqs:
+            if budget <= 0 or len(seqs) == cfg.scheduler.max_num_seqs:
                 break
             if seq.num_pending:
                 continue  # preempted with a token in flight: recompute it once that token is read
             admitting = seq.status == SequenceStatus.WAITING
             if admitting:
-                if len(self.running) + admitted >= cfg.max_num_seqs:
+                if len(self.running) + admitted >= cfg.scheduler.max_num_seqs:
                     break
                 # Keep a page per running sequence (and those admitted in this step) so that
                 # admission does not force an instant preemption.
@@ -307,8 +309,10 @@ class Scheduler:
         if len(seqs) == num_decodes and not any(drafts) and self._multi_step_fits(seqs):
             self.num_multi_steps += 1
             for seq in seqs:
-                bm.append(seq, lookahead=cfg.num_scheduler_steps - 1)
-            return ScheduledBatch(tuple(seqs), tuple(chunks), num_decodes, cfg.num_scheduler_steps)
+                bm.append(seq, lookahead=cfg.scheduler.num_scheduler_steps - 1)
+            return ScheduledBatch(
+                tuple(seqs), tuple(chunks), num_decodes, cfg.scheduler.num_scheduler_steps
+            )
         for seq in seqs[num_decodes:]:
             if seq.status == SequenceStatus.WAITING:
                 self.waiting.remove(seq)
@@ -341,7 +345,9 @@ class Scheduler:
         spec = cfg.speculative
         prompts_pending = self.waiting or any(s.is_prefill for s in self.running)
         budget = (
-            cfg.max_num_batched_tokens - len(decodes) - (MIN_PROMPT_CHUNK if prompts_pending else 0)
+            cfg.scheduler.max_num_batched_tokens
+            - len(decodes)
+            - (MIN_PROMPT_CHUNK if prompts_pending else 0)
         )
         drafts = []
         for seq in decodes:
@@ -369,8 +375,8 @@ class Scheduler:
         scheduled (nobody waits, or the running set is full) and none is half computed (a new
         request would wait k steps), every row stays within `max_model_len`, and the pages its
         later steps write are free without preempting anyone."""
-        k = self.config.num_scheduler_steps
-        admissible = self.waiting and len(self.running) < self.config.max_num_seqs
+        k = self.config.scheduler.num_scheduler_steps
+        admissible = self.waiting and len(self.running) < self.config.scheduler.max_num_seqs
         if k == 1 or admissible or any(s.is_prefill for s in self.running):
             return False
         if any(s.grammar is not None for s in decodes):  # each token's mask needs the one before
@@ -391,10 +397,10 @@ class Scheduler:
         decode-only step of this many decodes), filling the chosen token bucket exactly. A
         prompt that waited past `target_ttft_ms` lifts the limit."""
         cfg = self.config
-        left = cfg.max_num_batched_tokens - used
+        left = cfg.scheduler.max_num_batched_tokens - used
         if left <= MIN_PROMPT_CHUNK or not any(s.streaming for s in decodes):
             return left
-        if cfg.target_ttft_ms is not None:
+        if cfg.scheduler.target_ttft_ms is not None:
             # Prompts still before their first token (a preempted sequence had its TTFT already).
             first_tokens = (
                 s.arrival_time
@@ -402,10 +408,10 @@ class Scheduler:
                 if s.is_prefill and not s.output_token_ids
             )
             oldest = min(first_tokens, default=now)
-            if (now - oldest) * 1000 >= cfg.target_ttft_ms:
+            if (now - oldest) * 1000 >= cfg.scheduler.target_ttft_ms:
                 return left
-        if cfg.target_tpot_ms is not None:
-            limit = cfg.target_tpot_ms / 1000
+        if cfg.scheduler.target_tpot_ms is not None:
+            limit = cfg.scheduler.target_tpot_ms / 1000
         else:
             decode_only = self.costs.seconds.get(bucket_for(len(decodes), self.costs.buckets))
             if decode_only is None:
@@ -420,12 +426,15 @@ class Scheduler:
         opens = self.next_admission_time()
         if opens is None or now >= opens:
             return True
-        if len(self.running) + len(self.waiting) >= self.config.max_num_seqs:
+        if len(self.running) + len(self.waiting) >= self.config.scheduler.max_num_seqs:
             return True
         return sum(s.num_uncomputed_tokens for s in self.waiting) >= budget
 
     def next_admission_time(self) -> float | None:
         """When held admissions open at the latest (monotonic seconds), if any are held."""
-        if self.config.max_batch_wait_ms <= 0 or not self.waiting:
+        if self.config.scheduler.max_batch_wait_ms <= 0 or not self.waiting:
             return None
-        return min(s.arrival_time for s in self.waiting) + self.config.max_batch_wait_ms / 1000
+        return (
+            min(s.arrival_time for s in self.waiting)
+            + self.config.scheduler.max_batch_wait_ms / 1000
+        )

@@ -53,7 +53,9 @@ def kv_layout_fingerprint(
     cache's layout. The disk tier keeps pages under this name, so another model, checkpoint,
     dtype or page size never sees them. The weights are sampled (each leaf's first and last
     rows) rather than hashed whole: enough to tell checkpoints apart, at no start-up cost."""
-    h = hashlib.sha256(repr((model_config, config.page_size, config.kv_cache_dtype)).encode())
+    h = hashlib.sha256(
+        repr((model_config, config.cache.page_size, config.cache.kv_cache_dtype)).encode()
+    )
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         h.update(f"{jax.tree_util.keystr(path)}{leaf.shape}{leaf.dtype}".encode())
         if leaf.ndim:
@@ -78,16 +80,20 @@ class KVTiers:
     ) -> None:
         self.runner = runner
         self.disk = None
-        if config.kv_disk_dir is not None:
+        if config.cache.kv_disk_dir is not None:
             namespace = kv_layout_fingerprint(model_config, config, runner.params, runner.cache)
-            self.disk = DiskPageStore(config.kv_disk_dir, int(config.kv_disk_gb * 2**30), namespace)
+            self.disk = DiskPageStore(
+                config.cache.kv_disk_dir, int(config.cache.kv_disk_gb * 2**30), namespace
+            )
         self.swap_pool = None
-        if config.preemption_mode != "recompute":
+        if config.scheduler.preemption_mode != "recompute":
             page_bytes = kv_bytes_per_page(
-                model_config, config.page_size, runner.dtype, config.kv_cache_dtype
+                model_config, config.cache.page_size, runner.dtype, config.cache.kv_cache_dtype
             )
             self.swap_pool = SwapPool(
-                config.preemption_mode, int(config.swap_space_gb * 2**30) // page_bytes, page_bytes
+                config.scheduler.preemption_mode,
+                int(config.cache.swap_space_gb * 2**30) // page_bytes,
+                page_bytes,
             )
 
     def warmed_up(self) -> None:
