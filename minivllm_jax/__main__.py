@@ -5,6 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Any
+
+from minivllm_jax.loading.checkpoint import load_converted
+from minivllm_jax.loading.errors import ConversionError
+from minivllm_jax.loading.resolve import resolve_model
+from minivllm_jax.prompts import chat_ids, encode_text
+from minivllm_jax.reference.greedy import greedy_stream
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,12 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--raw", action="store_true", help="do not apply the chat template")
     args = parser.parse_args(argv)
 
-    from transformers import AutoTokenizer
-
-    from minivllm_jax.loading.checkpoint import load_converted
-    from minivllm_jax.loading.errors import ConversionError
-    from minivllm_jax.loading.resolve import resolve_model
-    from minivllm_jax.reference.greedy import greedy_stream
+    from transformers import AutoTokenizer  # heavy: only once the arguments are read
 
     try:
         model_dir = resolve_model(args.model)
@@ -31,13 +33,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg, _, params = load_converted(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    if args.raw:
-        ids = tokenizer.encode(args.prompt)
-    else:
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": args.prompt}], add_generation_prompt=True
-        )
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    try:
+        ids = prompt_ids(tokenizer, args.prompt, args.raw)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     stop = set(cfg.eos_token_ids) | ({tokenizer.eos_token_id} - {None})
 
     start, out = time.perf_counter(), []
@@ -51,6 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - start
     print(f"\n[{len(out)} tokens in {elapsed:.1f}s, compile included]", file=sys.stderr)
     return 0
+
+
+def prompt_ids(tokenizer: Any, prompt: str, raw: bool) -> list[int]:
+    """`--prompt` as the library takes it: as one user message in the chat template, or (`raw`)
+    as text with the tokenizer's special-token rule (`minivllm_jax.prompts`)."""
+    if raw:
+        return encode_text(tokenizer, prompt)
+    return chat_ids(tokenizer, [{"role": "user", "content": prompt}])
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from minivllm_jax.ops.quantization import CHECKPOINT_KEY
 from minivllm_jax.outputs import RequestOutput
 from minivllm_jax.parallel import distributed
 from minivllm_jax.parallel.sharding import check_tensor_parallel, make_mesh
+from minivllm_jax.prompts import chat_ids
 from minivllm_jax.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -292,19 +293,9 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        if not messages:
-            raise ValueError("messages must not be empty")
-        for m in messages:
-            if (
-                not isinstance(m, dict)
-                or not isinstance(m.get("role"), str)
-                or not isinstance(m.get("content"), str)
-            ):
-                raise ValueError("each message must be a dict with string 'role' and 'content'")
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True
-        )
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        """One conversation -> its prompt's token ids (`minivllm_jax.prompts.chat_ids`, as the
+        server and the CLI build them); a bad conversation raises a ValueError (`ParamError`)."""
+        return chat_ids(self.tokenizer, messages)
 
     def beam_search(
         self, prompts: Prompt | dict | Sequence[Prompt | dict], params: BeamSearchParams

@@ -29,6 +29,22 @@ MAX_PENALTY = (
 MAX_TOKEN_ID = INT32_MAX  # stop_token_ids
 
 
+class ParamError(ValueError):
+    """A bad value of one request parameter; `field` names it (the server's 400 names it as its
+    `param`, in the request's own spelling)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+    def __reduce__(self) -> tuple:  # pickles with its field (errors cross process boundaries)
+        return type(self), (self.field, str(self))
+
+
+class ContextLengthError(ParamError):
+    """The prompt, or the prompt and the output it asks for, cannot fit in `max_model_len`."""
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -39,10 +55,58 @@ def _is_number(value: object) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
+class Range:
+    """The values a numeric field (or each item of a list field) may take: [low, high], `low`
+    excluded when `low_open`; `off` is one more value outside it that turns the field off
+    (top_k's -1). `integer`: only integers (else finite reals)."""
+
+    low: float
+    high: float
+    integer: bool = False
+    low_open: bool = False
+    off: int | None = None
+
+    def contains(self, value: object) -> bool:
+        if not (_is_int(value) if self.integer else _is_number(value)):
+            return False
+        if self.off is not None and value == self.off:
+            return True
+        return self.low <= value <= self.high and not (self.low_open and value == self.low)  # type: ignore[operator]
+
+    def describe(self) -> str:
+        """'an integer in [1, 128]', 'a finite number in (0, 1]', ..."""
+        if self.integer:
+            span = f"an integer in [{self.low}, {self.high}]"
+            return span if self.off is None else f"{self.off} (disabled) or {span}"
+        return f"a finite number in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
+
+
+# The ranges of SamplingParams' numeric fields, declared once: SamplingParams checks them, and
+# the server's request models take them as their bounds (`server/protocol.py`).
+RANGES: dict[str, Range] = {
+    "n": Range(1, MAX_N, integer=True),
+    "temperature": Range(0.0, MAX_TEMPERATURE),
+    "top_p": Range(0.0, 1.0, low_open=True),
+    "top_k": Range(1, MAX_TOP_K, integer=True, off=-1),
+    "min_p": Range(0.0, 1.0),
+    "max_tokens": Range(1, MAX_TOKENS_LIMIT, integer=True),
+    "logprobs": Range(0, MAX_LOGPROBS, integer=True),
+    "presence_penalty": Range(-MAX_PENALTY, MAX_PENALTY),
+    "frequency_penalty": Range(-MAX_PENALTY, MAX_PENALTY),
+    "repetition_penalty": Range(0.0, MAX_REPETITION_PENALTY, low_open=True),
+    "seed": Range(0, MAX_SEED, integer=True),
+    "stop_token_ids": Range(0, MAX_TOKEN_ID, integer=True),  # each id
+}
+# Fields that may be None (the engine's default then applies).
+OPTIONAL = ("max_tokens", "logprobs", "seed")
+
+
+@dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings; `temperature=0` means greedy.
 
     On device these values become per-row arrays of the batch, so mixing them never recompiles.
+    A bad value raises `ParamError` naming its field.
     """
 
     temperature: float = 1.0
@@ -68,67 +132,33 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | dict | None = None
 
     def __post_init__(self) -> None:
-        def bad(msg: str) -> None:
-            raise ValueError(msg)
-
-        def int_in(name: str, low: int, high: int, what: str) -> None:
+        for name, allowed in RANGES.items():
             value = getattr(self, name)
-            if not _is_int(value) or not low <= value <= high:
-                bad(f"{name} must be {what}, got {value!r}")
-
-        def number_in(
-            name: str, low: float, high: float, what: str, low_open: bool = False
-        ) -> None:
-            value = getattr(self, name)
-            if not _is_number(value) or not low <= value <= high or (low_open and value == low):
-                bad(f"{name} must be a finite number {what}, got {value!r}")
-
-        int_in("n", 1, MAX_N, f"an integer in [1, {MAX_N}]")
-        number_in("temperature", 0.0, MAX_TEMPERATURE, f"in [0, {MAX_TEMPERATURE:g}]")
-        number_in("top_p", 0.0, 1.0, "in (0, 1]", low_open=True)
-        if not _is_int(self.top_k) or not (self.top_k == -1 or 1 <= self.top_k <= MAX_TOP_K):
-            bad(
-                f"top_k must be -1 (disabled) or an integer in [1, {MAX_TOP_K}], got {self.top_k!r}"
-            )
-        number_in("min_p", 0.0, 1.0, "in [0, 1]")
-        if self.max_tokens is not None:
-            int_in(
-                "max_tokens", 1, MAX_TOKENS_LIMIT, f"an integer in [1, {MAX_TOKENS_LIMIT}] or None"
-            )
-        if self.logprobs is not None:
-            int_in("logprobs", 0, MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}]")
-        number_in(
-            "presence_penalty", -MAX_PENALTY, MAX_PENALTY, f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]"
-        )
-        number_in(
-            "frequency_penalty",
-            -MAX_PENALTY,
-            MAX_PENALTY,
-            f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
-        )
-        number_in(
-            "repetition_penalty",
-            0.0,
-            MAX_REPETITION_PENALTY,
-            f"in (0, {MAX_REPETITION_PENALTY:g}]",
-            low_open=True,
-        )
-        if self.seed is not None:
-            int_in("seed", 0, MAX_SEED, f"an integer in [0, {MAX_SEED}]")
+            if name == "stop_token_ids" or (value is None and name in OPTIONAL):
+                continue
+            if not allowed.contains(value):
+                what = allowed.describe() + (" or None" if name in OPTIONAL else "")
+                raise ParamError(name, f"{name} must be {what}, got {value!r}")
         if self.n > 1 and self.temperature == 0.0:
-            bad("n > 1 needs temperature > 0 (greedy samples would all be identical)")
+            raise ParamError(
+                "n", "n > 1 needs temperature > 0 (greedy samples would all be identical)"
+            )
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stops):
-            bad(
-                f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}"
+            raise ParamError(
+                "stop",
+                f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}",
             )
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
-            bad(
-                f"stop_token_ids must be a list of integers, got {type(self.stop_token_ids).__name__}"
+            raise ParamError(
+                "stop_token_ids",
+                f"stop_token_ids must be a list of integers, got {type(self.stop_token_ids).__name__}",
             )
-        if any(not _is_int(t) or not 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids or []):
-            bad(
-                f"stop_token_ids must be integers in [0, {MAX_TOKEN_ID}], got {self.stop_token_ids!r}"
+        token_id = RANGES["stop_token_ids"]
+        if not all(token_id.contains(t) for t in self.stop_token_ids or []):
+            raise ParamError(
+                "stop_token_ids",
+                f"stop_token_ids must be integers in [0, {MAX_TOKEN_ID}], got {self.stop_token_ids!r}",
             )
         if isinstance(self.kv_compression, dict):
             try:
@@ -136,19 +166,23 @@ class SamplingParams:
                     self, "kv_compression", KVCompressionConfig.from_dict(self.kv_compression)
                 )
             except (TypeError, ValueError) as e:
-                bad(f"kv_compression: {e}")
+                raise ParamError("kv_compression", f"kv_compression: {e}") from None
         elif self.kv_compression is not None and not isinstance(
             self.kv_compression, KVCompressionConfig
         ):
-            bad(
-                f"kv_compression must be a KVCompressionConfig, a dict or None, got {type(self.kv_compression).__name__}"
+            raise ParamError(
+                "kv_compression",
+                f"kv_compression must be a KVCompressionConfig, a dict or None, got {type(self.kv_compression).__name__}",
             )
         try:
             object.__setattr__(
                 self, "structured_outputs", as_structured_outputs(self.structured_outputs)
             )
         except (TypeError, ValueError) as e:
-            bad(str(e) if str(e).startswith("structured_outputs") else f"structured_outputs: {e}")
+            message = (
+                str(e) if str(e).startswith("structured_outputs") else f"structured_outputs: {e}"
+            )
+            raise ParamError("structured_outputs", message) from None
         object.__setattr__(self, "stop", stops)
         object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids or []))
 

@@ -3,10 +3,11 @@
 Tokenizing a long prompt takes about 1 s per MB of text here; done on the engine thread it
 would stall every stream. So prompts are tokenized on one worker thread with its own copy of
 the tokenizer (HF tokenizers are not safe to share across threads), and the engine receives
-token ids. Prompts far too long to fit are rejected from their length alone, before any work,
-and the rest are tokenized in growing prefixes, so a prompt too long to fit is refused after
-O(max_model_len) tokenizer work, not after tokenizing all of it. Token-id prompts are checked
-(length, then range) before they are copied.
+token ids. The tokenizing itself is the library's (`minivllm_jax.prompts`), bounded by
+max_model_len: prompts far too long to fit are rejected from their length alone, before any
+work, and the rest are tokenized in growing prefixes, so a prompt too long to fit is refused
+after O(max_model_len) tokenizer work, not after tokenizing all of it. Token-id prompts are
+checked (length, then range) before they are copied.
 Output constraints are compiled here too (on the engine's grammar compiler, which caches them),
 so a bad schema is a 400 and the engine finds the request's grammar already compiled.
 """
@@ -16,24 +17,22 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
-from minivllm_jax.sampling_params import StructuredOutputsParams
-from server.protocol import APIError, constraint_error, invalid
+from minivllm_jax import prompts
+from minivllm_jax.prompts import PROBE_CHARS_PER_TOKEN, PROBE_MARGIN_TOKENS
+from minivllm_jax.sampling_params import ParamError, StructuredOutputsParams
+from server.protocol import APIError, constraint_error, invalid, param_error
 from server.tool_calls import messages_without_tool_support
 
+__all__ = ["PROBE_CHARS_PER_TOKEN", "PROBE_MARGIN_TOKENS", "Preprocessor", "TokenTable"]
+
+T = TypeVar("T")
 # A normalizer could shrink text before tokenizing (NFC, ...); this margin keeps the
 # characters-only length check conservative.
 _NORMALIZE_MARGIN = 4
-# Long text is tokenized in prefixes: the first one this many characters per max_model_len
-# token (about what English takes), each next one this many times longer.
-PROBE_CHARS_PER_TOKEN = 4
-PROBE_GROWTH = 4
-# A prefix cut at whitespace tokenizes as the full text does up to the cut (pre-tokenizers split
-# there); this margin covers a cut inside a word, whose last piece may split into a few more.
-PROBE_MARGIN_TOKENS = 16
 
 
 class TokenTable:
@@ -66,8 +65,9 @@ class TokenTable:
 
 
 class Preprocessor:
-    """Prompt -> token ids (text or chat messages) on a single worker thread; output constraints
-    -> compiled grammars on `compiler` (the engine's `GrammarCompiler`; None: not checked)."""
+    """Prompt -> token ids (text or chat messages, `minivllm_jax.prompts`) on a single worker
+    thread; output constraints -> compiled grammars on `compiler` (the engine's
+    `GrammarCompiler`; None: not checked)."""
 
     def __init__(
         self, tokenizer: Any, max_model_len: int, max_token_bytes: int, compiler: Any = None
@@ -85,58 +85,33 @@ class Preprocessor:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _check_length(self, chars: int, param: str) -> None:
-        if chars > self.max_prompt_chars:
-            raise invalid(
-                f"{param} is too long: {chars} characters cannot fit in max_model_len ({self.max_model_len}) tokens",
-                param,
-                "context_length_exceeded",
-            )
+    def _check_chars(self, chars: int, param: str) -> None:
+        """Refuse text of more characters than max_model_len tokens can hold, before any work."""
+        try:
+            prompts.check_chars(chars, self.max_model_len, self.max_prompt_chars, param)
+        except ParamError as e:
+            raise param_error(e) from None
 
-    def check_ids(self, ids: list[int], param: str = "prompt") -> None:
-        """A token-id prompt: at most max_model_len ids (checked first, in O(1)), each in the
-        tokenizer's vocabulary."""
-        if len(ids) > self.max_model_len:
-            raise invalid(
-                f"{param} has {len(ids)} tokens, more than max_model_len ({self.max_model_len})",
-                param,
-                "context_length_exceeded",
+    def check_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
+        """A token-id prompt, copied: at most max_model_len ids (checked first, in O(1)), each in
+        the tokenizer's vocabulary."""
+        try:
+            return prompts.check_token_ids(
+                ids, self.vocab_size, limit=self.max_model_len, field=param
             )
-        if ids and not (0 <= min(ids) and max(ids) < self.vocab_size):
-            bad = next(t for t in ids if not 0 <= t < self.vocab_size)
-            raise invalid(
-                f"{param} holds the token id {bad}, outside the vocabulary [0, {self.vocab_size})",
-                param,
-            )
+        except ParamError as e:
+            raise param_error(e) from None
 
     async def encode(self, prompt: str | list[int]) -> list[int]:
-        """Text -> ids with the tokenizer's special-token rule (BOS where it adds one, like
-        `LLMEngine.tokenize`); ids are checked (`check_ids`), then copied."""
+        """Text -> ids with the tokenizer's special-token rule (BOS where it adds one, as
+        `LLMEngine` does); ids are checked (`check_ids`), then copied."""
         if not isinstance(prompt, str):
-            self.check_ids(prompt)
-            return list(prompt)
+            return self.check_ids(prompt)
         if not prompt:
             raise invalid("prompt must not be empty", "prompt")
-        self._check_length(len(prompt), "prompt")
-        return await self._run(lambda: self._encode_bounded(prompt, True, "prompt"))
-
-    def _encode_bounded(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
-        """Tokenize `text`, first in growing prefixes while it is long: once a prefix has more than
-        max_model_len tokens the text is refused, after work in proportion to max_model_len."""
-        probe = PROBE_CHARS_PER_TOKEN * self.max_model_len
-        while probe < len(text):
-            space = text.rfind(" ", probe // 2, probe)
-            cut = space if space > 0 else probe
-            count = len(self._tokenizer.encode(text[:cut], add_special_tokens=add_special_tokens))
-            if count > self.max_model_len + PROBE_MARGIN_TOKENS:
-                raise invalid(
-                    f"{param} is too long: its first {cut} characters are already {count} tokens, more than "
-                    f"max_model_len ({self.max_model_len})",
-                    param,
-                    "context_length_exceeded",
-                )
-            probe *= PROBE_GROWTH
-        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        self._check_chars(len(prompt), "prompt")
+        bounds = {"limit": self.max_model_len, "max_chars": self.max_prompt_chars}
+        return await self._run(lambda: prompts.encode_text(self._tokenizer, prompt, **bounds))
 
     async def chat(
         self,
@@ -144,8 +119,8 @@ class Preprocessor:
         tools: list[dict[str, Any]] | None = None,
         parallel_tool_calls: bool = True,
     ) -> list[int]:
-        """The tokenizer's chat template with the generation prompt (as `LLM.apply_chat_template`);
-        the template writes any BOS itself, so none is added on top. `tools` go to the template
+        """The chat template with the generation prompt (`prompts.chat_ids`, as `LLM.chat`); the
+        template writes any BOS itself, so none is added on top. `tools` go to the template
         (`tools=`), or, when it ignores them, into a system prompt (`server/tool_calls.py`)."""
         if not messages:
             raise invalid("messages must not be empty", "messages")
@@ -153,55 +128,39 @@ class Preprocessor:
             len(m.get("content") or "") + len(json.dumps(m.get("tool_calls") or ""))
             for m in messages
         )
-        self._check_length(chars + len(json.dumps(tools or "")), "messages")
+        self._check_chars(chars + len(json.dumps(tools or "")), "messages")
         uses_tools = bool(tools) or any(
             m.get("tool_calls") or m["role"] == "tool" for m in messages
         )
 
         def apply() -> list[int]:
-            conversation, kwargs = messages, {}
+            conversation, template_tools = messages, None
             if uses_tools and self._takes_tools():
-                kwargs = {"tools": tools} if tools else {}
+                template_tools = tools
             elif uses_tools:
                 conversation = messages_without_tool_support(messages, tools, parallel_tool_calls)
-            # Rendered as text, then tokenized as apply_chat_template(tokenize=True) does (no
-            # special tokens added: the template writes them), but bounded (`_encode_bounded`).
-            text = self._tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=False, **kwargs
+            return prompts.chat_ids(
+                self._tokenizer,
+                conversation,
+                tools=template_tools,
+                limit=self.max_model_len,
+                max_chars=self.max_prompt_chars,
             )
-            if not isinstance(text, str):  # a stand-in tokenizer (tests) that answers ids directly
-                return list(text["input_ids"] if hasattr(text, "keys") else text)
-            self._check_length(len(text), "messages")
-            return self._encode_bounded(text, False, "messages")
 
         try:
             return await self._run(apply)
         except APIError:
             raise
-        except Exception as e:  # template errors (e.g. jinja raise_exception on role order)
+        except Exception as e:  # a tool-call rewrite the template could not take
             raise invalid(
                 f"messages could not be formatted with the chat template: {e}", "messages"
             ) from None
 
     def _takes_tools(self) -> bool:
-        """Whether the chat template renders `tools=` (it changes the prompt); many, SmolLM2's
-        among them, silently ignore it. Probed once, on the worker thread."""
+        """Whether the chat template renders `tools=` (`prompts.template_renders_tools`); probed
+        once, on the worker thread."""
         if self._template_takes_tools is None:
-            probe = [{"role": "user", "content": "ping"}]
-            tool = {
-                "type": "function",
-                "function": {"name": "probe_tool", "description": "probe", "parameters": {}},
-            }
-            try:
-                plain = self._tokenizer.apply_chat_template(
-                    probe, add_generation_prompt=True, tokenize=False
-                )
-                with_tools = self._tokenizer.apply_chat_template(
-                    probe, tools=[tool], add_generation_prompt=True, tokenize=False
-                )
-                self._template_takes_tools = plain != with_tools
-            except Exception:  # a template (or tokenizer) without the tools argument
-                self._template_takes_tools = False
+            self._template_takes_tools = prompts.template_renders_tools(self._tokenizer)
         return self._template_takes_tools
 
     async def compile(self, constraints: Sequence[tuple[str, StructuredOutputsParams]]) -> None:
@@ -219,8 +178,12 @@ class Preprocessor:
             except ValueError as e:
                 raise constraint_error(param, e) from None
 
-    async def _run(self, fn: Any) -> list[int]:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+    async def _run(self, fn: Callable[[], T]) -> T:
+        """`fn()` on the tokenizer thread; a `ParamError` becomes the 400 naming its field."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+        except ParamError as e:
+            raise param_error(e) from None
 
 
 def _is_byte_level(tokenizer: Any) -> bool:

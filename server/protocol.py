@@ -14,24 +14,31 @@ the request reaches the engine; chat `tools` / `tool_choice` become a `ToolPlan`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
+import types
+import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    create_model,
+    model_validator,
+)
 
 from minivllm_jax.engine.decoding.beam_search import BeamSearchParams
 from minivllm_jax.engine.kv.block_manager import MAX_CACHE_SALT_CHARS
 from minivllm_jax.sampling_params import (
-    MAX_LOGPROBS,
-    MAX_PENALTY,
-    MAX_REPETITION_PENALTY,
-    MAX_SEED,
-    MAX_TEMPERATURE,
-    MAX_TOKEN_ID,
-    MAX_TOKENS_LIMIT,
-    MAX_TOP_K,
+    RANGES,
+    ContextLengthError,
+    ParamError,
+    Range,
     SamplingParams,
     StructuredOutputsParams,
 )
@@ -188,29 +195,79 @@ class StructuredOutputs(_Strict):
         return kw
 
 
-class _Sampling(_Strict):
-    """Fields shared by every generation request (OpenAI names, vLLM extensions)."""
+# ---------------------------------------------------------------------- fields from SamplingParams
+
+_SAMPLING_HINTS = typing.get_type_hints(SamplingParams)
+# The JSON form of fields whose Python type also takes objects: the KV compression policy as
+# its config's fields, e.g. {"policy": "sink_window", "window_tokens": 512}.
+_JSON_FORMS: dict[str, Any] = {"kv_compression": dict[str, Any] | None}
+# SamplingParams' fields every request model takes as they are (names, types, defaults and
+# ranges all SamplingParams'): OpenAI's and vLLM's (top_k, min_p, repetition_penalty,
+# ignore_eos, stop_token_ids, skip_special_tokens, kv_compression). max_tokens and logprobs
+# differ by endpoint (defaults, chat's renames); output constraints have their own models.
+SAMPLING_FIELDS = tuple(
+    f.name
+    for f in dataclasses.fields(SamplingParams)
+    if f.name not in ("max_tokens", "logprobs", "structured_outputs")
+)
+
+
+def _bounds(allowed: Range, high: float | None) -> dict[str, float]:
+    """A `Range` as pydantic bounds (`high` lowers the top: a server limit). A value that turns
+    the field off (top_k's -1) widens the bottom to it; SamplingParams refuses what lies between."""
+    low = allowed.low if allowed.off is None else min(allowed.low, allowed.off)
+    bounds = {"gt" if allowed.low_open and allowed.off is None else "ge": low}
+    return {**bounds, "le": allowed.high if high is None else high}
+
+
+def _bounded(hint: Any, allowed: Range, high: float | None) -> Any:
+    """`hint` with each of its numbers (a list's items too) bounded by `allowed`."""
+    if hint in (int, float):
+        return Annotated[hint, Field(**_bounds(allowed, high))]
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return typing.Union[tuple(_bounded(a, allowed, high) for a in args)]  # noqa: UP007
+    if origin is list:
+        return list[_bounded(args[0], allowed, high)]
+    return hint
+
+
+def sampling_type(name: str, high: float | None = None) -> Any:
+    """The request type of SamplingParams' field `name`: its type (or JSON form), each number
+    in it bounded by the field's `RANGES` entry (`high`: a lower top, the server's limit)."""
+    hint = _JSON_FORMS.get(name, _SAMPLING_HINTS[name])
+    return hint if name not in RANGES else _bounded(hint, RANGES[name], high)
+
+
+def _sampling_default(name: str) -> Any:
+    return next(f.default for f in dataclasses.fields(SamplingParams) if f.name == name)
+
+
+# Per-endpoint forms of max_tokens and logprobs (chat's max_completion_tokens, top_logprobs).
+MaxTokens = sampling_type("max_tokens")
+Logprobs = sampling_type("logprobs")
+
+# Each value fits the engine's int32/float32 per-row arrays; `n` is capped lower here (MAX_N).
+_SamplingFields = create_model(
+    "_SamplingFields",
+    __base__=_Strict,
+    **{
+        name: (sampling_type(name, MAX_N if name == "n" else None), _sampling_default(name))
+        for name in SAMPLING_FIELDS
+        if name != "stop_token_ids"
+    },
+    stop_token_ids=(
+        sampling_type("stop_token_ids"),
+        Field(_sampling_default("stop_token_ids"), max_length=MAX_STOP_TOKEN_IDS),
+    ),
+)
+
+
+class _Sampling(_SamplingFields):
+    """Fields shared by every generation request (OpenAI names, vLLM extensions): those of
+    `SamplingParams` (`SAMPLING_FIELDS`, from `_SamplingFields`) and the server's own."""
 
     model: str | None = None
-    # Ranges: `SamplingParams`' (each value fits the engine's int32/float32 per-row arrays).
-    temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1, le=MAX_TOP_K)  # vLLM extension; 0 is refused by SamplingParams
-    min_p: float = Field(0.0, ge=0.0, le=1.0)  # vLLM extension
-    n: int = Field(1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=MAX_REPETITION_PENALTY)  # vLLM extension
-    ignore_eos: bool = False  # vLLM extension
-    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] | None = Field(
-        None, max_length=MAX_STOP_TOKEN_IDS
-    )
-    skip_special_tokens: bool = True
-    # Extension: this request's KV compression policy (`minivllm_jax.engine.kv.compression`), e.g.
-    # {"policy": "sink_window", "window_tokens": 512}.
-    kv_compression: dict[str, Any] | None = None
     # vLLM extension: prefix-cache pages are shared only between requests of the same salt (and,
     # with several --api-key values, of the same key).
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
@@ -367,24 +424,17 @@ class _Sampling(_Strict):
             raise beam_search_error(e) from None
 
     def sampling_kwargs(self) -> dict[str, Any]:
+        """SamplingParams' arguments but max_tokens and logprobs (each endpoint has its own)."""
         constraint = self.output_constraint()
-        return dict(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            n=self.n,
-            stop=self.stop,
-            seed=self.seed,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            ignore_eos=self.ignore_eos,
-            stop_token_ids=self.stop_token_ids,
-            skip_special_tokens=self.skip_special_tokens,
-            kv_compression=self.kv_compression,
-            structured_outputs=constraint[1] if constraint else None,
-        )
+        return {
+            **{name: getattr(self, name) for name in SAMPLING_FIELDS},
+            "structured_outputs": constraint[1] if constraint else None,
+        }
+
+    def field_names(self) -> dict[str, str]:
+        """Our parameter names -> the fields this request sent them as (errors name the latter);
+        none differ here."""
+        return {}
 
     @property
     def include_usage(self) -> bool:
@@ -395,8 +445,8 @@ class CompletionRequest(_Sampling):
     """`POST /v1/completions`: one prompt (text or token ids) per request."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS_LIMIT)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: MaxTokens = 16
+    logprobs: Logprobs = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -541,10 +591,10 @@ class ChatCompletionRequest(_Sampling):
     """`POST /v1/chat/completions`: the tokenizer's chat template turns messages into a prompt."""
 
     messages: list[ChatMessage]
-    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
-    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_tokens: MaxTokens = None
+    max_completion_tokens: MaxTokens = None  # OpenAI's newer name of max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Logprobs = None  # our logprobs (how many top candidates per token)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = (
         None  # default: auto with tools
@@ -683,8 +733,8 @@ class StreamRequest(_Sampling):
     type: Literal["request"] = "request"
     prompt: str | list[int] | None = None
     messages: list[ChatMessage] | None = None
-    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: MaxTokens = None
+    logprobs: Logprobs = None
 
     @model_validator(mode="after")
     def _one_input(self) -> StreamRequest:
@@ -1038,6 +1088,14 @@ def constraint_error(param: str, e: ValueError) -> APIError:
     return invalid(f"invalid {param}: {reason}", param)
 
 
+def param_error(e: ParamError, renames: dict[str, str] | None = None) -> APIError:
+    """A `ParamError` (SamplingParams, the engine, the prompt) as the 400 naming its field as the
+    request spelled it (`renames`: our names -> the request's); a prompt or output that cannot
+    fit is `context_length_exceeded`."""
+    code = "context_length_exceeded" if isinstance(e, ContextLengthError) else None
+    return invalid(str(e), (renames or {}).get(e.field, e.field), code)
+
+
 def make_sampling_params(
     kwargs: dict[str, Any],
     *,
@@ -1045,29 +1103,19 @@ def make_sampling_params(
     logprobs: int | None,
     renames: dict[str, str] | None = None,
 ) -> SamplingParams:
-    """Build `SamplingParams`; its ValueError names the field first, which becomes `param`."""
+    """Build `SamplingParams`; its `ParamError` becomes the 400 naming the field."""
     try:
         return SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=logprobs)
-    except ValueError as e:
-        raise invalid(str(e), param_from_message(str(e), renames)) from None
+    except ParamError as e:
+        raise param_error(e, renames) from None
 
 
 def beam_search_error(e: ValueError) -> APIError:
     """A beam search's ValueError (its params, or the search refusing the prompt) as a 400 naming
-    the request's field: `beam_width` is the request's `n`."""
+    the request's field: `beam_width` is the request's `n`; an error naming no field, `prompt`."""
+    if not isinstance(e, ParamError):
+        return invalid(str(e), "prompt")
     message = str(e).replace("beam_width", "n")
-    param = param_from_message(message) or "prompt"
-    if param == "n":
+    if e.field == "beam_width":
         message += " (with use_beam_search, n is the beam width)"
-    return invalid(
-        message, param, "context_length_exceeded" if "max_model_len" in message else None
-    )
-
-
-def param_from_message(message: str, renames: dict[str, str] | None = None) -> str | None:
-    """'top_p must be in (0, 1]' -> 'top_p'; engine length errors name max_tokens or prompt."""
-    if "max_tokens (" in message:
-        return (renames or {}).get("max_tokens", "max_tokens")
-    m = re.match(r"[a-z_]+", message)
-    name = m.group(0) if m else None
-    return (renames or {}).get(name, name) if name else None
+    return param_error(type(e)(e.field, message), {"beam_width": "n"})

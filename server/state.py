@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Collection, Iterator
 from typing import Any, Protocol, TypeVar
 
 from minivllm_jax.engine.decoding.beam_search import BeamSearchOutput, BeamSearchParams
-from minivllm_jax.sampling_params import SamplingParams, StructuredOutputsParams
+from minivllm_jax.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 from server.engine_loop import (
     AsyncEngine,
     DataParallelEngine,
@@ -37,7 +37,7 @@ from server.protocol import (
     beam_search_error,
     check_response_size,
     invalid,
-    param_from_message,
+    param_error,
     parse_json,
     parse_request,
 )
@@ -362,9 +362,10 @@ class ServerState:
             return await self.engine.add(prompt_ids, params, request_id, arrival, cache_salt)
         except (QueueFull, EngineStopped) as e:
             raise admission_error(e) from None
+        except ParamError as e:  # names its field (the engine's own checks, e.g. the length)
+            raise param_error(e, renames) from None
         except (ValueError, TypeError) as e:
-            code = "context_length_exceeded" if "max_model_len" in str(e) else None
-            raise invalid(str(e), param_from_message(str(e), renames) or "prompt", code) from None
+            raise invalid(str(e), "prompt") from None
 
     async def beam_search(
         self,

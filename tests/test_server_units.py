@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from minivllm_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from minivllm_jax.sampling_params import ContextLengthError, ParamError
 from server.app import create_app
 from server.engine_loop import AsyncEngine, EngineStopped, QueueFull
 from server.metrics import EngineStats, Histogram, ServerMetrics
@@ -21,7 +22,7 @@ from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     StreamRequest,
-    param_from_message,
+    param_error,
     parse_json,
     parse_request,
 )
@@ -74,10 +75,11 @@ class FakeEngine:
 
     def add_request(self, ids, params, *, request_id):
         if not ids:
-            raise ValueError("prompt must not be empty")
+            raise ParamError("prompt", "prompt must not be empty")
         if len(ids) + params.max_tokens > self.config.max_model_len:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len"
+            raise ContextLengthError(
+                "max_tokens",
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len",
             )
         self.requests[request_id] = (list(ids), params, [[] for _ in range(params.n)])
         self._sync()
@@ -254,16 +256,17 @@ def test_accepted_requests_map_to_sampling_params():
     assert StreamRequest.model_validate({"prompt": "x"}).sampling_params().max_tokens == 16
 
 
-def test_param_from_message():
-    assert param_from_message("top_p must be in (0, 1], got 2") == "top_p"
-    assert (
-        param_from_message("prompt (3 tokens) + max_tokens (9) exceeds max_model_len (8)")
-        == "max_tokens"
-    )
-    assert (
-        param_from_message("logprobs must be an integer", {"logprobs": "top_logprobs"})
-        == "top_logprobs"
-    )
+def test_param_errors_become_400s_naming_the_field_the_request_sent():
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5}
+    with pytest.raises(APIError) as e:  # SamplingParams' ParamError, no message parsing
+        parse_request(ChatCompletionRequest, {**chat, "n": 2, "temperature": 0}).sampling_params()
+    assert (e.value.status, e.value.param) == (400, "n"), e.value.message
+    renames = parse_request(ChatCompletionRequest, chat).field_names()
+    too_long = param_error(ContextLengthError("max_tokens", "does not fit"), renames)
+    assert (too_long.param, too_long.code) == ("max_completion_tokens", "context_length_exceeded")
+    top = param_error(ParamError("logprobs", "logprobs must be ..."), {"logprobs": "top_logprobs"})
+    assert (top.param, top.code, top.message) == ("top_logprobs", None, "logprobs must be ...")
+    assert parse_request(CompletionRequest, {"prompt": "x"}).field_names() == {}
 
 
 # ---------------------------------------------------------------------- metrics and deltas

@@ -32,7 +32,8 @@ from minivllm_jax.engine.stats import EngineStats, StepEvent
 from minivllm_jax.models.llama import Params
 from minivllm_jax.ops.kv_cache import KVCache
 from minivllm_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from minivllm_jax.sampling_params import SamplingParams
+from minivllm_jax.prompts import prompt_ids
+from minivllm_jax.sampling_params import ContextLengthError, ParamError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -269,20 +270,8 @@ class LLMEngine:
     def tokenize(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
         """Text is encoded with the tokenizer's own special-token rule (BOS where the tokenizer
         adds one, as HF and vLLM do); token ids (e.g. a chat template's output) are taken as given."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-            if not ids:
-                raise ValueError("prompt encodes to no tokens")
-            return prompt, ids
-        ids = list(prompt)
-        if not ids:
-            raise ValueError("prompt token ids must not be empty")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        return None, ids
+        ids = prompt_ids(self.tokenizer, prompt, self.model_config.vocab_size)
+        return (prompt if isinstance(prompt, str) else None), ids
 
     def _check_request_compression(self, config: KVCompressionConfig) -> None:
         """A request's own KV compression policy: only where the engine allows them (their
@@ -291,15 +280,17 @@ class LLMEngine:
             config.check_page_size(self.config.cache.page_size)
             config.check_model(self.model_config)
         except ValueError as e:
-            raise ValueError(f"kv_compression: {e}") from e
+            raise ParamError("kv_compression", f"kv_compression: {e}") from e
         if not self.config.allow_request_kv_compression:
-            raise ValueError(
+            raise ParamError(
+                "kv_compression",
                 "kv_compression: per-request KV compression is not enabled on this engine "
-                "(allow_request_kv_compression=True; the server's --allow-request-kv-compression)"
+                "(allow_request_kv_compression=True; the server's --allow-request-kv-compression)",
             )
         if self.runner.channel is not None:
-            raise ValueError(
-                "kv_compression: per-request KV compression does not run across several processes"
+            raise ParamError(
+                "kv_compression",
+                "kv_compression: per-request KV compression does not run across several processes",
             )
 
     def add_request(
@@ -327,14 +318,16 @@ class LLMEngine:
         text, ids = self.tokenize(prompt)
         limit = self.config.max_model_len
         if len(ids) >= limit:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens; max_model_len is {limit} (prompt must leave room for output)"
+            raise ContextLengthError(
+                "prompt",
+                f"prompt has {len(ids)} tokens; max_model_len is {limit} (prompt must leave room for output)",
             )
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=limit - len(ids))
         elif len(ids) + params.max_tokens > limit:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len ({limit})"
+            raise ContextLengthError(
+                "max_tokens",
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len ({limit})",
             )
         arrival = time.monotonic() if arrival_time is None else arrival_time
         # Unseeded requests still get a seed: reproducible from the engine seed and arrival order.

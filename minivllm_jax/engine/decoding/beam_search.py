@@ -29,7 +29,12 @@ from typing import Any
 
 import numpy as np
 
-from minivllm_jax.sampling_params import MAX_LOGPROBS, SamplingParams
+from minivllm_jax.sampling_params import (
+    MAX_LOGPROBS,
+    ContextLengthError,
+    ParamError,
+    SamplingParams,
+)
 
 Prompt = str | Seq[int] | dict[str, Any]
 _Choice = tuple[np.float32, int, int]  # a continuation: (cumulative log-prob, parent beam, token)
@@ -53,18 +58,25 @@ class BeamSearchParams:
 
     def __post_init__(self) -> None:
         if not isinstance(self.beam_width, int) or not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
-            raise ValueError(
-                f"beam_width must be an integer in [1, {MAX_BEAM_WIDTH}], got {self.beam_width!r}"
+            raise ParamError(
+                "beam_width",
+                f"beam_width must be an integer in [1, {MAX_BEAM_WIDTH}], got {self.beam_width!r}",
             )
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+            raise ParamError(
+                "max_tokens", f"max_tokens must be a positive integer, got {self.max_tokens!r}"
+            )
         if not isinstance(self.length_penalty, (int, float)) or not np.isfinite(
             self.length_penalty
         ):
-            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+            raise ParamError(
+                "length_penalty",
+                f"length_penalty must be a finite number, got {self.length_penalty!r}",
+            )
         if self.early_stopping not in (True, False, "never"):
-            raise ValueError(
-                f"early_stopping must be True, False or 'never', got {self.early_stopping!r}"
+            raise ParamError(
+                "early_stopping",
+                f"early_stopping must be True, False or 'never', got {self.early_stopping!r}",
             )
 
 
@@ -89,9 +101,10 @@ def num_candidates(params: BeamSearchParams, eos_token_ids: frozenset[int]) -> i
     eos = frozenset() if params.ignore_eos else eos_token_ids
     n = max(2, 1 + len(eos)) * params.beam_width
     if n > MAX_LOGPROBS:
-        raise ValueError(
+        raise ParamError(
+            "beam_width",
             f"beam_width={params.beam_width} with {len(eos)} EOS tokens needs {n} candidates a beam; "
-            f"the engine reports at most {MAX_LOGPROBS}"
+            f"the engine reports at most {MAX_LOGPROBS}",
         )
     return n
 
@@ -106,9 +119,10 @@ def round_sampling_params(candidates: int) -> SamplingParams:
 def check_prompt(prompt_len: int, params: BeamSearchParams, max_model_len: int) -> None:
     """Refuse a search whose longest beam would not fit the context (a ValueError naming it)."""
     if prompt_len + params.max_tokens > max_model_len:
-        raise ValueError(
+        raise ContextLengthError(
+            "max_tokens",
             f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) exceeds "
-            f"max_model_len ({max_model_len})"
+            f"max_model_len ({max_model_len})",
         )
 
 
