@@ -9,11 +9,12 @@ every bad input gets an OpenAI-style `{"error": {...}}` with a 4xx code, never F
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Collection, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -37,7 +38,7 @@ from server.page import chat_page
 from server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from server.responses import ChatFormatter, CompletionFormatter, _Formatter, beam_search_output, sse
 from server.security import OriginPolicy, api_key_list, normalize_hosts, request_cache_salt
-from server.state import LLMLike, ServerState, stream_error
+from server.state import LLMLike, PreprocessSlot, ServerState, stream_error
 from server.ws import serve_socket
 
 logger = logging.getLogger(__name__)
@@ -147,82 +148,92 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        arrival = time.monotonic()
-        state.require_ready()
-        state.check_capacity()
-        raw = await _read_body(
-            request, state.max_body_bytes
-        )  # outside: a slow sender would hold a place
-        with state.preprocessing() as slot:  # until the engine admits it
-            req = await state.parse(slot, CompletionRequest, raw)
-            state.check_model(req.model)
-            params = None if req.use_beam_search else req.sampling_params()
-            await state.check_constraints(slot, req.constraints_to_check())
-            ids = await state.prompt_ids(slot, req.single_prompt(), None)
-            rid = f"cmpl-{uuid.uuid4().hex}"
-            fmt = CompletionFormatter(
-                rid,
-                state.model_name,
-                int(time.time()),
-                state.table,
-                req.logprobs,
-                req.n,
-                req.include_usage,
-            )
-            salt = request_cache_salt(request.scope, req.cache_salt)
-            stream = (
-                None
-                if params is None
-                else await state.start(ids, params, rid, arrival, cache_salt=salt)
-            )
-        if stream is None:
-            return await _respond_beam_search(request, state, ids, req, fmt, arrival)
-        return await _respond(request, stream, fmt, req.stream)
+        return await _generate(request, state, COMPLETIONS)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        arrival = time.monotonic()
-        state.require_ready()
-        state.check_capacity()
-        raw = await _read_body(
-            request, state.max_body_bytes
-        )  # outside: a slow sender would hold a place
-        with state.preprocessing() as slot:  # until the engine admits it
-            req = await state.parse(slot, ChatCompletionRequest, raw)
-            state.check_model(req.model)
-            params = None if req.use_beam_search else req.sampling_params()
-            await state.check_constraints(slot, req.constraints_to_check())
-            ids = await state.prompt_ids(
-                slot, None, req.messages, req.offered_tools(), req.parallel_tool_calls is not False
-            )
-            rid = f"chatcmpl-{uuid.uuid4().hex}"
-            top_k = (req.top_logprobs or 0) if req.logprobs else None
-            fmt = ChatFormatter(
-                rid,
-                state.model_name,
-                int(time.time()),
-                state.table,
-                top_k,
-                req.n,
-                req.include_usage,
-                tool_plan=req.parsed_tool_plan(),
-            )
-            renames = req.field_names()
-            salt = request_cache_salt(request.scope, req.cache_salt)
-            stream = (
-                None
-                if params is None
-                else await state.start(ids, params, rid, arrival, renames, salt)
-            )
-        if stream is None:
-            return await _respond_beam_search(request, state, ids, req, fmt, arrival)
-        return await _respond(request, stream, fmt, req.stream)
+        return await _generate(request, state, CHAT_COMPLETIONS)
 
     @app.websocket("/v1/stream")
     async def stream(websocket: WebSocket) -> None:
         await serve_socket(websocket, state, sockets)
 
     return app
+
+
+GenerateRequest = CompletionRequest | ChatCompletionRequest
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    """What tells the completion and chat handlers apart (`_generate` does the rest): the body's
+    model, its response ids' prefix, how its prompt becomes token ids, and its formatter."""
+
+    request_model: type[GenerateRequest]
+    id_prefix: str
+    prompt_ids: Callable[[ServerState, PreprocessSlot, Any], Awaitable[list[int]]]
+    formatter: Callable[[ServerState, Any, str], _Formatter]
+
+
+COMPLETIONS = Endpoint(
+    CompletionRequest,
+    "cmpl",
+    lambda state, slot, req: state.prompt_ids(slot, req.single_prompt(), None),
+    lambda state, req, rid: CompletionFormatter(
+        rid,
+        state.model_name,
+        int(time.time()),
+        state.table,
+        req.logprobs,
+        req.n,
+        req.include_usage,
+    ),
+)
+CHAT_COMPLETIONS = Endpoint(
+    ChatCompletionRequest,
+    "chatcmpl",
+    lambda state, slot, req: state.prompt_ids(
+        slot, None, req.messages, req.offered_tools(), req.parallel_tool_calls is not False
+    ),
+    lambda state, req, rid: ChatFormatter(
+        rid,
+        state.model_name,
+        int(time.time()),
+        state.table,
+        (req.top_logprobs or 0) if req.logprobs else None,
+        req.n,
+        req.include_usage,
+        tool_plan=req.parsed_tool_plan(),
+    ),
+)
+
+
+async def _generate(request: Request, state: ServerState, endpoint: Endpoint) -> Response:
+    """One generation request: read the body, then, holding a preprocessing place until the
+    engine admits it, parse it, compile its output constraints, tokenize its prompt and start
+    it; answer as JSON or SSE (a beam search as one JSON body)."""
+    arrival = time.monotonic()
+    state.require_ready()
+    state.check_capacity()
+    # Read outside the preprocessing places: a slow sender would hold one.
+    raw = await _read_body(request, state.max_body_bytes)
+    with state.preprocessing() as slot:  # until the engine admits it
+        req = await state.parse(slot, endpoint.request_model, raw)
+        state.check_model(req.model)
+        params = None if req.use_beam_search else req.sampling_params()
+        await state.check_constraints(slot, req.constraints_to_check())
+        ids = await endpoint.prompt_ids(state, slot, req)
+        rid = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
+        fmt = endpoint.formatter(state, req, rid)
+        salt = request_cache_salt(request.scope, req.cache_salt)
+        stream = (
+            None
+            if params is None
+            else await state.start(ids, params, rid, arrival, req.field_names(), salt)
+        )
+    if stream is None:
+        return await _respond_beam_search(request, state, ids, req, fmt, arrival)
+    return await _respond(request, stream, fmt, req.stream)
 
 
 def _load(
@@ -357,7 +368,7 @@ async def _respond_beam_search(
     request: Request,
     state: ServerState,
     ids: list[int],
-    req: CompletionRequest | ChatCompletionRequest,
+    req: GenerateRequest,
     fmt: _Formatter,
     arrival: float,
 ) -> Response:
