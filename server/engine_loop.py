@@ -198,7 +198,6 @@ class AsyncEngine:
         self._streams: dict[
             str, tuple[asyncio.AbstractEventLoop, RequestStream]
         ] = {}  # engine thread only
-        self._steps = 0
         self._busy_since: float | None = (
             None  # engine thread: when its current iteration began; None while idle
         )
@@ -434,7 +433,6 @@ class AsyncEngine:
                 return
             if self.engine.has_unfinished():
                 outputs = self.engine.step()
-                self._steps += 1
                 for out in outputs:
                     self._dispatch(out)
             self.stats = self._snapshot()
@@ -502,22 +500,7 @@ class AsyncEngine:
         self.stats = self._snapshot()
 
     def _snapshot(self) -> EngineStats:
-        e = self.engine
-        return EngineStats(
-            running=len(e.scheduler.running),
-            waiting=len(e.scheduler.waiting),
-            free_pages=e.block_manager.num_free_pages,
-            usable_pages=e.block_manager.num_usable_pages,
-            generated_tokens=e.num_generated_tokens,
-            prompt_tokens=e.num_prompt_tokens,
-            compiles=e.num_compiles,
-            programs_loaded=e.num_programs_loaded,
-            preemptions=e.scheduler.num_preemptions,
-            steps=self._steps,
-            draft_tokens=e.num_draft_tokens,
-            accepted_tokens=e.num_accepted_tokens,
-            **e.tier_stats(),
-        )
+        return self.engine.stats()
 
 
 class DataParallelEngine:

@@ -8,8 +8,12 @@ Everything here is touched from the event loop only (the engine thread publishes
 from __future__ import annotations
 
 import bisect
-import dataclasses
 from collections import Counter
+
+# The engine's snapshot (`LLMEngine.stats()`), published by the engine thread after each iteration.
+from minivllm_jax.engine.stats import EngineStats
+
+__all__ = ["EngineStats", "Histogram", "ServerMetrics"]
 
 LATENCY_BUCKETS = (
     0.005,
@@ -53,36 +57,6 @@ PREFIX = "minivllm_"
 # The method label takes only these values: a client choosing its own method (FOO, PROPFIND)
 # must not be able to create new series. "WS" is a WebSocket handshake.
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "WS"})
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineStats:
-    """A snapshot the engine thread publishes after each iteration (read by /metrics). It lives
-    here, not in engine_loop, so the loop depends on metrics and never the other way round."""
-
-    running: int
-    waiting: int
-    free_pages: int
-    usable_pages: int
-    generated_tokens: int
-    prompt_tokens: int
-    compiles: int
-    programs_loaded: int
-    preemptions: int
-    steps: int
-    draft_tokens: int = 0  # speculative decoding: draft tokens verified
-    accepted_tokens: int = 0  # of which accepted
-    # The KV tiers (`LLMEngine.tier_stats`): pages in the swap pool and on disk, moves and hits.
-    swap_pages: int = 0
-    swap_outs: int = 0
-    swap_ins: int = 0
-    disk_pages: int = 0
-    disk_bytes: int = 0
-    disk_pages_written: int = 0
-    disk_corrupt: int = 0
-    memory_hit_tokens: int = 0
-    disk_hit_tokens: int = 0
-    dropped_pages: int = 0
 
 
 class Histogram:

@@ -285,3 +285,69 @@ def test_preemption_under_page_pressure_keeps_outputs(llm):
     expected = llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
     assert [done[i].outputs[0].token_ids for i in ids] == [e.outputs[0].token_ids for e in expected]
     assert engine.block_manager.num_free_pages == 12
+
+
+def run_all(engine) -> dict[str, object]:
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def test_stats_report_queues_pages_and_counters(llm):
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    idle = engine.stats()
+    assert idle.running == idle.waiting == idle.requests == 0
+    assert idle.free_pages == idle.usable_pages > 0
+    ids = [engine.add_request(p, params) for p in PROMPTS[:3]]
+    queued = engine.stats()
+    assert queued.requests == 3 and queued.waiting == 3 and queued.running == 0
+    engine.step()
+    busy = engine.stats()
+    assert busy.running == 3 and busy.waiting == 0
+    assert busy.used_pages > 0 and busy.free_pages == busy.usable_pages - busy.used_pages
+    assert busy.steps == idle.steps + 1
+    done = run_all(engine)
+    end = engine.stats()
+    assert set(done) == set(ids)
+    assert end.running == end.waiting == end.requests == 0
+    assert end.free_pages == end.usable_pages  # every page came back
+    assert end.cached_pages > 0  # the prompts' full pages stay in the prefix cache
+    assert end.generated_tokens - idle.generated_tokens == 3 * 12
+    assert end.prompt_tokens > idle.prompt_tokens and end.steps > busy.steps
+    assert end.compiles == idle.compiles  # warmed up: nothing new compiled
+
+
+def test_step_listener_sees_every_device_step_once(llm, monkeypatch):
+    """One event per device step, in order, with the batch the runner ran (its rows, decodes
+    and tokens), padded to a bucket at least that large; removed, it hears nothing more."""
+    engine = llm.engine
+    ran = []
+    real_run = engine.runner.run
+
+    def run(batch):
+        ran.append((len(batch.seqs), batch.num_decodes, batch.num_tokens))
+        return real_run(batch)
+
+    monkeypatch.setattr(engine.runner, "run", run)
+    events = []
+    engine.add_step_listener(events.append)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for p in PROMPTS[4:7]:
+        engine.add_request(p, params)
+    run_all(engine)
+    assert [(e.num_seqs, e.num_decodes, e.num_tokens) for e in events] == ran
+    assert max(e.num_seqs for e in events) == 3
+    assert any(e.kind == "decode" and e.num_seqs == 3 for e in events)
+    assert events[0].kind == "mixed"
+    for e in events:
+        assert e.token_slots >= e.num_tokens and e.seq_slots >= e.num_seqs
+        assert e.start <= e.end
+    assert all(a.end <= b.start for a, b in zip(events, events[1:]))  # consecutive, no overlap
+    engine.remove_step_listener(events.append)
+    count = len(events)
+    llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert len(events) == count

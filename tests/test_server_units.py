@@ -96,6 +96,21 @@ class FakeEngine:
     def tier_stats(self):
         return {"disk_pages": 3}  # a KV tier gauge travels from the engine to /metrics
 
+    def stats(self):
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            free_pages=self.block_manager.num_free_pages,
+            usable_pages=self.block_manager.num_usable_pages,
+            generated_tokens=self.num_generated_tokens,
+            prompt_tokens=self.num_prompt_tokens,
+            compiles=self.num_compiles,
+            programs_loaded=self.num_programs_loaded,
+            preemptions=self.scheduler.num_preemptions,
+            steps=self.steps,
+            **self.tier_stats(),
+        )
+
     def close(self):
         self.closed = True
 

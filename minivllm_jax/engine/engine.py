@@ -1,7 +1,11 @@
 """`LLMEngine`: requests in, `RequestOutput`s out, one `step()` at a time.
 
-It owns the request bookkeeping (tokenizing, n samples per request, stop conditions,
-detokenization) and wires the scheduler, block manager and model runner together.
+It takes requests in (validated, n samples a request, forked once the prompt is computed),
+orchestrates the steps (schedule, move pages, dispatch, read the step before: async scheduling)
+and contains faults (a failed row, step or page copy costs only its requests). It wires the
+scheduler, block manager and model runner together; `OutputProcessor` turns the tokens it reads
+into `RequestOutput`s (stops, text, logprobs). Code outside the engine reads `stats()` and its
+step listeners (`StepEvent`), never its parts.
 """
 
 from __future__ import annotations
@@ -21,39 +25,21 @@ from jax.sharding import Mesh
 from minivllm_jax.config import EngineConfig, KVCompressionConfig, ModelConfig
 from minivllm_jax.engine.decoding.speculative import accepted_length
 from minivllm_jax.engine.decoding.structured_output import GrammarCompiler
-from minivllm_jax.engine.detokenizer import IncrementalDetokenizer
 from minivllm_jax.engine.kv.block_manager import BlockManager, check_cache_salt
 from minivllm_jax.engine.kv.compression import kept_pages, needs_scores, wants_compression
 from minivllm_jax.engine.kv.tiers import FailedMoves, KVTiers
+from minivllm_jax.engine.output_processor import OutputProcessor, RequestState
 from minivllm_jax.engine.runner import ModelRunner, PendingStep, RowsFailed, StepResult
 from minivllm_jax.engine.scheduler import ScheduledBatch, Scheduler, note_draft_result
 from minivllm_jax.engine.sequence import Sequence, SequenceStatus
 from minivllm_jax.engine.stats import EngineStats, StepEvent
 from minivllm_jax.models.llama import Params
 from minivllm_jax.ops.kv_cache import KVCache
-from minivllm_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from minivllm_jax.outputs import RequestOutput
 from minivllm_jax.prompts import prompt_ids
 from minivllm_jax.sampling_params import ContextLengthError, ParamError, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    detokenizers: list[IncrementalDetokenizer]
-    metrics: RequestMetrics
-    # Samples 1..n-1 wait here until sample 0 has computed the prompt, then fork from it.
-    held: list[Sequence] = dataclasses.field(default_factory=list)
-    error: str | None = None  # why it failed (finish_reason "error"), reported with its output
-
-    @property
-    def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +113,7 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, config.max_model_len)
         self.seed = seed
         self.runner = ModelRunner(model_config, config, params, mesh)
         self.tiers = KVTiers(
@@ -145,7 +132,7 @@ class LLMEngine:
             tokenizer, model_config.vocab_size, self.eos_token_ids
         )
         self._compiling: dict[str, Future] = {}
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, RequestState] = {}
         self._request_counter = itertools.count()
         self._seed_rng = random.Random(seed)
         self.num_generated_tokens = 0
@@ -333,12 +320,10 @@ class LLMEngine:
         # Unseeded requests still get a seed: reproducible from the engine seed and arrival order.
         # The n samples share it; the sampler keys sample i by fold_in(key(seed), i).
         seed = params.seed if params.seed is not None else self._seed_rng.randrange(2**62)
-        if (
-            params.kv_compression is not None
-        ):  # the engine's own was checked by EngineConfig and __init__
+        if params.kv_compression is not None:  # the engine's own was checked at start
             self._check_request_compression(params.kv_compression)
         compression = params.kv_compression or self.config.kv_compression
-        seqs, detoks = [], []
+        seqs = []
         for i in range(params.n):
             seqs.append(
                 Sequence(
@@ -354,12 +339,7 @@ class LLMEngine:
                 )
             )
             seqs[-1].kv_compression = compression
-            detoks.append(
-                IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop)
-            )
-        request = _Request(
-            request_id, text, ids, params, seqs, detoks, RequestMetrics(arrival), held=seqs[1:]
-        )
+        request = self.output_processor.new_request(request_id, text, ids, seqs, arrival)
         self.requests[request_id] = request
         if params.structured_outputs is not None:  # scheduled once its grammar is compiled
             self._compiling[request_id] = self.grammar_compiler.submit(params.structured_outputs)
@@ -422,13 +402,10 @@ class LLMEngine:
         if batch is None:
             if previous is None:
                 opens = self.scheduler.next_admission_time()
-                if (
-                    opens is not None and not outputs
-                ):  # admissions are held to gather a batch: wait, do not spin
+                # Admissions held to gather a batch, or only grammars compiling: wait, do not spin.
+                if opens is not None and not outputs:
                     time.sleep(min(max(opens - now, 0.0), 0.005))
-                elif (
-                    self._compiling and not outputs
-                ):  # only grammars compiling: wait for them, do not spin
+                elif self._compiling and not outputs:
                     time.sleep(0.001)
                 return outputs
         else:
@@ -437,9 +414,7 @@ class LLMEngine:
                 metrics.first_scheduled_time = metrics.first_scheduled_time or now
             try:
                 batch, pending = self._dispatch(batch, outputs)
-            except (
-                _DispatchFailed
-            ) as failure:  # a device step failed: fail this batch only and keep serving
+            except _DispatchFailed as failure:  # fail this batch only and keep serving
                 e, batch = failure.__cause__, failure.batch
                 logger.exception(
                     "step over %d sequences failed; failing their requests", len(batch.seqs)
@@ -455,9 +430,8 @@ class LLMEngine:
         if current is not None and (
             current.batch.drafts or not self.scheduler.config.scheduler.async_scheduling
         ):
-            self._in_flight = (
-                None  # a speculative step's accepted length decides the next step's input
-            )
+            # A speculative step's accepted length decides the next step's input.
+            self._in_flight = None
             outputs += self._read(current, only_finished)
         return outputs
 
@@ -475,9 +449,7 @@ class LLMEngine:
             drop |= self._fail_request_of(
                 seq, f"loading its KV pages failed: {moves.error}", outputs
             )
-        if (
-            self.runner.reset_cache_if_lost()
-        ):  # a failed copy took the cache with it: nothing to run
+        if self.runner.reset_cache_if_lost():  # a failed copy lost the cache: nothing to run
             self._recompute_all()
             return None, None
         while (batch := _without(batch, drop)) is not None:
@@ -507,17 +479,15 @@ class LLMEngine:
         outputs.append(self._fail_request(request, error))
         return {s.seq_id for s in request.seqs}
 
-    def _fail_request(self, request: _Request, error: str) -> RequestOutput:
+    def _fail_request(self, request: RequestState, error: str) -> RequestOutput:
         """End every sample of the request with finish_reason "error" and remove it; its final output."""
-        for seq, detok in zip(request.seqs, request.detokenizers):
-            if not seq.is_finished:
-                self.scheduler.finish(seq, "error")
-                detok.flush()
+        for seq in self.output_processor.flush_unfinished(request):
+            self.scheduler.finish(seq, "error")
         request.error = error
         request.metrics.finished_time = time.monotonic()
         self.requests.pop(request.request_id, None)
         self._compiling.pop(request.request_id, None)
-        return self._output(request)
+        return self.output_processor.output(request)
 
     def _may_speculate(self) -> bool:
         """Some running sequence may propose a draft in the next step."""
@@ -549,9 +519,7 @@ class LLMEngine:
         """Wait for a dispatched step's tokens and process them."""
         try:
             results = step.pending.fetch()
-        except (
-            Exception
-        ) as e:  # failed while running: its work and whatever was fed from it are lost
+        except Exception as e:  # failed while running: its work and what was fed from it are lost
             logger.exception(
                 "step over %d sequences failed; failing their requests", len(step.batch.seqs)
             )
@@ -638,9 +606,8 @@ class LLMEngine:
             + sched.waiting
             + [seq for request in self.requests.values() for seq in request.seqs]
         )
-        for (
-            seq
-        ) in seqs:  # dropped, not freed: the accounting they would be freed into is not trusted
+        # Dropped, not freed: the accounting they would be freed into is not trusted.
+        for seq in seqs:
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = seq.finish_reason or "abort"
             seq.pages, seq.page_hashes, seq.swapped, seq.penalty_slot = [], [], None, None
@@ -660,22 +627,18 @@ class LLMEngine:
         """`results`: one per decode step the program ran (several for a multi-step batch)."""
         now = time.monotonic()
         batch = step.batch
-        changed: dict[str, _Request] = {}
-        starts = [
-            0,
-            *itertools.accumulate(1 + len(batch.draft(i)) for i in range(len(batch.seqs))),
-        ]  # verify rows
+        changed: dict[str, RequestState] = {}
+        rows = (1 + len(batch.draft(i)) for i in range(len(batch.seqs)))  # verify rows
+        starts = [0, *itertools.accumulate(rows)]
         for i, seq in enumerate(batch.seqs):
             request = self.requests.get(seq.request_id)
             if request is None or seq.is_finished:
                 continue  # aborted, or stopped by the step before (this row's token is dropped)
             slot = step.slots[i]
-            picks: list[
-                tuple[StepResult, int]
-            ] = []  # (result, row) of each token the row produced, in order
-            if (
-                slot is not None
-            ):  # all of them first: every token below num_computed_tokens is known
+            # (result, row) of each token the row produced, in order
+            picks: list[tuple[StepResult, int]] = []
+            # All of them first: every token below num_computed_tokens is known.
+            if slot is not None:
                 picks = self._sampled(batch, i, results, starts[i])
                 tokens = [int(result.tokens[row]) for result, row in picks]
                 extra = len(tokens) - batch.num_steps  # accepted draft tokens: computed in the step
@@ -695,8 +658,11 @@ class LLMEngine:
             if slot is None:
                 continue
             for j, (result, row) in enumerate(picks):
-                self._accept(seq, request, result, row, slot + j, now)
-                if seq.is_finished:
+                seq.num_pending -= 1
+                self.num_generated_tokens += 1
+                finish = self.output_processor.accept(seq, request, result, row, slot + j, now)
+                if finish is not None:
+                    self.scheduler.finish(seq, *finish)
                     _drop_pending(seq)  # tokens past the stop, and a row the next step spent on it
                     break
             if (
@@ -713,7 +679,7 @@ class LLMEngine:
         outputs = []
         for request in changed.values():
             if request.finished or not only_finished:
-                outputs.append(self._output(request))
+                outputs.append(self.output_processor.output(request))
             if request.finished:
                 request.metrics.finished_time = request.metrics.finished_time or now
                 self.requests.pop(request.request_id, None)  # a failed one is gone already
@@ -757,31 +723,7 @@ class LLMEngine:
         note_draft_result(batch.seqs[i], accepted)
         return [(results[0], start + j) for j in range(accepted + 1)]
 
-    def _accept(
-        self, seq: Sequence, request: _Request, result: StepResult, row: int, slot: int, now: float
-    ) -> None:
-        """Take the sampled token at `output_token_ids[slot]` (row `row` of `result`) as read:
-        logprobs, metrics, stop conditions."""
-        token = seq.output_token_ids[slot]
-        seq.num_pending -= 1
-        self.num_generated_tokens += 1
-        seq.cumulative_logprob += float(result.logprobs[row])
-        if seq.params.logprobs is not None:
-            k = seq.params.logprobs
-            entry = {token: float(result.logprobs[row])}
-            entry.update(
-                zip(result.top_ids[row, :k].tolist(), result.top_logprobs[row, :k].tolist())
-            )
-            seq.logprobs.append(entry)
-        request.metrics.first_token_time = request.metrics.first_token_time or now
-        request.metrics.last_token_time = now
-        if (
-            seq.grammar is not None
-        ):  # a grammar broken by this token fails its request at the next mask
-            seq.grammar.accept(token)
-        self._check_stop(seq, token, slot + 1, request.detokenizers[seq.index])
-
-    def _fork(self, request: _Request, parent: Sequence) -> None:
+    def _fork(self, request: RequestState, parent: Sequence) -> None:
         """Start the held samples on the parent's computed prompt: they share its full pages by
         refcount and compute only the last partial page (under page_size tokens) themselves,
         which also gives each its own logits row to sample its first token from."""
@@ -789,51 +731,3 @@ class LLMEngine:
             self.block_manager.fork(parent, child, len(request.prompt_token_ids) - 1)
             self.scheduler.add(child)
         request.held = []
-
-    def _check_stop(
-        self, seq: Sequence, token: int, num_outputs: int, detok: IncrementalDetokenizer
-    ) -> None:
-        """Finish the sequence if this token (its `num_outputs`-th) ends it. A stop token's text
-        is never shown."""
-        params = seq.params
-        if token in params.stop_token_ids:
-            self.scheduler.finish(seq, "stop", token)
-        elif token in self.eos_token_ids and not params.ignore_eos:
-            self.scheduler.finish(seq, "stop", None)
-        else:
-            detok.add([token])
-            if detok.finished:  # a stop string: the text is cut before it
-                self.scheduler.finish(seq, "stop", detok.stop_reason)
-            elif seq.grammar is not None and seq.grammar.finished:  # the output is complete
-                self.scheduler.finish(seq, "stop")
-            elif (
-                num_outputs >= params.max_tokens
-                or len(seq.prompt_token_ids) + num_outputs >= self.config.max_model_len
-            ):
-                self.scheduler.finish(seq, "length")
-        if seq.is_finished:
-            detok.flush()
-
-    def _output(self, request: _Request) -> RequestOutput:
-        outputs = [
-            CompletionOutput(
-                index=seq.index,
-                text=detok.text,
-                token_ids=seq.known_output_token_ids,
-                cumulative_logprob=seq.cumulative_logprob,
-                logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-            )
-            for seq, detok in zip(request.seqs, request.detokenizers)
-        ]
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=outputs,
-            finished=request.finished,
-            metrics=request.metrics,
-            num_cached_tokens=max(s.num_cached_tokens for s in request.seqs),
-            error=request.error,
-        )

@@ -250,9 +250,10 @@ def beam_search(
     every prompt's beams go into the same rounds; one output per prompt, in order."""
     if not isinstance(params, BeamSearchParams):
         raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-    if engine.requests or engine.has_unfinished():  # stepping here would swallow their outputs
+    unfinished = engine.stats().requests
+    if unfinished or engine.has_unfinished():  # stepping here would swallow their outputs
         raise RuntimeError(
-            f"beam_search steps the engine itself and needs an idle engine: {len(engine.requests)} "
+            f"beam_search steps the engine itself and needs an idle engine: {unfinished} "
             "request(s) are unfinished; let them finish or abort them"
         )
     ids = [_prompt_ids(engine, p) for p in prompts]
