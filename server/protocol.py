@@ -33,7 +33,7 @@ from pydantic import (
 )
 
 from minivllm_jax.engine.decoding.beam_search import BeamSearchParams
-from minivllm_jax.engine.kv.block_manager import MAX_CACHE_SALT_CHARS
+from minivllm_jax.engine.kv.pages import MAX_CACHE_SALT_CHARS
 from minivllm_jax.sampling_params import (
     RANGES,
     ContextLengthError,

@@ -108,7 +108,7 @@ def test_async_outputs_equal_sync(engines):
     assert sync.engine.scheduler.num_preemptions > preemptions[1]
     for llm, before in zip(engines, compiles):
         assert llm.engine.num_compiles == before
-        assert llm.engine.block_manager.num_free_pages == NUM_PAGES - 1
+        assert llm.engine.page_manager.num_free_pages == NUM_PAGES - 1
         assert llm.engine.requests == {} and not llm.engine.has_unfinished()
 
 
@@ -162,4 +162,4 @@ def test_step_failing_while_running_fails_only_its_suspects(engines, monkeypatch
         done[a].outputs[0].token_ids,
         done[b].outputs[0].token_ids,
     ] == expected  # recomputed, not lost
-    assert engine.block_manager.num_free_pages == NUM_PAGES - 1
+    assert engine.page_manager.num_free_pages == NUM_PAGES - 1

@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from minivllm_jax.engine.kv.block_manager import BlockManager
 
 from minivllm_jax import LLM, BeamSearchParams, SamplingParams
 from minivllm_jax.config import ModelConfig
 from minivllm_jax.engine.decoding.beam_search import MAX_BEAM_WIDTH, BeamSearchState
+from minivllm_jax.engine.kv.pages import PageManager
 from minivllm_jax.engine.sequence import Sequence
 from minivllm_jax.ops.kv_cache import SCRATCH_PAGE, copy_pages, init_kv_cache
 
@@ -63,7 +63,7 @@ def assert_same_as_hf(ours, ref) -> None:
 
 
 def assert_all_pages_free(llm: LLM) -> None:
-    bm = llm.engine.block_manager
+    bm = llm.engine.page_manager
     assert bm.num_free_pages == bm.num_usable_pages
     assert not any(bm.refcount)
 
@@ -107,9 +107,9 @@ def test_copy_pages_copies_only_dst_pages():
 
 
 def test_fork_copy_on_write_shares_full_pages_and_copies_the_partial_one():
-    bm = BlockManager(num_pages=12, page_size=4)
+    bm = PageManager(num_pages=12, page_size=4)
     parent = Sequence("r", list(range(10)), SamplingParams())
-    bm.allocate(parent)
+    bm.allocate_slots(parent)
     parent.num_computed_tokens = 10  # pages: full, full, 2 tokens
     child = Sequence("r", list(range(10)), SamplingParams())
     src, dst = bm.fork_copy_on_write(parent, child)
@@ -178,13 +178,13 @@ def test_runner_copy_pages_copies_on_the_engine_cache(tiny):
         [1, 2, 3, 4, 5],
         [6, 7, 8, 9, 10],
     )  # more pairs than one call's arrays hold (max_num_seqs=4)
-    runner.copy_pages(src, dst)
+    runner.page_mover.copy_pages(src, dst)
     for old, new in zip(before, jax.tree.leaves(runner.cache)):
         new = np.asarray(new)
         np.testing.assert_array_equal(new[:, dst], old[:, src])
         np.testing.assert_array_equal(new[:, 11:], old[:, 11:])
         np.testing.assert_array_equal(new[:, :6], old[:, :6])
-    llm.engine.block_manager.clear_cache()  # the prefix cache's pages no longer hold what it thinks
+    llm.engine.page_manager.clear_cache()  # the prefix cache's pages no longer hold what it thinks
 
 
 def test_refuses_busy_engine_and_bad_prompts(tiny):

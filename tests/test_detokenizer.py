@@ -146,3 +146,53 @@ def test_decode_window_stays_small(tok):
     det = IncrementalDetokenizer(Spy(), encode(tok, "a long prompt " * 20), True, ["zzz"])
     out = "".join(det.add([i]) for i in ids) + det.flush()
     assert out == TRICKY * 20 and max(seen) <= 10
+
+
+def test_output_processor_stops_and_reports(tok):
+    """`OutputProcessor.accept` on tokens as the engine reads them: a stop string cuts the text
+    and finishes "stop" with the string; a stop token finishes without its text; EOS unless
+    ignore_eos; max_tokens finishes "length"; logprobs carry the token and the top k."""
+    import numpy as np
+
+    from minivllm_jax.engine.output_processor import OutputProcessor
+    from minivllm_jax.engine.runner import StepResult
+    from minivllm_jax.engine.sequence import Sequence
+    from minivllm_jax.sampling_params import SamplingParams
+
+    eos = tok.eos_token_id
+    processor = OutputProcessor(tok, frozenset({eos}), max_model_len=64)
+    prompt = encode(tok, "Tell me:")
+    words = encode(tok, " one two three four")
+
+    def feed(params: SamplingParams, tokens: list[int]):
+        seq = Sequence("r", prompt, params)
+        request = processor.new_request("r", "Tell me:", prompt, [seq], 0.0)
+        for i, t in enumerate(tokens):
+            seq.output_token_ids.append(t)
+            top = np.array([[t, 7, 8]], np.int32)
+            result = StepResult(
+                np.array([t], np.int32),
+                np.array([-0.5], np.float32),
+                top,
+                np.array([[-0.5, -1.0, -2.0]], np.float32),
+            )
+            finish = processor.accept(seq, request, result, 0, i, now=1.0 + i)
+            if finish is not None:
+                return finish, i + 1, request
+        return None, len(tokens), request
+
+    finish, used, request = feed(SamplingParams(max_tokens=10, stop=" three"), words)
+    assert finish == ("stop", " three") and request.detokenizers[0].text == " one two"
+    finish, used, _ = feed(SamplingParams(max_tokens=10, stop_token_ids=[words[1]]), words)
+    assert finish == ("stop", words[1]) and used == 2
+    finish, used, _ = feed(SamplingParams(max_tokens=10), [words[0], eos, words[1]])
+    assert finish == ("stop", None) and used == 2
+    finish, used, _ = feed(SamplingParams(max_tokens=10, ignore_eos=True), [words[0], eos])
+    assert finish is None
+    finish, used, request = feed(SamplingParams(max_tokens=3, logprobs=2), words)
+    assert finish == ("length", None) and used == 3
+    seq = request.seqs[0]
+    assert seq.logprobs[0] == {words[0]: -0.5, 7: -1.0}  # the token, then the top 2 (itself first)
+    assert seq.cumulative_logprob == -1.5 and request.metrics.first_token_time == 1.0
+    out = processor.output(request)
+    assert out.outputs[0].text == request.detokenizers[0].text == " one two three"

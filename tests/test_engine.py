@@ -37,7 +37,7 @@ def llm():
 
 
 def free_pages(llm: LLM) -> int:
-    return llm.engine.block_manager.num_free_pages
+    return llm.engine.page_manager.num_free_pages
 
 
 def test_batched_greedy_equals_batch_of_one(llm):
@@ -284,7 +284,7 @@ def test_preemption_under_page_pressure_keeps_outputs(llm):
     assert engine.scheduler.num_preemptions > 0
     expected = llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
     assert [done[i].outputs[0].token_ids for i in ids] == [e.outputs[0].token_ids for e in expected]
-    assert engine.block_manager.num_free_pages == 12
+    assert engine.page_manager.num_free_pages == 12
 
 
 def run_all(engine) -> dict[str, object]:

@@ -62,9 +62,7 @@ def run_tracking_pages(engine: LLMEngine, prompt: list[int], params: SamplingPar
         for out in engine.step():
             if out.request_id == rid and out.finished:
                 final = out
-        peak = max(
-            peak, engine.block_manager.num_usable_pages - engine.block_manager.num_free_pages
-        )
+        peak = max(peak, engine.page_manager.num_usable_pages - engine.page_manager.num_free_pages)
     return final, peak
 
 
@@ -90,7 +88,7 @@ def test_n_samples_prefill_the_prompt_once_and_share_its_pages(llm, prefix_cachi
         [prompt], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False
     )
     assert [c.token_ids for c in out.outputs] == [single[0].outputs[0].token_ids] * 4
-    assert engine.block_manager.num_free_pages == engine.block_manager.num_usable_pages
+    assert engine.page_manager.num_free_pages == engine.page_manager.num_usable_pages
 
 
 def test_sample_seeds_are_folded_not_added(llm):

@@ -153,7 +153,7 @@ def test_chunked_prefill_matches_hf(llm, tiny):
         o = out.outputs[0]
         assert o.finish_reason == "length" and len(o.token_ids) == 24
         assert_greedy_matches(o.token_ids, hf, prompt, 24, what=f"prompt of {len(prompt)} tokens")
-    assert llm.engine.block_manager.num_free_pages == idle_free_pages(llm.engine)
+    assert llm.engine.page_manager.num_free_pages == idle_free_pages(llm.engine)
 
 
 # ---------------------------------------------------------------- 15: seeds under preemption
@@ -187,8 +187,8 @@ def test_seeded_sampling_same_with_preemption_and_chunking(llm):
         assert [o.token_ids for o in g.outputs] == [o.token_ids for o in w.outputs]
         assert all(len(o.token_ids) == 64 for o in g.outputs)
     assert len({tuple(o.token_ids) for o in want[1].outputs}) == 2  # the two samples differ
-    assert tight.block_manager.num_free_pages == idle_free_pages(tight)
-    assert ample.block_manager.num_free_pages == idle_free_pages(ample)
+    assert tight.page_manager.num_free_pages == idle_free_pages(tight)
+    assert ample.page_manager.num_free_pages == idle_free_pages(ample)
 
 
 # ---------------------------------------------------------------- 16: shared pages stay intact
@@ -239,7 +239,7 @@ def test_prefix_cache_pages_unchanged_by_sharers(llm, tiny):
     assert_greedy_matches(
         outs[c].outputs[0].token_ids, hf, c_ids, 24, what="C (whole prompt cached)"
     )
-    assert engine.block_manager.num_free_pages == idle_free_pages(engine)
+    assert engine.page_manager.num_free_pages == idle_free_pages(engine)
 
 
 # ---------------------------------------------------------------- 17: abort mid chunked prefill
@@ -254,7 +254,7 @@ def test_abort_mid_chunked_prefill_then_resubmit(llm, tiny, steps):
     hf = tiny[1]
     engine = llm.engine
     assert not engine.has_unfinished()
-    assert engine.block_manager.num_free_pages == idle_free_pages(engine)
+    assert engine.page_manager.num_free_pages == idle_free_pages(engine)
     ids = random_ids(1700 + steps, 200)
     rid = engine.add_request(ids, greedy(16))
     seq = engine.requests[rid].seqs[0]
@@ -265,14 +265,14 @@ def test_abort_mid_chunked_prefill_then_resubmit(llm, tiny, steps):
     assert engine.abort(rid)
     assert not engine.abort(rid)
     assert not engine.has_unfinished()
-    assert engine.block_manager.num_free_pages == idle_free_pages(engine)
+    assert engine.page_manager.num_free_pages == idle_free_pages(engine)
 
     out = llm.generate([ids], greedy(16), use_tqdm=False)[0]
     assert out.num_cached_tokens <= computed // PAGE * PAGE
     assert_greedy_matches(
         out.outputs[0].token_ids, hf, ids, 16, what=f"resubmitted after {steps} chunks"
     )
-    assert engine.block_manager.num_free_pages == idle_free_pages(engine)
+    assert engine.page_manager.num_free_pages == idle_free_pages(engine)
 
 
 # ---------------------------------------------------------------- 18: max_model_len, n>1 + stop
@@ -295,7 +295,7 @@ def test_sequence_ends_exactly_at_max_model_len(llm, tiny, prompt_len, max_token
         out.token_ids, hf, ids, MAX_LEN - prompt_len, what=f"max_tokens={max_tokens}"
     )
     assert not engine.has_unfinished()
-    assert engine.block_manager.num_free_pages == idle_free_pages(engine)
+    assert engine.page_manager.num_free_pages == idle_free_pages(engine)
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate([ids], greedy(MAX_LEN - prompt_len + 1), use_tqdm=False)
     with pytest.raises(ValueError, match="max_model_len"):
@@ -341,7 +341,7 @@ def test_n_samples_with_stop_string_and_logprobs(llm):
     assert [(o.token_ids, o.text) for o in again.outputs] == [
         (o.token_ids, o.text) for o in out.outputs
     ]
-    assert llm.engine.block_manager.num_free_pages == idle_free_pages(llm.engine)
+    assert llm.engine.page_manager.num_free_pages == idle_free_pages(llm.engine)
 
 
 # ---------------------------------------------------------------- 19: the shipped-model gate

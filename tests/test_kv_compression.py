@@ -11,8 +11,10 @@ import pytest
 
 from minivllm_jax.config import KVCompressionConfig, ModelConfig
 from minivllm_jax.engine.kv.compression import kept_pages, needs_scores, wants_compression
-from minivllm_jax.engine.step import page_attention_scores_jit
-from minivllm_jax.models.llama import apply_rope, forward, init_params, rms_norm, rope_inv_freq
+from minivllm_jax.engine.step import StepSpec, page_attention_scores_jit
+from minivllm_jax.models.decoder import forward
+from minivllm_jax.models.layers import apply_rope, rms_norm, rope_inv_freq
+from minivllm_jax.models.params import init_params, unstack_layers
 from minivllm_jax.ops.batch import Chunk, build_step_batch
 from minivllm_jax.ops.kv_cache import init_kv_cache
 
@@ -34,9 +36,14 @@ PROMPT = (
 )  # 5 full pages and 2 tokens
 PAGES = [7, 3, 9, 2, 5, 8]  # out of order: the page list decides
 # Not donating: a test reads a cache again after stepping it.
-forward_nodonate = jax.jit(
+_forward = jax.jit(
     forward, static_argnames=("cfg", "attention", "all_logits", "matmul", "return_queries")
 )
+
+
+def forward_nodonate(params, *args, **kwargs):
+    """`forward` of the tests' stored params (`dense_logits` reads them stacked)."""
+    return _forward(unstack_layers(params), *args, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -278,7 +285,9 @@ def test_page_attention_scores_match_a_softmax_by_hand(params, page_dtype, dtype
     batch = step(
         [PROMPT[-1]], len(PROMPT) - 1, PAGES, num_listed=len(PAGES) + 3
     )  # re-feed the last token
-    scores = np.asarray(page_attention_scores_jit(params, cache, batch, CFG))
+    scores = np.asarray(
+        page_attention_scores_jit(unstack_layers(params), cache, batch, StepSpec(CFG))
+    )
     assert scores.shape == (len(PAGES) + 3,) and scores.dtype == np.float32
     np.testing.assert_allclose(scores.sum(), 1.0, rtol=1e-6)
     assert np.all(scores[: len(PAGES)] > 0) and not np.any(
@@ -327,10 +336,10 @@ def test_return_queries_changes_nothing_else(params):
 
 
 def test_benchmark_loop_equals_dense_attention_over_the_kept_tokens(params):
-    """`benchmarks.kv_compression_quality.evaluate` against the dense model with each position's
+    """`benchmarks.quality.kv_compression_quality.evaluate` against the dense model with each position's
     visible tokens replayed from the policy (no cache, slots or position offsets), compiling
     its forward once for the whole text."""
-    from benchmarks.kv_compression_quality import evaluate
+    from benchmarks.quality.kv_compression_quality import evaluate
     from minivllm_jax.engine.step import forward_jit
 
     ids = np.random.default_rng(2).integers(3, CFG.vocab_size, 50).tolist()
@@ -348,10 +357,16 @@ def test_benchmark_loop_equals_dense_attention_over_the_kept_tokens(params):
     logp = jax.nn.log_softmax(dense_logits(params, ids, np.arange(len(ids)), visible), axis=-1)
     nll = -np.asarray(logp)[np.arange(len(ids) - 1), ids[1:]]
 
-    full_run = evaluate(params, CFG, ids, None, page_size=PS, chunk=PS)
+    full_run = evaluate(unstack_layers(params), CFG, ids, None, page_size=PS, chunk=PS)
     compiled = forward_jit._cache_size()
     got = evaluate(
-        params, CFG, ids, config, page_size=PS, chunk=PS, reference_argmax=full_run["argmax"]
+        unstack_layers(params),
+        CFG,
+        ids,
+        config,
+        page_size=PS,
+        chunk=PS,
+        reference_argmax=full_run["argmax"],
     )
     assert forward_jit._cache_size() == compiled  # the same program for every chunk and either run
     np.testing.assert_allclose(got["perplexity"], np.exp(nll.mean()), rtol=1e-5)

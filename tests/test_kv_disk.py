@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from minivllm_jax.engine.kv.block_manager import ROOT_DIGEST, page_digest
 from minivllm_jax.engine.kv.disk import SUFFIX, TMP_MARK, DiskPageStore
+from minivllm_jax.engine.kv.pages import ROOT_DIGEST, page_digest
 
 L, KVH, HD, PS = 2, 2, 4, 4
 NS = "model-abc123"
@@ -39,7 +39,7 @@ def page(seed: int, quantized: bool = True) -> dict[str, np.ndarray]:
 
 
 def chain(n: int, start: int = 0) -> list[tuple[bytes, bytes, tuple[int, ...]]]:
-    """`n` chained pages (digest, parent, tokens) as the block manager keys them."""
+    """`n` chained pages (digest, parent, tokens) as the page manager keys them."""
     out, parent = [], ROOT_DIGEST
     for i in range(n):
         tokens = tuple(

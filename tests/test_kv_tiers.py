@@ -13,16 +13,18 @@ import pytest
 
 from minivllm_jax import SamplingParams
 from minivllm_jax.engine.engine import LLMEngine
-from minivllm_jax.engine.kv.block_manager import ROOT_DIGEST, page_digest
+from minivllm_jax.engine.kv.pages import ROOT_DIGEST, page_digest
 from tests.test_engine_paths import (
     MAX_LEN,
     PAGE,
     greedy,
     idle_free_pages,
+    llm,  # noqa: F401 (a fixture)
     random_ids,
     run_all,
     side_engine,
-)  # noqa: F401
+    tiny,  # noqa: F401 (a fixture)
+)
 
 TIGHT_PAGES = 1 + MAX_LEN // PAGE  # one full-length sequence: four prompts preempt each other
 
@@ -34,9 +36,8 @@ def assert_same_tokens(got: list, want: list) -> None:
 
 def assert_idle(engine: LLMEngine) -> None:
     """Every page back in the free list, the swap pool empty, nothing queued to move."""
-    assert engine.block_manager.num_free_pages == idle_free_pages(engine)
-    assert not engine.scheduler.swap_outs and not engine.scheduler.swap_ins
-    assert not engine.block_manager.loaded and not engine.block_manager.evicted
+    assert engine.page_manager.num_free_pages == idle_free_pages(engine)
+    assert not engine.scheduler.queued_moves
     pool = engine.scheduler.swap_pool
     assert pool is None or pool.used_pages == 0
 
@@ -57,8 +58,12 @@ def ample_outputs(llm, pressure_workload):  # noqa: F811
 @pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_preemption_modes_give_the_same_tokens(
-    llm, pressure_workload, ample_outputs, mode, async_scheduling
-):  # noqa: F811
+    llm,  # noqa: F811 (the fixture)
+    pressure_workload,
+    ample_outputs,
+    mode,
+    async_scheduling,
+):
     """Under page pressure (pages for one full-length sequence, four prompts) every request
     finishes with the tokens of an unpressured run, in every preemption mode; swap and auto
     really swap, and the pool and pages are all back afterwards."""
@@ -156,9 +161,9 @@ def test_restart_hits_the_disk_tier(llm, tmp_path):  # noqa: F811
     got = run_all(second, prompts, params)
     assert_same_tokens(got, want)
     assert got[0].num_cached_tokens == 5 * PAGE  # the whole prefix, from disk
-    assert second.block_manager.num_disk_hit_tokens == 5 * PAGE
+    assert second.page_manager.num_disk_hit_tokens == 5 * PAGE
     assert got[1].num_cached_tokens == 5 * PAGE  # ... then from memory
-    assert second.block_manager.num_memory_hit_tokens >= 10 * PAGE
+    assert second.page_manager.num_memory_hit_tokens >= 10 * PAGE
     assert_idle(second)
 
 
@@ -193,7 +198,7 @@ def test_corrupt_page_file_is_a_miss(llm, tmp_path):  # noqa: F811
     assert_same_tokens(got, want)
     assert got[0].num_cached_tokens == 2 * PAGE  # two pages from disk, then the corrupt one missed
     assert second.tiers.disk.num_corrupt == 1 and not target.exists()
-    assert second.block_manager.num_disk_hit_tokens == 2 * PAGE
+    assert second.page_manager.num_disk_hit_tokens == 2 * PAGE
 
 
 def test_evicted_pages_reach_disk_and_come_back(llm, tmp_path):  # noqa: F811
@@ -211,7 +216,7 @@ def test_evicted_pages_reach_disk_and_come_back(llm, tmp_path):  # noqa: F811
     again = run_all(engine, prompts[:1], params[:1])
     assert_same_tokens(got + again, want)
     assert again[0].num_cached_tokens == 5 * PAGE
-    assert engine.block_manager.num_disk_hit_tokens == 5 * PAGE
+    assert engine.page_manager.num_disk_hit_tokens == 5 * PAGE
     assert_idle(engine)
 
 

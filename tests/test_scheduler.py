@@ -5,11 +5,13 @@ budget), the SLO-aware prompt budget, admission holds, limits, priorities and pr
 from __future__ import annotations
 
 import pytest
-from minivllm_jax.engine.kv.block_manager import BlockManager
 
 from minivllm_jax.args import EngineArgs
 from minivllm_jax.config import AUTO_TPOT_FACTOR, EngineConfig, bucket_for
-from minivllm_jax.engine.scheduler import MIN_PROMPT_CHUNK, ScheduledBatch, Scheduler
+from minivllm_jax.engine.kv.pages import PageManager
+from minivllm_jax.engine.kv.swap import SwapPool
+from minivllm_jax.engine.sched_output import ScheduledBatch
+from minivllm_jax.engine.scheduler import MIN_PROMPT_CHUNK, Scheduler
 from minivllm_jax.engine.sequence import Sequence, SequenceStatus
 from minivllm_jax.sampling_params import SamplingParams
 
@@ -27,7 +29,7 @@ def make(num_pages=64, max_num_batched_tokens=32, max_model_len=64, **kw) -> Sch
         max_num_batched_tokens=max_num_batched_tokens,
         **kw,
     )
-    return Scheduler(cfg, BlockManager(cfg.cache.num_pages, cfg.cache.page_size))
+    return Scheduler(cfg, PageManager(cfg.cache.num_pages, cfg.cache.page_size))
 
 
 def request(n_prompt, max_tokens=4, priority=0, arrival=0.0, first=0, streaming=True) -> Sequence:
@@ -49,7 +51,7 @@ def fake_step(s: Scheduler, now: float | None = None) -> ScheduledBatch:
     for i, seq in enumerate(batch.seqs):
         samples = batch.samples_next_token(i)
         seq.num_computed_tokens += batch.num_new_tokens[i]
-        s.block_manager.commit(seq)
+        s.page_manager.commit(seq)
         if samples:
             seq.output_token_ids.append(7)
             if len(seq.output_token_ids) >= seq.params.max_tokens:
@@ -118,7 +120,7 @@ def test_prompts_then_decodes_and_pages_return():
     )
     run_all(s)
     assert all(q.status == SequenceStatus.FINISHED and len(q.output_token_ids) == 4 for q in seqs)
-    assert s.block_manager.num_free_pages == s.block_manager.num_usable_pages
+    assert s.page_manager.num_free_pages == s.page_manager.num_usable_pages
 
 
 def test_new_request_joins_running_decodes_in_the_same_step():
@@ -213,7 +215,7 @@ def test_every_step_fits_the_token_budget():
     assert any(0 < b.num_decodes < len(b.seqs) for b in batches)  # some steps mix both kinds
     assert s.num_preemptions > 0
     assert all(len(q.output_token_ids) == q.params.max_tokens for q in seqs)
-    assert s.block_manager.num_free_pages == s.block_manager.num_usable_pages
+    assert s.page_manager.num_free_pages == s.page_manager.num_usable_pages
 
 
 def test_decodes_are_never_stalled_by_a_prompt():
@@ -276,7 +278,7 @@ def test_preemption_under_page_pressure_recomputes_and_completes():
     run_all(s)
     assert s.num_preemptions > 0
     assert all(len(q.output_token_ids) == 12 for q in seqs)
-    assert s.block_manager.num_free_pages == 8
+    assert s.page_manager.num_free_pages == 8
     # The newest request is the one that got preempted.
     assert seqs[-1].num_preemptions > 0 and seqs[0].num_preemptions == 0
 
@@ -287,7 +289,7 @@ def test_finish_while_waiting_frees_nothing_twice():
     s.add(q)
     s.finish(q, "abort")
     assert not s.has_unfinished() and q.finish_reason == "abort"
-    assert s.block_manager.num_free_pages == s.block_manager.num_usable_pages
+    assert s.page_manager.num_free_pages == s.page_manager.num_usable_pages
 
 
 def test_admission_reserves_a_page_for_rows_admitted_in_the_same_step():
@@ -302,7 +304,7 @@ def test_admission_reserves_a_page_for_rows_admitted_in_the_same_step():
     s.add(w2)
     batch = fake_step(s)
     assert batch.seqs == (r, w1) and batch.num_decodes == 1
-    assert s.block_manager.num_free_pages >= len(s.running)
+    assert s.page_manager.num_free_pages >= len(s.running)
     run_all(s)
 
 
@@ -310,7 +312,7 @@ def shared_prefix_hits(with_long_prompt: bool, scheduler_cls=Scheduler) -> int:
     """Prefix-cache hits (tokens) of two requests reusing cached prefixes, optionally while a
     long prompt is being chunked beside them."""
     cfg = engine_config(page_size=4, num_pages=33, max_model_len=64, max_num_batched_tokens=16)
-    s = scheduler_cls(cfg, BlockManager(cfg.cache.num_pages, cfg.cache.page_size))
+    s = scheduler_cls(cfg, PageManager(cfg.cache.num_pages, cfg.cache.page_size))
     prefix_a, prefix_b = list(range(100, 116)), list(range(200, 216))  # 4 full pages each
     for prefix in (prefix_a, prefix_b):  # warm the cache, then finish
         s.add(Sequence("warm", prefix + [1, 2], SamplingParams(max_tokens=2)))
@@ -329,6 +331,31 @@ def shared_prefix_hits(with_long_prompt: bool, scheduler_cls=Scheduler) -> int:
     s.add(b)
     run_all(s)
     return a.num_cached_tokens + b.num_cached_tokens
+
+
+def test_page_moves_come_in_the_schedule_output():
+    """A swap-out and the swap-in that resumes it reach the engine as the `PageMoves` of the
+    batch that relies on them (copies out first), once, and nothing stays queued."""
+    cfg = engine_config(page_size=4, num_pages=16, max_model_len=64, max_num_batched_tokens=32)
+    s = Scheduler(
+        cfg, PageManager(cfg.cache.num_pages, cfg.cache.page_size), SwapPool("swap", 100, 1)
+    )
+    a = request(10, max_tokens=8)
+    s.add(a)
+    assert not fake_step(s).moves
+    computed = list(a.pages[:3])  # 10 computed tokens
+    s.preempt(a)
+    swapped = a.swapped
+    assert swapped is not None and s.queued_moves.swap_outs == ((a, swapped),)
+    batch = s.schedule()  # re-admits it: its KV comes back into fresh pages
+    assert batch.seqs == (a,) and batch.num_new_tokens == (1,)
+    assert batch.moves.swap_outs == ((a, swapped),) and swapped.source_pages == computed
+    assert batch.moves.swap_ins == ((a, swapped, tuple(a.pages[:3])),)
+    assert not batch.moves.to_disk and not batch.moves.from_disk
+    assert not s.queued_moves
+    a.num_computed_tokens += 1
+    a.output_token_ids.append(7)
+    assert not s.schedule().moves  # handed over once
 
 
 def test_waiting_admission_beside_a_long_chunk_does_not_evict_the_prefix_cache():

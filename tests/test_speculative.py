@@ -97,7 +97,7 @@ def test_same_outputs_with_and_without_speculation(model_dir):
     expected = _summary(_llm(model_dir, warmup=False).generate(PROMPTS, PARAMS, use_tqdm=False))
     llm = _llm(model_dir, NGRAM)
     engine = llm.engine
-    compiled, free = engine.num_compiles, engine.block_manager.num_free_pages
+    compiled, free = engine.num_compiles, engine.page_manager.num_free_pages
     got = _summary(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
     for want, have in zip(
         expected, got
@@ -111,7 +111,7 @@ def test_same_outputs_with_and_without_speculation(model_dir):
                     )
     assert engine.num_accepted_tokens > 0 and engine.num_draft_tokens > engine.num_accepted_tokens
     assert engine.num_compiles == compiled  # the verify buckets are in the warm-up
-    assert engine.block_manager.num_free_pages == free and sum(engine.block_manager.refcount) == 0
+    assert engine.page_manager.num_free_pages == free and sum(engine.page_manager.refcount) == 0
 
 
 def test_speculation_backs_off_when_nothing_repeats(model_dir):

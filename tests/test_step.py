@@ -34,7 +34,7 @@ def ids(seed: int, n: int) -> list[int]:
 
 def assert_history_matches_host(engine: LLMEngine) -> int:
     """Every running penalty sequence's device row equals its fed tokens; returns how many."""
-    state = engine.runner.penalty_state
+    state = engine.runner.state.penalty_state
     seen, counts = np.asarray(state.seen), np.asarray(state.output_counts)
     checked = 0
     for seq in engine.scheduler.running:
@@ -84,7 +84,7 @@ def test_penalty_history_follows_chunks_cache_hits_forks_and_preemption(llm):
     assert sorted(engine.scheduler.free_penalty_slots) == list(
         range(engine.config.scheduler.max_num_seqs)
     )
-    assert engine.block_manager.num_free_pages == engine.block_manager.num_usable_pages
+    assert engine.page_manager.num_free_pages == engine.page_manager.num_usable_pages
 
 
 def test_greedy_repetition_penalty_matches_hf(llm, tiny_model_with_tokenizer):

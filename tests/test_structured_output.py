@@ -210,7 +210,7 @@ def test_json_schemas_mixed_with_unconstrained_rows(llm):
             checked += 1
     assert checked == 12
     assert llm.engine.num_compiles == compiles
-    assert llm.engine.block_manager.num_free_pages == llm.engine.config.cache.num_pages - 1
+    assert llm.engine.page_manager.num_free_pages == llm.engine.config.cache.num_pages - 1
 
 
 @requires_smollm2
@@ -324,4 +324,4 @@ def test_failed_compile_on_the_engine_fails_only_that_request(llm):
         and done[bad].outputs[0].finish_reason == "error"
     )
     assert done[good].error is None and len(done[good].outputs[0].token_ids) == 5
-    assert engine.block_manager.num_free_pages == engine.config.cache.num_pages - 1
+    assert engine.page_manager.num_free_pages == engine.config.cache.num_pages - 1

@@ -1,10 +1,10 @@
-"""Compiled step programs kept on disk whole, so a warm start skips tracing and lowering too.
+"""Compiled programs: made once per key and counted (`CompileManager`), and kept on disk
+whole (`ProgramCache`), so a warm start skips tracing and lowering too.
 
 XLA's persistent compilation cache saves only the compile: each program still pays Python
-tracing and lowering (~0.35 s here) before that cache is looked up, and a hit costs another
-~0.35 s; the 13 programs of the default server took 8.5-9.7 s of a 19 s warm start. A
-serialized executable (`jax.experimental.serialize_executable`) loads in ~0.2 s without
-tracing anything. The directory comes from `runtime.enable_compilation_cache`, which leaves
+tracing and lowering before that cache is looked up, and a hit costs about as much again (the
+measurements are in docs/perf-notes.md). A serialized executable
+(`jax.experimental.serialize_executable`) loads without tracing anything. The directory comes from `runtime.enable_compilation_cache`, which leaves
 XLA's cache off: an executable that XLA loaded from its cache has lost its kernels when
 serialized again (XLA:CPU, jax 0.10: "Function ... not found" when it runs), so only programs
 compiled in this process are stored (if the user turned XLA's cache on, a program it served is
@@ -31,6 +31,9 @@ import os
 import pickle
 import tempfile
 import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +41,7 @@ import jax
 import jaxlib
 import numpy as np
 from jax.experimental import serialize_executable
+from tqdm.auto import tqdm
 
 from minivllm_jax.engine.private_dir import check_owned_by_us, ensure_private_dir
 
@@ -219,3 +223,49 @@ class ProgramCache:
         files = sorted(self.directory.glob("*.program"), key=lambda p: p.stat().st_mtime)
         for old in files[: max(0, len(files) - MAX_FILES)]:
             old.unlink(missing_ok=True)
+
+
+class CompileManager:
+    """The compiled programs of one runner, by key: `program(key, fn, *args, **static)` makes
+    each once (compiled ahead of time, or loaded whole from the `ProgramCache`) and keeps it, so
+    a shape outside the warm-up set shows up (`num_compiles` grows, and once `warm` is set a
+    warning names the key) instead of being a silent recompile. Safe to call from several
+    threads (`compile_all`)."""
+
+    def __init__(self, program_cache: ProgramCache) -> None:
+        self.program_cache = program_cache
+        self.programs: dict[tuple, Any] = {}
+        self.num_compiles = 0  # programs made, compiled or loaded whole from the program cache
+        self.num_loaded = 0  # of which loaded
+        self.compile_seconds = 0.0
+        self.warm = False  # the warm-up is done: a program made now was missing from it
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple) -> Any | None:
+        """The program made under `key`, if any (the hot path: no abstract arguments built)."""
+        return self.programs.get(key)
+
+    def program(self, key: tuple, fn: Any, *args: Any, **static: Any) -> Any:
+        """The program of jitted `fn` for these (abstract) arguments, made on first use."""
+        program = self.programs.get(key)
+        if program is None:
+            start = time.perf_counter()
+            program, loaded = self.program_cache.load_or_compile(key, fn, args, static)
+            with self._lock:  # warm-up compiles from several threads
+                self.compile_seconds += time.perf_counter() - start
+                self.num_compiles += 1
+                self.num_loaded += loaded
+                self.programs[key] = program
+            if self.warm:
+                logger.warning(
+                    "compiled %s after warm-up; a bucket is missing from the warm-up set", key
+                )
+        return program
+
+    def compile_all(self, makers: list[Callable[[], Any]], progress: bool, desc: str) -> None:
+        """Call every maker (each makes one program), one per core at a time: XLA compiles and
+        loads stored programs outside the GIL. Any failure propagates."""
+        with ThreadPoolExecutor(max_workers=min(len(makers), os.cpu_count() or 1)) as pool:
+            made = pool.map(lambda make: make(), makers)
+            for _ in tqdm(made, total=len(makers), desc=desc, disable=not progress):
+                pass

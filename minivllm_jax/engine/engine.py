@@ -3,7 +3,7 @@
 It takes requests in (validated, n samples a request, forked once the prompt is computed),
 orchestrates the steps (schedule, move pages, dispatch, read the step before: async scheduling)
 and contains faults (a failed row, step or page copy costs only its requests). It wires the
-scheduler, block manager and model runner together; `OutputProcessor` turns the tokens it reads
+scheduler, page manager and model runner together; `OutputProcessor` turns the tokens it reads
 into `RequestOutput`s (stops, text, logprobs). Code outside the engine reads `stats()` and its
 step listeners (`StepEvent`), never its parts.
 """
@@ -25,15 +25,16 @@ from jax.sharding import Mesh
 from minivllm_jax.config import EngineConfig, KVCompressionConfig, ModelConfig
 from minivllm_jax.engine.decoding.speculative import accepted_length
 from minivllm_jax.engine.decoding.structured_output import GrammarCompiler
-from minivllm_jax.engine.kv.block_manager import BlockManager, check_cache_salt
 from minivllm_jax.engine.kv.compression import kept_pages, needs_scores, wants_compression
+from minivllm_jax.engine.kv.pages import PageManager, check_cache_salt
 from minivllm_jax.engine.kv.tiers import FailedMoves, KVTiers
 from minivllm_jax.engine.output_processor import OutputProcessor, RequestState
 from minivllm_jax.engine.runner import ModelRunner, PendingStep, RowsFailed, StepResult
-from minivllm_jax.engine.scheduler import ScheduledBatch, Scheduler, note_draft_result
+from minivllm_jax.engine.sched_output import PageMoves, ScheduledBatch
+from minivllm_jax.engine.scheduler import Scheduler, note_draft_result
 from minivllm_jax.engine.sequence import Sequence, SequenceStatus
 from minivllm_jax.engine.stats import EngineStats, StepEvent
-from minivllm_jax.models.llama import Params
+from minivllm_jax.models.params import ServingParams
 from minivllm_jax.ops.kv_cache import KVCache
 from minivllm_jax.outputs import RequestOutput
 from minivllm_jax.prompts import prompt_ids
@@ -94,7 +95,7 @@ class LLMEngine:
         self,
         model_config: ModelConfig,
         config: EngineConfig,
-        params: Params,
+        params: ServingParams,
         tokenizer,
         *,
         eos_token_ids: Seq[int] = (),
@@ -119,13 +120,13 @@ class LLMEngine:
         self.tiers = KVTiers(
             model_config, config, self.runner
         )  # the swap pool and the disk tier, if any
-        self.block_manager = BlockManager(
+        self.page_manager = PageManager(
             config.cache.num_pages,
             config.cache.page_size,
             config.cache.enable_prefix_caching,
             self.tiers.disk,
         )
-        self.scheduler = Scheduler(config, self.block_manager, self.tiers.swap_pool)
+        self.scheduler = Scheduler(config, self.page_manager, self.tiers.swap_pool)
         # Structured output: grammars compile on the compiler's thread; a request waits in
         # `_compiling` (not yet in the scheduler) until its grammar is ready.
         self.grammar_compiler = GrammarCompiler(
@@ -155,7 +156,7 @@ class LLMEngine:
         return self.runner.num_loaded
 
     @property
-    def params(self) -> Params:
+    def params(self) -> ServingParams:
         """The loaded params, in the serving layout the runner holds them."""
         return self.runner.params
 
@@ -166,7 +167,7 @@ class LLMEngine:
 
     def step_program(self, num_tokens: int, num_seqs: int) -> Any:
         """The compiled step program of bucket (`num_tokens`, `num_seqs`) (tools read its HLO)."""
-        return self.runner._step_program(num_tokens, num_seqs)
+        return self.runner.step_program(num_tokens, num_seqs)
 
     def running_kv_tokens(self) -> list[int]:
         """Per running sequence, the tokens its KV pages hold between steps: all its tokens but
@@ -175,12 +176,12 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """A snapshot of the queues, the KV pages and the counters (`EngineStats`)."""
-        sched, bm, pool = self.scheduler, self.block_manager, self.scheduler.swap_pool
+        sched, pm, pool = self.scheduler, self.page_manager, self.scheduler.swap_pool
         return EngineStats(
             running=len(sched.running),
             waiting=len(sched.waiting),
-            free_pages=bm.num_free_pages,
-            usable_pages=bm.num_usable_pages,
+            free_pages=pm.num_free_pages,
+            usable_pages=pm.num_usable_pages,
             generated_tokens=self.num_generated_tokens,
             prompt_tokens=self.num_prompt_tokens,
             compiles=self.num_compiles,
@@ -192,7 +193,7 @@ class LLMEngine:
             **self.tier_stats(),
             requests=len(self.requests),
             swapped=sum(seq.swapped is not None for seq in sched.waiting),
-            cached_pages=len(bm.cached),
+            cached_pages=len(pm.cached),
             swap_recomputes=pool.num_recomputes if pool is not None else 0,
             swap_bytes_per_second=pool.bytes_per_second if pool is not None else 0.0,
         )
@@ -206,19 +207,19 @@ class LLMEngine:
         self._step_listeners.remove(listener)
 
     def reset_host_state(
-        self, config: EngineConfig | None = None, block_manager: BlockManager | None = None
+        self, config: EngineConfig | None = None, page_manager: PageManager | None = None
     ) -> None:
-        """Start the host side afresh with no request in the engine: a new scheduler and block
+        """Start the host side afresh with no request in the engine: a new scheduler and page
         manager (an empty prefix cache), without the KV tiers; the compiled programs and the KV
         buffers stay. `config` may change scheduler knobs, never the compiled limits upward;
-        `block_manager` replaces the default one. For tools (the benchmarks' ablations)."""
+        `page_manager` replaces the default one. For tools (the benchmarks' ablations)."""
         if self.has_unfinished() or self.requests:
             raise RuntimeError("reset_host_state needs an idle engine: requests are unfinished")
         config = config or self.config
-        self.block_manager = block_manager or BlockManager(
+        self.page_manager = page_manager or PageManager(
             config.cache.num_pages, config.cache.page_size, config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.scheduler = Scheduler(config, self.page_manager)
 
     def follow(self) -> None:
         """A follower process of a multi-process run: run the leader's steps until it stops."""
@@ -233,23 +234,23 @@ class LLMEngine:
         self.tiers.warmed_up()
         return seconds
 
-    def move_pages(self) -> FailedMoves:
-        """Dispatch the page copies (swap, disk tier) queued for the next step (`KVTiers`)."""
-        return self.tiers.move_pages(self.scheduler, self.block_manager)
+    def move_pages(self, moves: PageMoves) -> FailedMoves:
+        """Dispatch a batch's page copies (swap, disk tier) before its step (`KVTiers`)."""
+        return self.tiers.move_pages(moves, self.scheduler, self.page_manager)
 
     def check_accounting(self) -> None:
         """Raise AssertionError unless the pages, penalty slots and swap pool are exactly those
         the live sequences hold (tests call it after every fault)."""
-        self.block_manager.check(self.scheduler.running + self.scheduler.waiting)
+        self.page_manager.check(self.scheduler.running + self.scheduler.waiting)
         self.scheduler.check_accounting()
 
     def tier_stats(self) -> dict[str, int]:
         """Where KV lives and moves (`KVTiers.stats`) and the pages compression dropped."""
-        return {**self.tiers.stats(self.block_manager), "dropped_pages": self.num_dropped_pages}
+        return {**self.tiers.stats(self.page_manager), "dropped_pages": self.num_dropped_pages}
 
     def close(self) -> None:
         """A clean shutdown: the cached pages go to the disk tier, if there is one (`KVTiers.close`)."""
-        self.tiers.close(self.scheduler, self.block_manager)
+        self.tiers.close(self.scheduler, self.page_manager)
         self.grammar_compiler.close()
 
     # ------------------------------------------------------------------ requests
@@ -443,7 +444,7 @@ class LLMEngine:
         preparation failed costs only itself: it is recomputed, or its request fails (its
         output, with `error`, goes to `outputs`), and the step runs without it. Raises
         `_DispatchFailed` (with the batch that failed) if dispatching the step itself fails."""
-        moves = self.move_pages()
+        moves = self.move_pages(batch.moves)
         drop = {seq.seq_id for seq in moves.recompute}
         for seq in moves.failed:
             drop |= self._fail_request_of(
@@ -583,17 +584,16 @@ class LLMEngine:
             self.scheduler.preempt(seq, allow_swap=False)
         for seq in list(self.scheduler.waiting):
             if seq.pages:  # a waiting sample may already share its prompt's pages (forked)
-                self.block_manager.free_pages(seq)
+                self.page_manager.free_pages(seq)
             self.scheduler.forget_swapped(seq)
         self._drop_page_moves()
-        self.block_manager.reset()  # no sequence holds a page now: the accounting starts afresh
+        self.page_manager.reset()  # no sequence holds a page now: the accounting starts afresh
 
     def _drop_page_moves(self) -> None:
         """Forget queued page copies and every cached page: a page queued to be filled from
         disk holds nothing yet."""
         self.scheduler.drop_page_moves()
-        self.block_manager.loaded = []
-        self.block_manager.clear_cache()
+        self.page_manager.clear_cache()
 
     def recover(self) -> None:
         """After an exception escaped `step()` (a host-side bug, state unknown): abort every
@@ -618,7 +618,7 @@ class LLMEngine:
         # No sequence is left: rebuild the accounting from scratch rather than trust what the
         # crash left (refcounts, free list, prefix cache, penalty slots, swap pool), so that
         # recovering can never fail on it.
-        self.block_manager.reset()
+        self.page_manager.reset()
         sched.reset()
 
     def _process(
@@ -646,7 +646,7 @@ class LLMEngine:
                 seq.num_pending += extra
                 seq.num_computed_tokens += extra
             if seq.status == SequenceStatus.RUNNING:  # not when swapped out meanwhile: no pages
-                self.block_manager.commit(seq)
+                self.page_manager.commit(seq)
             if i >= batch.num_decodes:
                 self.num_prompt_tokens += batch.num_new_tokens[i]
             if (
@@ -705,7 +705,7 @@ class LLMEngine:
         seq.pages = [p for i, p in enumerate(seq.pages[:full]) if i in keep] + seq.pages[full:]
         seq.page_hashes = []  # its pages no longer follow the prefix chain (commit stops too)
         seq.num_dropped_tokens += len(dropped) * ps
-        self.block_manager.release(dropped)
+        self.page_manager.release(dropped)
         self.num_dropped_pages += len(dropped)
 
     def _sampled(
@@ -728,6 +728,6 @@ class LLMEngine:
         refcount and compute only the last partial page (under page_size tokens) themselves,
         which also gives each its own logits row to sample its first token from."""
         for child in request.held:
-            self.block_manager.fork(parent, child, len(request.prompt_token_ids) - 1)
+            self.page_manager.fork(parent, child, len(request.prompt_token_ids) - 1)
             self.scheduler.add(child)
         request.held = []

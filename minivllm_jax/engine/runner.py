@@ -1,54 +1,49 @@
-"""`ModelRunner`: lays a `ScheduledBatch` out as a flat ragged `StepBatch` in its bucket and
-runs the precompiled step programs.
+"""`ModelRunner`: lays a `ScheduledBatch` out as a flat ragged `StepBatch` in its bucket,
+dispatches the precompiled step program, and hands back its results to fetch (`PendingStep`).
 
-Every program is compiled ahead of time (`jit(...).lower(...).compile()`, or loaded whole from
-the program cache, `minivllm_jax.engine.compilation`) for one bucket shape and kept in a dict keyed
-by that shape, so a shape outside the warm-up set is visible (`num_compiles` grows) rather than
-a silent recompile. A step program is the model and the
-sampler together (`minivllm_jax.engine.step`); the KV cache and the penalty state are donated to it.
+A step program is the model and the sampler together (`minivllm_jax.engine.step`), compiled
+ahead of time for one bucket shape (`compilation.CompileManager`: a shape outside the warm-up
+set is visible, never a silent recompile). The runner hands its other concerns to the managers
+it builds over one `DeviceState` (the KV cache, penalty state and fed-back tokens each program
+donates and returns): `page_mover` (page copies: swap, disk tier, copy-on-write) and
+`penalty_slots` (the penalty state's rows).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-import os
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
-from tqdm.auto import tqdm
 
 from minivllm_jax import kernels
 from minivllm_jax.config import EngineConfig, ModelConfig, bucket_for
-from minivllm_jax.engine.compilation import ProgramCache
+from minivllm_jax.engine.compilation import CompileManager, ProgramCache
 from minivllm_jax.engine.decoding.structured_output import fill_bitmasks
+from minivllm_jax.engine.device_state import DeviceState
 from minivllm_jax.engine.kv.compression import needs_scores
+from minivllm_jax.engine.kv.page_mover import PageMover
+from minivllm_jax.engine.penalty_slots import PenaltySlots
 from minivllm_jax.engine.runtime import program_cache_dir
-from minivllm_jax.engine.scheduler import ScheduledBatch
+from minivllm_jax.engine.sched_output import ScheduledBatch
 from minivllm_jax.engine.sequence import Sequence
 from minivllm_jax.engine.step import (
     PenaltyRows,
-    PenaltyState,
-    copy_pages_jit,
+    StepSpec,
     engine_multi_step_jit,
     engine_step_jit,
     engine_verify_step_jit,
-    gather_pages_jit,
-    init_penalty_state,
-    load_penalty_row_jit,
     page_attention_scores_jit,
-    scatter_pages_jit,
 )
-from minivllm_jax.models.llama import Params, model_dtype, unstack_layers
+from minivllm_jax.models.params import ServingParams, model_dtype
 from minivllm_jax.ops.attention import resolve_attention
 from minivllm_jax.ops.batch import Chunk, StepBatch, build_step_batch
-from minivllm_jax.ops.kv_cache import SCRATCH_PAGE, KVCache, init_kv_cache
+from minivllm_jax.ops.kv_cache import SCRATCH_PAGE, KVCache
 from minivllm_jax.ops.sampler import (
     SampleResult,
     SamplingArrays,
@@ -123,13 +118,12 @@ class ModelRunner:
         self,
         model_config: ModelConfig,
         config: EngineConfig,
-        params: Params,
+        params: ServingParams,
         mesh: Mesh | None = None,
     ) -> None:
         self.model_config = model_config
         self.config = config
         self.dtype = model_dtype(params)
-        params = unstack_layers(params)  # the layout the step reads without copying weights
         self.device = mesh.devices.flat[0] if mesh is not None and mesh.size == 1 else None
         self.mesh = mesh if mesh is not None and mesh.size > 1 else None
         if self.mesh is None:
@@ -138,167 +132,102 @@ class ModelRunner:
         else:  # KV heads as stored when there are fewer than devices (repeated)
             self.step_config = sharding.stored_config(model_config, mesh.size)
             self.params = sharding.shard_params(params, model_config, mesh)
-        # Where the host's per-step arrays go: the default device needs no placing; a replica's
-        # device or a mesh (whole on each device) does, since a compiled program takes its
-        # arguments where it was compiled for them.
-        self.host_sharding = (
-            None
-            if self.device is None and self.mesh is None
-            else jax.sharding.SingleDeviceSharding(self.device)
-            if self.mesh is None
-            else jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        self.state = DeviceState(
+            self.step_config, config, model_config.vocab_size, self.dtype, self.mesh, self.device
         )
-        self._new_device_state()
+        pages = "int8" if self.cache.quantized else "auto"  # what the KV pages hold
         self.attention = resolve_attention(
-            config.attention, model_config
+            config.attention, model_config, self.dtype, pages
         )  # loads native kernels before any program
-        self.matmul = (
-            "native" if kernels.native_available() else "reference"
-        )  # quantized projections
-        self._programs: dict[tuple, Any] = {}
+        # projections: the native kernels where they serve the weights (`ops.matmul`)
+        self.matmul = "auto" if kernels.native_available() else "reference"
+        self.spec = StepSpec(self.step_config, self.attention, self.matmul, self.mesh)
         devices = list(mesh.devices.flat) if mesh is not None else None  # in the mesh's order
         # Several processes: no stored programs (each would have to load the same ones).
         self.channel = StepChannel() if distributed.is_multiprocess() else None
-        self._program_cache = ProgramCache(
-            program_cache_dir() if self.channel is None else None, devices
+        self.programs = CompileManager(
+            ProgramCache(program_cache_dir() if self.channel is None else None, devices)
         )
-        self.num_compiles = 0  # programs made, compiled or loaded whole from the program cache
-        self.num_loaded = 0  # of which loaded
-        self.compile_seconds = 0.0
-        self._warm = False
-        self.page_copy_bytes_per_s: float | None = None  # measured at warm-up when pages may move
-        self._compile_lock = threading.Lock()
+        self.page_mover = PageMover(self.state, self.programs, config)
+        self.penalty_slots = PenaltySlots(self.state, self.programs, config, self.channel)
 
-    def _new_device_state(self) -> None:
-        """An empty KV cache, penalty state and fed-back tokens (the last step's tokens, see
-        step.py), made where the step reads them: on a mesh the cache split by KV head and the
-        rest whole on each device, each process making only its own shards."""
-        cfg = self.config
+    @property
+    def cache(self) -> KVCache:
+        """The KV cache as of the last dispatched program (`DeviceState`)."""
+        return self.state.cache
 
-        def make() -> tuple[KVCache, PenaltyState, jax.Array]:
-            cache = init_kv_cache(
-                self.step_config,
-                cfg.cache.num_pages,
-                cfg.cache.page_size,
-                self.dtype,
-                cfg.cache.kv_cache_dtype,
-            )
-            return (
-                cache,
-                init_penalty_state(cfg.scheduler.max_num_seqs, self.model_config.vocab_size),
-                jnp.zeros(cfg.scheduler.max_num_seqs, jnp.int32),
-            )
+    @cache.setter
+    def cache(self, cache: KVCache) -> None:
+        self.state.cache = cache
 
-        if self.host_sharding is None:
-            self.cache, self.penalty_state, self.fed_back = make()
-            return
-        cache = jax.eval_shape(make)[0]
-        cache_sharding = (
-            self.host_sharding if self.mesh is None else sharding.cache_shardings(cache, self.mesh)
-        )
-        out = (cache_sharding, self.host_sharding, self.host_sharding)
-        self.cache, self.penalty_state, self.fed_back = jax.jit(make, out_shardings=out)()
+    @property
+    def num_compiles(self) -> int:
+        """Programs made, compiled or loaded whole from the program cache (`CompileManager`)."""
+        return self.programs.num_compiles
+
+    @property
+    def num_loaded(self) -> int:
+        """Of `num_compiles`, the programs loaded whole from the program cache."""
+        return self.programs.num_loaded
 
     # ------------------------------------------------------------------ compilation
 
-    def _abstract(self, tree: Any) -> Any:
-        return jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(
-                np.shape(x), np.asarray(x).dtype, sharding=self.host_sharding
-            ),
-            tree,
-        )
-
-    def _place(self, tree: Any) -> Any:
-        return tree if self.host_sharding is None else jax.device_put(tree, self.host_sharding)
-
-    def _program(self, key: tuple, fn: Any, *args: Any, **static: Any) -> Any:
-        program = self._programs.get(key)
-        if program is None:
-            start = time.perf_counter()
-            program, loaded = self._program_cache.load_or_compile(key, fn, args, static)
-            with self._compile_lock:  # warm-up compiles from several threads
-                self.compile_seconds += time.perf_counter() - start
-                self.num_compiles += 1
-                self.num_loaded += loaded
-                self._programs[key] = program
-            if self._warm:
-                logger.warning(
-                    "compiled %s after warm-up; a bucket is missing from the warm-up set", key
-                )
-        return program
-
-    def _step_program(self, num_tokens: int, num_seqs: int, kind: str = "step") -> Any:
+    def step_program(self, num_tokens: int, num_seqs: int, kind: str = "step") -> Any:
         """The program of a step of this bucket: "step" (samples each sequence's next token),
         "multi_step" (`num_scheduler_steps` decode steps) or "verify" (samples at every token)."""
         extra = (
             {"num_steps": self.config.scheduler.num_scheduler_steps} if kind == "multi_step" else {}
         )
         key = (kind, num_tokens, num_seqs, *extra.values())
-        program = self._programs.get(key)
+        program = self.programs.get(key)
         if program is not None:  # every step after warm-up: no abstract arguments to build
             return program
-        inputs = self._abstract(
+        state = self.state
+        inputs = state.abstract(
             _step_inputs(self.config, self.model_config, num_tokens, num_seqs, kind)
         )
-        return self._program(
+        return self.programs.program(
             key,
             STEP_FUNCTIONS[kind],
             self.params,
-            self.cache,
-            self.penalty_state,
-            self.fed_back,
+            state.cache,
+            state.penalty_state,
+            state.fed_back,
             *inputs,
-            cfg=self.step_config,
-            attention=self.attention,
-            matmul=self.matmul,
-            mesh=self.mesh,
+            spec=self.spec,
             **extra,
         )
 
-    def _load_penalty_program(self) -> Any:
-        inputs = self._abstract(_penalty_row_inputs(self.config))
-        return self._program(
-            ("load_penalty_row",), load_penalty_row_jit, self.penalty_state, *inputs
-        )
-
     def warmup(self, progress: bool = True) -> float:
-        """Compile every bucket shape now, one program per core at a time (XLA compiles and
-        loads cached programs outside the GIL: a cold start here went from 38 s to 30 s on 2
-        cores), then run each once; any failure propagates (never swallowed)."""
+        """Compile every bucket shape now, one program per core at a time
+        (`CompileManager.compile_all`), then run each once, and compile what else may run
+        (page moves, page scores); any failure propagates (never swallowed)."""
         start = time.perf_counter()
         cfg = self.config
         programs = [(*shape, "step") for shape in cfg.scheduler.step_shapes()]
         programs += [(*shape, "multi_step") for shape in cfg.scheduler.multi_step_shapes()]
         programs += [(*shape, "verify") for shape in cfg.verify_shapes()]
-        with ThreadPoolExecutor(max_workers=min(len(programs), os.cpu_count() or 1)) as pool:
-            compiled = pool.map(lambda p: self._step_program(*p), programs)
-            for _ in tqdm(
-                compiled,
-                total=len(programs),
-                desc="warm-up: compiling buckets",
-                disable=not progress,
-            ):
-                pass
-        self._load_penalty_program()
+        makers = [functools.partial(self.step_program, *p) for p in programs]
+        self.programs.compile_all(makers, progress, "warm-up: compiling buckets")
+        self.penalty_slots.program()
         for program in programs:
             self._exercise(*program)
         if (
             cfg.scheduler.preemption_mode != "recompute" or cfg.cache.kv_disk_dir is not None
         ):  # compiles the page moves too
-            self.page_copy_bytes_per_s = self.measure_page_copy()
+            self.page_mover.measure_copy_speed()
         if cfg.allow_request_kv_compression or (
             cfg.kv_compression is not None and needs_scores(cfg.kv_compression)
         ):
             self._page_scores(Chunk([0], 0, [SCRATCH_PAGE]))
-        jax.block_until_ready(self.cache)
-        self._warm = True
+        jax.block_until_ready(self.state.cache)
+        self.programs.warm = True
         return time.perf_counter() - start
 
     def _exercise(self, num_tokens: int, num_seqs: int, kind: str = "step") -> None:
         """Run a step program once on scratch work, so its first real step does not pay the
-        one-time cost of a program's first run (about 100 ms each here: a step that admitted
-        a prompt was the slowest of its stream). The work touches every part of the step: a
+        one-time cost of a program's first run (a step that admitted a prompt was the slowest
+        of its stream). The work touches every part of the step: a
         decode and a prompt chunk with cached context (on the scratch page), penalties."""
         ps = self.config.cache.page_size
         lookahead = self.config.scheduler.num_scheduler_steps if kind == "multi_step" else 0
@@ -310,22 +239,16 @@ class ModelRunner:
             chunks, ps, num_tokens, num_seqs, self.config.num_listed_pages(num_seqs), lookahead
         )
         inputs = _step_inputs(self.config, self.model_config, num_tokens, num_seqs, kind)
-        scratch = np.full(num_seqs, self.penalty_state.scratch_slot, np.int32)
-        rows = PenaltyRows(scratch, np.zeros(num_seqs, np.int32), np.bool_(True))
+        rows = self.penalty_slots.scratch_rows(num_seqs)
         self._run_step(num_tokens, num_seqs, (batch, inputs[1], rows, *inputs[3:]), kind)
 
     # ------------------------------------------------------------------ running
 
     def reset_cache_if_lost(self) -> bool:
         """Rebuild an empty KV cache (and penalty state) if a failed step took the donated
-        buffers with it (a donated input is deleted even when the program fails); True if it
-        was rebuilt, in which case every page's contents and every slot's history are gone."""
-        leaves = jax.tree.leaves((self.cache, self.penalty_state))
-        if not any(leaf.is_deleted() for leaf in leaves):
-            return False
-        logger.warning("the KV cache buffers were lost with a failed step; rebuilding the cache")
-        self._new_device_state()
-        return True
+        buffers with it (`DeviceState.rebuild_if_lost`); True if it was rebuilt, in which case
+        every page's contents and every slot's history are gone."""
+        return self.state.rebuild_if_lost()
 
     def run(self, batch: ScheduledBatch) -> PendingStep:
         """Dispatch one step (model and sampling in one program) and return without waiting;
@@ -355,8 +278,8 @@ class ModelRunner:
             errors.update(e.errors)
         if errors:  # before anything is dispatched: the engine fails those rows and runs the rest
             raise RowsFailed(errors)
-        self._load_new_penalty_rows(seqs)
-        inputs = (step_batch, sampling, self._penalty_rows(seqs, num_seqs))
+        self.penalty_slots.load_new(seqs)
+        inputs = (step_batch, sampling, self.penalty_slots.rows(seqs, num_seqs))
         if kind == "verify":
             inputs += (_verify_logit_rows(batch, step_batch, num_rows),)
         if self.channel is not None:  # the other processes run this step too
@@ -398,14 +321,11 @@ class ModelRunner:
     def _run_step(
         self, num_tokens: int, num_seqs: int, inputs: tuple, kind: str = "step"
     ) -> SampleResult:
-        program = self._step_program(num_tokens, num_seqs, kind)
-        result, self.cache, self.penalty_state, self.fed_back = program(
-            self.params, self.cache, self.penalty_state, self.fed_back, *self._place(inputs)
+        program, state = self.step_program(num_tokens, num_seqs, kind), self.state
+        result, state.cache, state.penalty_state, state.fed_back = program(
+            self.params, state.cache, state.penalty_state, state.fed_back, *state.place(inputs)
         )
         return result
-
-    def _load_penalty_row(self, inputs: tuple) -> None:
-        self.penalty_state = self._load_penalty_program()(self.penalty_state, *self._place(inputs))
 
     def follow(self) -> None:
         """On a process other than the leader (`minivllm_jax.parallel.distributed`): run each program the
@@ -427,7 +347,8 @@ class ModelRunner:
                     kind,
                 )
             elif op == distributed.LOAD_PENALTY_ROW:
-                self._load_penalty_row(self.channel.payload(_penalty_row_inputs(self.config)))
+                inputs = self.channel.payload(self.penalty_slots.empty_inputs())
+                self.penalty_slots.load_row(inputs)
             else:
                 raise RuntimeError(f"unknown op {op} from the leader")
 
@@ -435,92 +356,9 @@ class ModelRunner:
         """Leader: release the followers from `follow()` (the end of serving)."""
         if self.channel is not None and distributed.is_leader():
             self.channel.announce(distributed.STOP)
-            self.channel = None
+            self.channel = self.penalty_slots.channel = None
 
-    def copy_pages(self, src: list[int], dst: list[int]) -> None:
-        """Copy KV pages `src[i]` -> `dst[i]` (every layer) on the device: copy-on-write of the
-        partial page forked sequences share (beam search). The index arrays are `max_num_seqs`
-        long, padded with the scratch page, so one compiled program serves every call."""
-        if self.channel is not None:
-            raise RuntimeError(
-                "copying pages is not announced to the other processes of a multi-process run"
-            )
-        n = self.config.scheduler.max_num_seqs
-        for start in range(0, len(src), n):
-            pairs = np.full((2, n), SCRATCH_PAGE, np.int32)
-            chunk = src[start : start + n]
-            pairs[0, : len(chunk)], pairs[1, : len(chunk)] = chunk, dst[start : start + n]
-            src_dst = (pairs[0], pairs[1])
-            program = self._program(
-                ("copy_pages",), copy_pages_jit, self.cache, *self._abstract(src_dst)
-            )
-            self.cache = program(self.cache, *self._place(src_dst))
-
-    # ------------------------------------------------------------------ page moves (swap, disk tier)
-
-    @property
-    def page_move_buckets(self) -> tuple[int, ...]:
-        """Page counts of the gather/scatter programs: doublings from 4 up to a whole sequence's."""
-        top = 1 << max(2, (self.config.max_pages_per_seq - 1).bit_length())
-        return tuple(1 << i for i in range(2, top.bit_length()))
-
-    def _page_index(self, pages: list[int], bucket: int) -> np.ndarray:
-        index = np.full(bucket, SCRATCH_PAGE, np.int32)
-        index[: len(pages)] = pages
-        return index
-
-    def _chunks(self, pages: list[int]) -> list[tuple[list[int], int]]:
-        """`pages` in pieces of the largest bucket, each with the bucket it is padded to."""
-        top = self.page_move_buckets[-1]
-        return [
-            (pages[i : i + top], bucket_for(len(pages[i : i + top]), self.page_move_buckets))
-            for i in range(0, len(pages), top)
-        ]
-
-    def gather_pages(self, pages: list[int]) -> list[tuple[KVCache, int]]:
-        """Dispatch copies of whole pages (every layer); returns `(copy, count)` pieces, each a
-        cache-shaped tree with the pages on axis 1 (padded to its bucket). Ordered after every
-        step dispatched so far, so it reads what they wrote, before any later step reuses them."""
-        if self.channel is not None:
-            raise RuntimeError("page swaps and the disk tier do not run across several processes")
-        out = []
-        for piece, bucket in self._chunks(pages):
-            index = self._page_index(piece, bucket)
-            program = self._program(
-                ("gather_pages", bucket), gather_pages_jit, self.cache, *self._abstract((index,))
-            )
-            out.append((program(self.cache, *self._place((index,))), len(piece)))
-        return out
-
-    def scatter_pages(self, pieces: list[tuple[Any, int]], pages: list[int]) -> None:
-        """Write pieces from `gather_pages` (or host arrays of the same layout) into `pages`, in order."""
-        start = 0
-        for data, count in pieces:
-            bucket = jax.tree.leaves(data)[0].shape[1]
-            index = self._page_index(pages[start : start + count], bucket)
-            program = self._program(
-                ("scatter_pages", bucket),
-                scatter_pages_jit,
-                self.cache,
-                self._abstract(data),
-                *self._abstract((index,)),
-            )
-            self.cache = program(self.cache, *self._place((data, index)))
-            start += count
-
-    def host_pieces(self, pages: list[dict[str, np.ndarray]]) -> list[tuple[KVCache, int]]:
-        """Single pages as host arrays (leaf name -> one page, as the disk tier stores them)
-        stacked into padded pieces for `scatter_pages`."""
-        pieces = []
-        for chunk, bucket in self._chunks(pages):
-            leaves = {}
-            for name in chunk[0]:
-                stacked = np.stack([p[name] for p in chunk], axis=1)
-                pad = [(0, 0)] * stacked.ndim
-                pad[1] = (0, bucket - len(chunk))
-                leaves[name] = np.pad(stacked, pad)
-            pieces.append((KVCache(**leaves), len(chunk)))
-        return pieces
+    # ------------------------------------------------------------------ KV compression
 
     def page_scores(self, seq: Sequence, index: int) -> np.ndarray:
         """Attention mass per page of `seq` (`step.page_attention_scores`) from the query of its
@@ -538,34 +376,16 @@ class ModelRunner:
         batch = build_step_batch(
             [chunk], self.config.cache.page_size, 1, 1, self.config.max_pages_per_seq
         )
-        program = self._program(
+        state = self.state
+        program = self.programs.program(
             ("page_scores",),
             page_attention_scores_jit,
             self.params,
-            self.cache,
-            self._abstract(batch),
-            cfg=self.step_config,
-            attention=self.attention,
-            matmul=self.matmul,
+            state.cache,
+            state.abstract(batch),
+            spec=self.spec,
         )
-        return np.asarray(program(self.params, self.cache, self._place(batch)))
-
-    def measure_page_copy(self) -> float:
-        """Bytes a second of copying pages out and back (the largest bucket, on the scratch
-        page), for the swap cost model; also compiles every page-move program."""
-        for bucket in self.page_move_buckets:
-            self.scatter_pages(self.gather_pages([SCRATCH_PAGE] * bucket), [SCRATCH_PAGE] * bucket)
-        bucket = self.page_move_buckets[-1]
-        jax.block_until_ready(self.cache)
-        start = time.perf_counter()
-        for _ in range(3):
-            self.scatter_pages(self.gather_pages([SCRATCH_PAGE] * bucket), [SCRATCH_PAGE] * bucket)
-        jax.block_until_ready(self.cache)
-        seconds = (time.perf_counter() - start) / 3
-        page_bytes = (
-            sum(x.nbytes for x in jax.tree.leaves(self.cache)) // self.config.cache.num_pages
-        )
-        return 2 * bucket * page_bytes / max(seconds, 1e-9)
+        return np.asarray(program(self.params, state.cache, state.place(batch)))
 
     def prepare(self, batch: ScheduledBatch) -> StepBatch:
         """The flat host arrays of the step, in the smallest bucket that holds it."""
@@ -619,37 +439,6 @@ class ModelRunner:
             lookahead,
         )
 
-    def _penalty_rows(self, seqs: tuple[Sequence, ...], num_seqs: int) -> PenaltyRows:
-        scratch = self.penalty_state.scratch_slot
-        slots = np.full(num_seqs, scratch, np.int32)
-        prompt_lens = np.zeros(num_seqs, np.int32)
-        for i, seq in enumerate(seqs):
-            slots[i] = scratch if seq.penalty_slot is None else seq.penalty_slot
-            prompt_lens[i] = len(seq.prompt_token_ids)
-        return PenaltyRows(
-            slots, prompt_lens, np.bool_(any(s.penalty_slot is not None for s in seqs))
-        )
-
-    def _load_new_penalty_rows(self, seqs: tuple[Sequence, ...]) -> None:
-        """A sequence that just got a penalty slot: load the tokens it will not feed itself
-        (cached or forked prompt pages, or all of them after a preemption)."""
-        for seq in seqs:
-            if seq.penalty_slot is None or seq.penalty_loaded:
-                continue
-            tokens = np.zeros(self.config.max_model_len, np.int32)
-            known = seq.num_computed_tokens
-            tokens[:known] = seq.token_ids[:known]
-            inputs = (
-                np.int32(seq.penalty_slot),
-                tokens,
-                np.int32(known),
-                np.int32(len(seq.prompt_token_ids)),
-            )
-            if self.channel is not None:
-                self.channel.announce(distributed.LOAD_PENALTY_ROW, payload=inputs)
-            self._load_penalty_row(inputs)
-            seq.penalty_loaded = True
-
 
 STEP_FUNCTIONS = {
     "step": engine_step_jit,
@@ -685,10 +474,6 @@ def _verify_logit_rows(batch: ScheduledBatch, step_batch: StepBatch, num_rows: i
         rows[r : r + n] = np.arange(start + q - n, start + q)
         r += n
     return rows
-
-
-def _penalty_row_inputs(config: EngineConfig) -> tuple:
-    return np.int32(0), np.zeros(config.max_model_len, np.int32), np.int32(0), np.int32(0)
 
 
 def _empty_batch(config: EngineConfig, num_tokens: int, num_seqs: int) -> StepBatch:

@@ -7,44 +7,23 @@ step are limited so the step stays within the TPOT target (`StepCosts`); offline
 the whole budget. Under page pressure the lowest-priority, newest running sequence is
 preempted: its pages are freed and it waits to be recomputed (its prefix may still be
 cached), or its KV is swapped out to the host pool and back (`minivllm_jax.engine.kv.swap`; the
-copies are queued in `swap_outs`/`swap_ins` for the engine). Nothing is ever dropped.
+copies go to the engine as a value, the `PageMoves` of the next `ScheduledBatch`). Nothing is
+ever dropped. Pages come from `PageManager.allocate_slots`, all or nothing: when it returns None
+the scheduler preempts the least urgent sequence and retries, or stops admitting.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 from minivllm_jax.config import AUTO_TPOT_FACTOR, EngineConfig, bucket_for
 from minivllm_jax.engine.decoding.speculative import MAX_BACKOFF, propose_ngram
-from minivllm_jax.engine.kv.block_manager import BlockManager
+from minivllm_jax.engine.kv.pages import PageManager
 from minivllm_jax.engine.kv.swap import SwappedKV, SwapPool
+from minivllm_jax.engine.sched_output import PageMoves, ScheduledBatch
 from minivllm_jax.engine.sequence import Sequence, SequenceStatus
 
 MIN_PROMPT_CHUNK = 16  # prompt tokens a step may always add: waiting prompts always progress
-
-
-@dataclasses.dataclass(frozen=True)
-class ScheduledBatch:
-    seqs: tuple[Sequence, ...]  # decodes first, then prompt chunks
-    num_new_tokens: tuple[int, ...]  # tokens each sequence feeds this step
-    num_decodes: int
-    num_steps: int = 1  # > 1: a decode-only batch run that many steps in one program
-    # Speculative decoding: each decode's draft tokens, fed after its last token (counted in
-    # num_new_tokens) and verified in the step; empty when the batch speculates nothing.
-    drafts: tuple[tuple[int, ...], ...] = ()
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    def draft(self, i: int) -> tuple[int, ...]:
-        return self.drafts[i] if self.drafts else ()
-
-    def samples_next_token(self, i: int) -> bool:
-        """A prompt chunk that stops short of the sequence's end samples nothing."""
-        seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_new_tokens[i] - len(self.draft(i)) == len(seq)
 
 
 class StepCosts:
@@ -100,16 +79,15 @@ def note_draft_result(seq: Sequence, accepted: int) -> None:
 
 class Scheduler:
     def __init__(
-        self, config: EngineConfig, block_manager: BlockManager, swap_pool: SwapPool | None = None
+        self, config: EngineConfig, page_manager: PageManager, swap_pool: SwapPool | None = None
     ) -> None:
         self.config = config
-        self.block_manager = block_manager
+        self.page_manager = page_manager
         self.swap_pool = swap_pool
-        # Pages to copy out, in order, before the next step (each with its sequence) ...
-        self.swap_outs: list[tuple[Sequence, SwappedKV]] = []
-        self.swap_ins: list[
-            tuple[Sequence, SwappedKV, list[int]]
-        ] = []  # ... and to copy back into these pages
+        # Page copies for the next batch's `PageMoves` (kept while no batch is scheduled).
+        self._swap_outs: list[tuple[Sequence, SwappedKV]] = []
+        self._swap_ins: list[tuple[Sequence, SwappedKV, tuple[int, ...]]] = []
+        self._from_disk: list[tuple[int, dict]] = []
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -130,7 +108,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = seq.finish_reason or reason
         seq.stop_reason = stop_reason if seq.stop_reason is None else seq.stop_reason
-        self.block_manager.free_pages(seq)
+        self.page_manager.free_pages(seq)
         self._drop_swapped(seq)
         self._release_penalty_slot(seq)
         if seq in self.running:
@@ -141,8 +119,8 @@ class Scheduler:
     def preempt(self, seq: Sequence, allow_swap: bool = True) -> None:
         """Free the sequence's pages and requeue it: its computed pages are swapped out when the
         swap pool says so (see `SwapPool.should_swap`), else it is recomputed from its tokens."""
-        bm, pool = self.block_manager, self.swap_pool
-        computed = bm.pages_for(seq.num_computed_tokens - seq.num_dropped_tokens)
+        pm, pool = self.page_manager, self.swap_pool
+        computed = pm.pages_for(seq.num_computed_tokens - seq.num_dropped_tokens)
         per_token = self.costs.seconds_per_prompt_token()
         if (
             allow_swap
@@ -150,12 +128,12 @@ class Scheduler:
             and pool.should_swap(computed, seq.num_computed_tokens, per_token)
         ):
             seq.swapped = pool.take(seq.pages[:computed])
-            self.swap_outs.append((seq, seq.swapped))
-            bm.free_pages(seq, keep_progress=True)
+            self._swap_outs.append((seq, seq.swapped))
+            pm.free_pages(seq, keep_progress=True)
         else:
             if pool is not None:
                 pool.num_recomputes += 1
-            bm.free_pages(seq)
+            pm.free_pages(seq)
         self._release_penalty_slot(seq)
         self.running.remove(seq)
         seq.status = SequenceStatus.WAITING
@@ -175,7 +153,7 @@ class Scheduler:
         if seq in self.running:
             self.preempt(seq, allow_swap=False)
         else:
-            self.block_manager.free_pages(seq)
+            self.page_manager.free_pages(seq)
             self.forget_swapped(seq)
 
     def swap_out_failed(self, seq: Sequence, swapped: SwappedKV) -> None:
@@ -194,10 +172,32 @@ class Scheduler:
             seq.num_computed_tokens = seq.num_dropped_tokens = 0
 
     def drop_page_moves(self) -> None:
-        """Forget the queued swap copies (after a failure; the sequences are recomputed)."""
-        for _, swapped, _ in self.swap_ins:
+        """Forget the queued page copies (after a failure; the sequences are recomputed)."""
+        for _, swapped, _ in self._swap_ins:
             self.swap_pool.release(swapped)
-        self.swap_outs, self.swap_ins = [], []
+        self._swap_outs, self._swap_ins, self._from_disk = [], [], []
+
+    @property
+    def queued_moves(self) -> PageMoves:
+        """The page copies the next batch will carry (left queued)."""
+        return PageMoves(
+            tuple(self._swap_outs),
+            tuple(self.page_manager.evicted),
+            tuple(self._swap_ins),
+            tuple(self._from_disk),
+        )
+
+    def take_moves(self) -> PageMoves:
+        """The queued page copies, for the caller to dispatch now (the queues empty): `schedule`
+        puts them in its batch; a clean shutdown flushes what no batch carried."""
+        moves = PageMoves(
+            tuple(self._swap_outs),
+            tuple(self.page_manager.take_evicted()),
+            tuple(self._swap_ins),
+            tuple(self._from_disk),
+        )
+        self._swap_outs, self._swap_ins, self._from_disk = [], [], []
+        return moves
 
     def reset(self) -> None:
         """Rebuild the accounting from scratch once no sequence is left (after `recover`): every
@@ -206,7 +206,7 @@ class Scheduler:
             raise RuntimeError(
                 f"reset() with {len(self.running)} running and {len(self.waiting)} waiting sequences"
             )
-        self.swap_outs, self.swap_ins = [], []
+        self._swap_outs, self._swap_ins, self._from_disk = [], [], []
         self.free_penalty_slots = list(range(self.config.scheduler.max_num_seqs))
         if self.swap_pool is not None:
             self.swap_pool.reset()
@@ -224,7 +224,7 @@ class Scheduler:
             )
         if self.swap_pool is not None:
             swapped = [s.swapped for s in seqs if s.swapped is not None] + [
-                kv for _, kv, _ in self.swap_ins
+                kv for _, kv, _ in self._swap_ins
             ]
             used = sum(kv.num_pages for kv in {id(kv): kv for kv in swapped}.values())
             if used != self.swap_pool.used_pages:
@@ -244,74 +244,25 @@ class Scheduler:
     # ------------------------------------------------------------------ scheduling
 
     def schedule(self, now: float | None = None) -> ScheduledBatch | None:
+        """The next step, or None when there is nothing to run: running decodes first (one
+        token each, with their drafts), then prompt chunks with what is left of the token
+        budget. The batch carries the page copies to run before it (`PageMoves`)."""
         now = time.monotonic() if now is None else now
-        cfg, bm = self.config, self.block_manager
-        seqs: list[Sequence] = []
-        chunks: list[int] = []
-
-        # 1. Decodes, most urgent first; make page room by preempting the least urgent.
-        for seq in sorted(self.running, key=lambda s: s.sort_key):
-            if len(seqs) == cfg.scheduler.max_num_batched_tokens:
-                break
-            if seq.status != SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
-                continue  # preempted below while we walked the list, or a prompt chunk
-            if len(seq.output_token_ids) >= seq.params.max_tokens or len(seq) >= cfg.max_model_len:
-                continue  # its last token is in flight (async scheduling): it ends when read
-            while not bm.can_append(seq):
-                victim = max(
-                    (s for s in self.running if s.status == SequenceStatus.RUNNING),
-                    key=lambda s: s.sort_key,
-                )
-                self.preempt(victim)
-                if victim is seq:
-                    break
-            if seq.status == SequenceStatus.RUNNING:
-                bm.append(seq)
-                seqs.append(seq)
-                chunks.append(1)
+        cfg = self.config
+        seqs = self._schedule_decodes()
         num_decodes = len(seqs)
         drafts = self._propose(seqs) if cfg.speculative is not None else ()
-        chunks = [1 + len(d) for d in drafts] or chunks
-
-        # 2. Prompt chunks: partially prefilled sequences, then admissions by priority.
-        budget = self._prompt_budget(seqs, sum(chunks), now)
-        candidates = sorted((s for s in self.running if s.is_prefill), key=lambda s: s.sort_key)
-        self.waiting.sort(key=lambda s: s.sort_key)
-        if self._admissions_open(budget, now):
-            candidates += self.waiting
-        admitted = 0
-        for seq in candidates:
-            if budget <= 0 or len(seqs) == cfg.scheduler.max_num_seqs:
-                break
-            if seq.num_pending:
-                continue  # preempted with a token in flight: recompute it once that token is read
-            admitting = seq.status == SequenceStatus.WAITING
-            if admitting:
-                if len(self.running) + admitted >= cfg.scheduler.max_num_seqs:
-                    break
-                # Keep a page per running sequence (and those admitted in this step) so that
-                # admission does not force an instant preemption.
-                if not bm.can_allocate(seq, reserve=len(self.running) + admitted):
-                    break
-                swapped = seq.swapped
-                bm.allocate(seq)
-                if swapped is not None:  # resumes where it was: copy its KV back first
-                    self.swap_ins.append((seq, swapped, seq.pages[: swapped.num_pages]))
-                    self.swap_pool.num_swap_ins += 1
-                    seq.swapped = None
-                admitted += 1
-            chunk = min(seq.num_uncomputed_tokens, budget)
-            seqs.append(seq)
-            chunks.append(chunk)
-            budget -= chunk
+        chunks = [1 + len(d) for d in drafts] or [1] * num_decodes
+        self._schedule_prompts(seqs, chunks, self._prompt_budget(seqs, sum(chunks), now), now)
         if not seqs:
             return None
         if len(seqs) == num_decodes and not any(drafts) and self._multi_step_fits(seqs):
+            k = cfg.scheduler.num_scheduler_steps
             self.num_multi_steps += 1
-            for seq in seqs:
-                bm.append(seq, lookahead=cfg.scheduler.num_scheduler_steps - 1)
+            for seq in seqs:  # they fit: `_multi_step_fits` counted the pages
+                self.page_manager.allocate_slots(seq, lookahead=k - 1)
             return ScheduledBatch(
-                tuple(seqs), tuple(chunks), num_decodes, cfg.scheduler.num_scheduler_steps
+                tuple(seqs), tuple(chunks), num_decodes, k, moves=self.take_moves()
             )
         for seq in seqs[num_decodes:]:
             if seq.status == SequenceStatus.WAITING:
@@ -320,7 +271,75 @@ class Scheduler:
                 self.running.append(seq)
                 self._take_penalty_slot(seq)
         drafts = drafts + ((),) * (len(seqs) - num_decodes) if any(drafts) else ()
-        return ScheduledBatch(tuple(seqs), tuple(chunks), num_decodes, drafts=drafts)
+        return ScheduledBatch(
+            tuple(seqs), tuple(chunks), num_decodes, drafts=drafts, moves=self.take_moves()
+        )
+
+    def _schedule_decodes(self) -> list[Sequence]:
+        """Running sequences with one token to feed, most urgent first, each with a page for
+        it: made by preempting the least urgent running sequence (maybe itself) until it fits."""
+        cfg, pm = self.config, self.page_manager
+        decodes: list[Sequence] = []
+        for seq in sorted(self.running, key=lambda s: s.sort_key):
+            if len(decodes) == cfg.scheduler.max_num_batched_tokens:
+                break
+            if seq.status != SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1:
+                continue  # preempted below while we walked the list, or a prompt chunk
+            if len(seq.output_token_ids) >= seq.params.max_tokens or len(seq) >= cfg.max_model_len:
+                continue  # its last token is in flight (async scheduling): it ends when read
+            while seq.status == SequenceStatus.RUNNING and pm.allocate_slots(seq) is None:
+                self.preempt(
+                    max(
+                        (s for s in self.running if s.status == SequenceStatus.RUNNING),
+                        key=lambda s: s.sort_key,
+                    )
+                )
+            if seq.status == SequenceStatus.RUNNING:
+                decodes.append(seq)
+        return decodes
+
+    def _schedule_prompts(
+        self, seqs: list[Sequence], chunks: list[int], budget: int, now: float
+    ) -> None:
+        """Append prompt chunks to `seqs` and `chunks` within `budget` tokens: partially
+        prefilled sequences, then admissions by priority while the pages and the limits allow."""
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        candidates = sorted((s for s in self.running if s.is_prefill), key=lambda s: s.sort_key)
+        self.waiting.sort(key=lambda s: s.sort_key)
+        if self._admissions_open(budget, now):
+            candidates += self.waiting
+        admitted = 0
+        for seq in candidates:
+            if budget <= 0 or len(seqs) == max_num_seqs:
+                break
+            if seq.num_pending:
+                continue  # preempted with a token in flight: recompute it once that token is read
+            if seq.status == SequenceStatus.WAITING:
+                if len(self.running) + admitted >= max_num_seqs:
+                    break
+                # Keep a page per running sequence (and those admitted in this step) so that
+                # admission does not force an instant preemption.
+                if not self._admit(seq, reserve=len(self.running) + admitted):
+                    break
+                admitted += 1
+            chunk = min(seq.num_uncomputed_tokens, budget)
+            seqs.append(seq)
+            chunks.append(chunk)
+            budget -= chunk
+
+    def _admit(self, seq: Sequence, reserve: int) -> bool:
+        """Give a waiting sequence its pages (`allocate_slots`, all or nothing) and queue the
+        copies that fill them: its swapped-out KV, prefix pages found on disk."""
+        allocation = self.page_manager.allocate_slots(seq, reserve=reserve)
+        if allocation is None:
+            return False
+        self._from_disk += allocation.disk_loads
+        if seq.swapped is not None:  # resumes where it was: copy its KV back first
+            pages = allocation.new_pages[: seq.swapped.num_pages]
+            self._swap_ins.append((seq, seq.swapped, pages))
+            self.swap_pool.num_swap_ins += 1
+            seq.swapped = None
+        return True
 
     def wants_draft(self, seq: Sequence) -> bool:
         """The sequence may propose a draft at its next decode (its tokens must all be known:
@@ -341,7 +360,7 @@ class Scheduler:
         """N-gram drafts for the decodes that want one, within the token budget and
         `max_model_len`, and with free pages for the tokens they write (prompt work gets what
         is left of the budget: a draft token costs about what a prompt token does)."""
-        cfg, bm = self.config, self.block_manager
+        cfg, pm = self.config, self.page_manager
         spec = cfg.speculative
         prompts_pending = self.waiting or any(s.is_prefill for s in self.running)
         budget = (
@@ -362,9 +381,7 @@ class Scheduler:
                 draft = propose_ngram(seq.token_ids, spec, room)
                 if not draft:
                     note_draft_result(seq, 0)
-                elif bm.can_append(seq, lookahead=len(draft)):
-                    bm.append(seq, lookahead=len(draft))
-                else:
+                elif pm.allocate_slots(seq, lookahead=len(draft)) is None:
                     draft = []
             budget -= len(draft)
             drafts.append(tuple(draft))
@@ -383,10 +400,10 @@ class Scheduler:
             return False
         if any(len(s) + k - 1 > self.config.max_model_len for s in decodes):
             return False
-        bm = self.block_manager
+        pm = self.page_manager
         return (
-            sum(bm.pages_for(s.cache_len + k - 1) - len(s.pages) for s in decodes)
-            <= bm.num_free_pages
+            sum(pm.pages_for(s.cache_len + k - 1) - len(s.pages) for s in decodes)
+            <= pm.num_free_pages
         )
 
     def _prompt_budget(self, decodes: list[Sequence], used: int, now: float) -> int:

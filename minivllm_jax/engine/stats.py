@@ -67,7 +67,7 @@ class StepEvent:
 
     @property
     def kind(self) -> str:
-        """"mixed" (it carries prompt tokens) or "decode"."""
+        """ "mixed" (it carries prompt tokens) or "decode"."""
         return "mixed" if self.num_decodes < self.num_seqs else "decode"
 
     @property

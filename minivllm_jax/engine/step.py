@@ -12,8 +12,9 @@ of the step before it (async scheduling). Such a token is a placeholder `-(r + 1
 `batch.tokens`: "the token row `r` of the previous step sampled", taken from `fed_back`
 (`int32[max_num_seqs]`, the previous step's tokens as this step returns them). One compiled program per bucket
 (token count, sequence count); every per-request value is an array, so nothing recompiles
-when requests change. Static arguments: the model config and the attention implementation's
-name (`minivllm_jax.ops.attention.ATTENTION`).
+when requests change. The one static argument is a `StepSpec`: what the program is compiled
+for besides its argument shapes (the model config, the attention and matmul implementations,
+the mesh).
 
 Penalty state: row `s` of `PenaltyState` belongs to the sequence the scheduler gave slot `s`
 (the last row is scratch: rows without penalties and padding write there). A step marks the
@@ -32,7 +33,8 @@ from jax import lax
 from jax.sharding import Mesh
 
 from minivllm_jax.config import ModelConfig
-from minivllm_jax.models.llama import Params, forward
+from minivllm_jax.models.decoder import forward
+from minivllm_jax.models.params import ServingParams
 from minivllm_jax.ops.batch import StepBatch, token_sequences
 from minivllm_jax.ops.kv_cache import (
     KVCache,
@@ -50,6 +52,22 @@ from minivllm_jax.ops.sampler import (
     sample_penalized,
 )
 from minivllm_jax.parallel import sharding
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """The static part of every program here: hashable, so jit takes it as one static argument
+    (and the program cache keys on its repr, `minivllm_jax.engine.compilation`).
+
+    `cfg`: the model config as the program sees the params (on a mesh, `sharding.stored_config`);
+    `attention`, `matmul`: the implementations, already chosen (`ops.attention.resolve_attention`
+    for attention; the matmul's is the runner's); `mesh`: tensor-parallel devices, or None for
+    one device (`minivllm_jax.parallel.sharding`)."""
+
+    cfg: ModelConfig
+    attention: str = "reference"
+    matmul: str = "reference"
+    mesh: Mesh | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -94,7 +112,7 @@ def _mark_fed_tokens(state: PenaltyState, batch: StepBatch, rows: PenaltyRows) -
 
 
 def engine_step(
-    params: Params,
+    params: ServingParams,
     cache: KVCache,
     penalty_state: PenaltyState,
     fed_back: jax.Array,
@@ -102,21 +120,18 @@ def engine_step(
     sampling: SamplingArrays,
     penalty_rows: PenaltyRows,
     *,
-    cfg: ModelConfig,
-    attention: str = "reference",
-    matmul: str = "reference",
-    mesh: Mesh | None = None,
+    spec: StepSpec,
 ) -> tuple[SampleResult, KVCache, PenaltyState, jax.Array]:
     """Returns the sampled rows, the cache, the penalty state, and the tokens again padded to
     `fed_back`'s length (what the next step takes as its `fed_back`).
 
-    With a `mesh` the model runs tensor-parallel over it (`minivllm_jax.parallel.sharding`: `params` and
-    `cache` sharded as `shard_params`/`cache_shardings` place them, `cfg` their `stored_config`);
-    the sampler runs on the gathered logits, the same on every device."""
+    With a `spec.mesh` the model runs tensor-parallel over it (`minivllm_jax.parallel.sharding`:
+    `params` and `cache` sharded as `shard_params`/`cache_shardings` place them, `spec.cfg` their
+    `stored_config`); the sampler runs on the gathered logits, the same on every device."""
     pending = batch.tokens < 0
     tokens = jnp.where(pending, fed_back[jnp.where(pending, -batch.tokens - 1, 0)], batch.tokens)
     batch = dataclasses.replace(batch, tokens=tokens)
-    logits, cache = model_forward(params, cache, batch, cfg, attention, matmul, mesh)
+    logits, cache = model_forward(params, cache, batch, spec)
     penalty_state = _mark_fed_tokens(penalty_state, batch, penalty_rows)
     slots = penalty_rows.slots
 
@@ -130,7 +145,7 @@ def engine_step(
 
 
 def engine_multi_step(
-    params: Params,
+    params: ServingParams,
     cache: KVCache,
     penalty_state: PenaltyState,
     fed_back: jax.Array,
@@ -138,10 +153,7 @@ def engine_multi_step(
     sampling: SamplingArrays,
     penalty_rows: PenaltyRows,
     *,
-    cfg: ModelConfig,
-    attention: str = "reference",
-    matmul: str = "reference",
-    mesh: Mesh | None = None,
+    spec: StepSpec,
     num_steps: int = 1,
 ) -> tuple[SampleResult, KVCache, PenaltyState, jax.Array]:
     """`num_steps` decode steps of a decode-only `batch` (token `i` is sequence `i`'s) in one
@@ -180,10 +192,7 @@ def engine_multi_step(
             step,
             rows,
             penalty_rows,
-            cfg=cfg,
-            attention=attention,
-            matmul=matmul,
-            mesh=mesh,
+            spec=spec,
         )
         return (cache, penalty_state, fed_back), result
 
@@ -194,7 +203,7 @@ def engine_multi_step(
 
 
 def engine_verify_step(
-    params: Params,
+    params: ServingParams,
     cache: KVCache,
     penalty_state: PenaltyState,
     fed_back: jax.Array,
@@ -203,19 +212,14 @@ def engine_verify_step(
     penalty_rows: PenaltyRows,
     logit_rows: jax.Array,
     *,
-    cfg: ModelConfig,
-    attention: str = "reference",
-    matmul: str = "reference",
-    mesh: Mesh | None = None,
+    spec: StepSpec,
 ) -> tuple[SampleResult, KVCache, PenaltyState, jax.Array]:
     """`engine_step` for a speculative step: samples at the tokens `logit_rows` (`int32[R]`,
     `sampling` has a row for each): each sequence's last token and, for one with a draft, every
     draft token's position too, so that the host can check each draft token against the sample
     drawn where it was proposed (`minivllm_jax.engine.decoding.speculative`). The host reads such a step before
     scheduling the next, so it feeds no placeholders and `fed_back` passes through."""
-    logits, cache = model_forward(
-        params, cache, batch, cfg, attention, matmul, mesh, logit_rows=logit_rows
-    )
+    logits, cache = model_forward(params, cache, batch, spec, logit_rows=logit_rows)
     penalty_state = _mark_fed_tokens(penalty_state, batch, penalty_rows)
     slots = penalty_rows.slots[
         token_sequences(batch)[0][logit_rows]
@@ -232,17 +236,16 @@ def engine_verify_step(
 
 
 def model_forward(
-    params: Params,
+    params: ServingParams,
     cache: KVCache,
     batch: StepBatch,
-    cfg: ModelConfig,
-    attention: str,
-    matmul: str,
-    mesh: Mesh | None,
+    spec: StepSpec,
     all_logits: bool = False,
     logit_rows: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
-    """`forward` on one device, or tensor-parallel over `mesh` (each device runs its shard)."""
+    """`forward` (`minivllm_jax.models.decoder`: logits and the updated cache) on one device, or
+    tensor-parallel over `spec.mesh` (each device runs its shard)."""
+    cfg, attention, matmul, mesh = spec.cfg, spec.attention, spec.matmul, spec.mesh
     if mesh is None:
         return forward(
             params, cache, batch, cfg, attention, all_logits, matmul, logit_rows=logit_rows
@@ -255,24 +258,20 @@ def model_forward(
 
 
 engine_step_jit = jax.jit(
-    engine_step,
-    static_argnames=("cfg", "attention", "matmul", "mesh"),
-    donate_argnames=("cache", "penalty_state"),
+    engine_step, static_argnames=("spec",), donate_argnames=("cache", "penalty_state")
 )
 engine_multi_step_jit = jax.jit(
     engine_multi_step,
-    static_argnames=("cfg", "attention", "matmul", "mesh", "num_steps"),
+    static_argnames=("spec", "num_steps"),
     donate_argnames=("cache", "penalty_state"),
 )
 engine_verify_step_jit = jax.jit(
-    engine_verify_step,
-    static_argnames=("cfg", "attention", "matmul", "mesh"),
-    donate_argnames=("cache", "penalty_state"),
+    engine_verify_step, static_argnames=("spec",), donate_argnames=("cache", "penalty_state")
 )
+# The model alone (greedy reference, parity tests): `model_forward(params, cache, batch, spec,
+# all_logits=False)`.
 forward_jit = jax.jit(
-    forward,
-    static_argnames=("cfg", "attention", "all_logits", "matmul"),
-    donate_argnames=("cache",),
+    model_forward, static_argnames=("spec", "all_logits"), donate_argnames=("cache",)
 )
 
 
@@ -302,12 +301,10 @@ load_penalty_row_jit = jax.jit(load_penalty_row, donate_argnames=("state",))
 
 
 def page_attention_scores(
-    params: Params,
+    params: ServingParams,
     cache: KVCache,
     batch: StepBatch,
-    cfg: ModelConfig,
-    attention: str = "reference",
-    matmul: str = "reference",
+    spec: StepSpec,
 ) -> jax.Array:
     """f32[N]: the attention mass the last new token of sequence 0 of `batch` puts on each page
     listed in `batch.page_ids`, summed over all layers and query heads and normalized to total 1
@@ -317,9 +314,11 @@ def page_attention_scores(
     only (scale `hd ** -0.5`); entries that are not the sequence's cached pages (padding, the
     pages of its new tokens) get 0. The scoring batch re-feeds a sequence's last computed token
     at its own cache index (`context_len` = cached tokens - 1), so its own key is not scored.
-    The cache is read, not written: the forward's write of the re-fed token is discarded."""
+    The cache is read, not written: the forward's write of the re-fed token is discarded.
+    `spec.mesh` is not used: on a mesh XLA partitions this program over the sharded arguments."""
+    cfg = spec.cfg
     _, _, queries = forward(
-        params, cache, batch, cfg, attention, False, matmul, return_queries=True
+        params, cache, batch, cfg, spec.attention, False, spec.matmul, return_queries=True
     )
     token = batch.query_start[0] + jnp.maximum(batch.query_len[0], 1) - 1
     q = queries[:, token].astype(jnp.float32)  # [L, H, hd]
@@ -353,9 +352,7 @@ def page_attention_scores(
 
 
 # Not donating the cache: scoring reads a sequence's pages between steps and changes nothing.
-page_attention_scores_jit = jax.jit(
-    page_attention_scores, static_argnames=("cfg", "attention", "matmul")
-)
+page_attention_scores_jit = jax.jit(page_attention_scores, static_argnames=("spec",))
 
 # Copy-on-write of forked sequences' pages (beam search); see `kv_cache.copy_pages`.
 copy_pages_jit = jax.jit(copy_pages, donate_argnames=("cache",))

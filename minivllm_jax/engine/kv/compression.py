@@ -9,7 +9,7 @@ the others):
 - "page_scores" (H2O / SnapKV): keep those too, plus the middle pages whose keys got the most
   attention from the sequence's latest token, up to `budget_tokens` in all.
 
-Page granularity: a page is the unit the block manager allocates and the attention kernels
+Page granularity: a page is the unit the page manager allocates and the attention kernels
 gather, so dropping whole full pages frees memory at once and keeps every kernel unchanged
 (the sequence's page list just gets shorter); dropping single tokens would leave holes inside
 pages that every reader would have to mask. The last, partial page is never dropped.

@@ -1,6 +1,6 @@
 """`DiskPageStore`: a disk tier for the prefix cache, so full KV pages outlive memory and restarts.
 
-A full page is keyed by its chained digest (`block_manager.page_digest`), so a server restarted
+A full page is keyed by its chained digest (`pages.page_digest`), so a server restarted
 on the same directory finds the pages of prefixes it has seen and loads them instead of
 recomputing. Files live in `<directory>/<namespace>/`; the caller's namespace fingerprints the
 model and KV layout, so pages of another model or layout are never seen. One file per page:

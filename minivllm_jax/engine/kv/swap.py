@@ -7,7 +7,7 @@ its pages twice (out and back, at the copy speed measured at warm-up) against pr
 computed tokens again (at the per-token cost of the largest step measured so far).
 
 Host bookkeeping only: the pool counts pages against `swap_space_gb`; the copies themselves are
-the runner's (`ModelRunner.gather_pages` / `scatter_pages`), dispatched in order with the steps,
+the page mover's (`PageMover.gather_pages` / `scatter_pages`), dispatched in order with the steps,
 so a page is read before any later step can reuse it. On a CPU backend the gathered copy already
 lives in host memory, so the pool keeps that array as it is (one copy out, one back); on an
 accelerator it is moved to the host.
@@ -27,7 +27,7 @@ class SwappedKV:
     """One sequence's computed pages while it is swapped out."""
 
     num_pages: int
-    source_pages: list[int]  # device pages to copy out (freed by the block manager already)
+    source_pages: list[int]  # device pages to copy out (freed by the page manager already)
     data: Any = None  # the copied pages (a KVCache-shaped tree, pages on axis 1) once dispatched
     released: bool = False  # its pages were given back to the pool
 

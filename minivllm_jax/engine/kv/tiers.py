@@ -1,9 +1,10 @@
 """`KVTiers`: where KV pages live besides the cache in memory, and the copies between them.
 
 Two tiers sit under the paged cache: the host swap pool of preempted sequences (`swap.py`) and
-the prefix cache's disk tier (`kv_disk.py`). The scheduler and the block manager only queue
-what should move (host bookkeeping); `move_pages` dispatches those copies through the runner
-before the step that relies on them, in one fixed order: copies out first (swap-outs, pages
+the prefix cache's disk tier (`disk.py`). The scheduler and the page manager only decide
+what should move (host bookkeeping), handed over as the `PageMoves` of a `ScheduledBatch`;
+`move_pages` dispatches those copies before the step that relies on them, in one fixed order:
+copies out first (swap-outs, pages
 leaving for disk), which read pages that the copies in (swap-ins, disk hits) and the step may
 then overwrite. Every copy is a device program ordered after the steps dispatched before it,
 so it reads what they wrote.
@@ -20,13 +21,14 @@ import jax
 import numpy as np
 
 from minivllm_jax.config import EngineConfig, ModelConfig
-from minivllm_jax.engine.kv.block_manager import BlockManager, CachedPage
 from minivllm_jax.engine.kv.disk import DiskPageStore
+from minivllm_jax.engine.kv.pages import CachedPage, PageManager
 from minivllm_jax.engine.kv.swap import SwapPool
 from minivllm_jax.engine.runner import ModelRunner
+from minivllm_jax.engine.sched_output import PageMoves
 from minivllm_jax.engine.scheduler import Scheduler
 from minivllm_jax.engine.sequence import Sequence
-from minivllm_jax.models.llama import Params
+from minivllm_jax.models.params import ServingParams
 from minivllm_jax.ops.kv_cache import KVCache, kv_bytes_per_page
 
 logger = logging.getLogger(__name__)
@@ -47,7 +49,7 @@ class FailedMoves:
 
 
 def kv_layout_fingerprint(
-    model_config: ModelConfig, config: EngineConfig, params: Params, cache: KVCache
+    model_config: ModelConfig, config: EngineConfig, params: ServingParams, cache: KVCache
 ) -> str:
     """What a page's K/V depend on besides its tokens: the model's config, its weights and the
     cache's layout. The disk tier keeps pages under this name, so another model, checkpoint,
@@ -78,7 +80,7 @@ class KVTiers:
     def __init__(
         self, model_config: ModelConfig, config: EngineConfig, runner: ModelRunner
     ) -> None:
-        self.runner = runner
+        self.mover = runner.page_mover  # the device copies
         self.disk = None
         if config.cache.kv_disk_dir is not None:
             namespace = kv_layout_fingerprint(model_config, config, runner.params, runner.cache)
@@ -97,43 +99,40 @@ class KVTiers:
             )
 
     def warmed_up(self) -> None:
-        """Take the page copy speed the runner measured at warm-up into the swap cost model."""
-        if self.swap_pool is not None and self.runner.page_copy_bytes_per_s is not None:
-            self.swap_pool.bytes_per_second = self.runner.page_copy_bytes_per_s
+        """Take the page copy speed measured at warm-up into the swap cost model."""
+        if self.swap_pool is not None and self.mover.bytes_per_s is not None:
+            self.swap_pool.bytes_per_second = self.mover.bytes_per_s
 
-    def move_pages(self, sched: Scheduler, bm: BlockManager) -> FailedMoves:
-        """Dispatch the copies `sched` and `bm` queued, in the order of the module docstring.
+    def move_pages(self, moves: PageMoves, sched: Scheduler, pm: PageManager) -> FailedMoves:
+        """Dispatch `moves` (from `sched`'s batch), in the order of the module docstring.
 
-        Each move is a transaction of its own sequence: every queue is emptied before its
-        copies run (a failed copy is never retried by a later step), and a copy that raises
+        Each move is a transaction of its own sequence: a move is handed over once (a failed
+        copy is never retried by a later step), and a copy that raises
         costs only its sequence. A failed swap-out or swap-in recomputes the sequence from its
         tokens; a failed disk write only leaves those pages out of the disk tier; a failed disk
         load uncaches the pages and fails the sequences holding them (recomputing would load
         the same pages again)."""
         out = FailedMoves()
-        swap_outs, sched.swap_outs = sched.swap_outs, []
-        for seq, swapped in swap_outs:
+        for seq, swapped in moves.swap_outs:
             try:
-                swapped.data = self.runner.gather_pages(swapped.source_pages)
+                swapped.data = self.mover.gather_pages(swapped.source_pages)
             except Exception as e:  # noqa: BLE001 (only this sequence's copy is lost)
                 logger.exception("swapping out %r failed; it is recomputed instead", seq)
                 out.error = f"{type(e).__name__}: {e}"
                 sched.swap_out_failed(seq, swapped)
-        evicted, bm.evicted = bm.evicted, []
-        if evicted:
+        if moves.to_disk:
             try:
-                self.write_to_disk(evicted)
+                self.write_to_disk(list(moves.to_disk))
             except Exception:  # noqa: BLE001 (a cache: the pages are simply not on disk)
                 logger.exception(
                     "writing %d evicted pages to the disk tier failed; they are dropped",
-                    len(evicted),
+                    len(moves.to_disk),
                 )
-        swap_ins, sched.swap_ins = sched.swap_ins, []
-        for seq, swapped, pages in swap_ins:
+        for seq, swapped, pages in moves.swap_ins:
             try:
                 if swapped.data is None:
                     raise RuntimeError("its pages were never copied out")
-                self.runner.scatter_pages(swapped.data, pages)
+                self.mover.scatter_pages(swapped.data, pages)
             except Exception as e:  # noqa: BLE001
                 logger.exception("swapping in %r failed; it is recomputed instead", seq)
                 out.error = f"{type(e).__name__}: {e}"
@@ -142,11 +141,11 @@ class KVTiers:
                     out.recompute.append(seq)
             finally:
                 sched.swap_pool.release(swapped)
-        loaded, bm.loaded = bm.loaded, []
+        loaded = moves.from_disk
         if loaded:
             try:
-                self.runner.scatter_pages(
-                    self.runner.host_pieces([a for _, a in loaded]), [p for p, _ in loaded]
+                self.mover.scatter_pages(
+                    self.mover.host_pieces([a for _, a in loaded]), [p for p, _ in loaded]
                 )
             except Exception as e:  # noqa: BLE001
                 logger.exception(
@@ -155,7 +154,7 @@ class KVTiers:
                 )
                 out.error = f"{type(e).__name__}: {e}"
                 pages = {p for p, _ in loaded}
-                bm.drop_cached(pages)
+                pm.drop_cached(pages)
                 out.failed += [
                     s for s in sched.running + sched.waiting if pages.intersection(s.pages)
                 ]
@@ -164,15 +163,15 @@ class KVTiers:
     def write_to_disk(self, pages: list[tuple[int, CachedPage]]) -> None:
         """Queue cached pages for the disk tier: copied now (in step order), written by its thread."""
         start = 0
-        for data, count in self.runner.gather_pages([page for page, _ in pages]):
+        for data, count in self.mover.gather_pages([page for page, _ in pages]):
             entries = [(e.digest, e.parent, e.tokens) for _, e in pages[start : start + count]]
             self.disk.save_later(entries, functools.partial(_leaves, data))
             start += count
 
-    def stats(self, bm: BlockManager) -> dict[str, int]:
+    def stats(self, pm: PageManager) -> dict[str, int]:
         """Where KV lives and moves: the `EngineStats` fields of each tier (read by /metrics)."""
         stats = dict(
-            memory_hit_tokens=bm.num_memory_hit_tokens, disk_hit_tokens=bm.num_disk_hit_tokens
+            memory_hit_tokens=pm.num_memory_hit_tokens, disk_hit_tokens=pm.num_disk_hit_tokens
         )
         pool, disk = self.swap_pool, self.disk
         if pool is not None:
@@ -188,11 +187,11 @@ class KVTiers:
             )
         return stats
 
-    def close(self, sched: Scheduler, bm: BlockManager) -> None:
+    def close(self, sched: Scheduler, pm: PageManager) -> None:
         """A clean shutdown: write every cached page still only in memory to the disk tier (so a
         restarted server finds them) and wait for the writes. Safe to call twice."""
         if self.disk is None or self.disk.closed:
             return
-        self.move_pages(sched, bm)
-        self.write_to_disk(bm.pages_to_persist())
+        self.move_pages(sched.take_moves(), sched, pm)
+        self.write_to_disk(pm.pages_to_persist())
         self.disk.close()

@@ -1,4 +1,4 @@
-"""`BlockManager`: KV pages, refcounts and the hash-chained prefix cache (host bookkeeping only).
+"""`PageManager`: KV pages, refcounts and the hash-chained prefix cache (host bookkeeping only).
 
 Page 0 is the scratch page and never handed out. A full page is identified by a sha256 digest
 chained over its parent page's digest and its own tokens, so equal prefixes map to equal pages
@@ -8,11 +8,17 @@ digest and tokens, so even a digest collision cannot serve a page from another c
 pages keep their digest until reused (least recently freed first), so a finished or preempted
 request's prefix can still be hit later.
 
+The scheduler's one verb is `allocate_slots`: all or nothing, it gives a sequence pages for
+its tokens (and a lookahead) or returns None having changed nothing, and the scheduler preempts
+and retries (vLLM v1's `KVCacheManager.allocate_slots`). An admission walks (hashes) its prompt's
+prefix once, in that call.
+
 With a disk tier (`DiskPageStore`), a cached page about to be reused is queued in `evicted` to be
-written out first, and an admission whose prefix continues on disk gets fresh pages whose
-contents are queued in `loaded`; the engine copies both (`KVTiers.move_pages`) before the
-next step runs. A sequence swapped out at preemption gets fresh pages on resume and its KV is
-copied back the same way (`minivllm_jax.engine.kv.swap`).
+written out first (`take_evicted`), and an admission whose prefix continues on disk gets fresh
+pages whose contents come back in its `PageAllocation.disk_loads`; the scheduler hands both to
+the engine in the schedule output (`sched_output.PageMoves`), copied (`KVTiers.move_pages`)
+before the step runs. A sequence swapped out at preemption gets fresh pages on resume and its
+KV is copied back the same way (`minivllm_jax.engine.kv.swap`).
 """
 
 from __future__ import annotations
@@ -60,6 +66,16 @@ def page_digest(parent: bytes, tokens: tuple[int, ...]) -> bytes:
 
 
 @dataclasses.dataclass(frozen=True)
+class PageAllocation:
+    """What `allocate_slots` gave a sequence: the fresh pages it took, in order (appended to
+    `seq.pages`; a resumed swapped-out sequence copies its KV into the first ones), and of those
+    the pages to fill from the disk tier with their contents (a leaf name -> one page's array)."""
+
+    new_pages: tuple[int, ...] = ()
+    disk_loads: tuple[tuple[int, dict], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class CachedPage:
     """What a cached page holds: checked in full on every hit, not only its digest."""
 
@@ -68,7 +84,10 @@ class CachedPage:
     tokens: tuple[int, ...]
 
 
-class BlockManager:
+class PageManager:
+    """Pages of the paged KV cache and the prefix cache over them; every page but the scratch
+    page is either free or held by the sequences counted in its refcount (`check`)."""
+
     def __init__(
         self,
         num_pages: int,
@@ -89,12 +108,8 @@ class BlockManager:
         self.digest_to_page: dict[bytes, int] = {}
         self.cached: dict[int, CachedPage] = {}  # page -> what it holds, while it is in the cache
         self.disk = disk
-        self.evicted: list[
-            tuple[int, CachedPage]
-        ] = []  # cached pages to write to disk before reuse
-        self.loaded: list[
-            tuple[int, dict]
-        ] = []  # fresh pages and the disk contents to copy into them
+        # Cached pages to write to the disk tier before they are overwritten (`take_evicted`).
+        self.evicted: list[tuple[int, CachedPage]] = []
         self.num_memory_hit_tokens = 0  # prompt tokens served from pages in memory
         self.num_disk_hit_tokens = 0  # ... and from the disk tier
 
@@ -116,24 +131,25 @@ class BlockManager:
 
     def _cached_prefix(
         self, token_ids: list[int], root: bytes = ROOT_DIGEST
-    ) -> tuple[list[int], list[bytes]]:
-        """Pages (and their digests) holding the longest cached prefix, leaving a token to compute.
-        `root`: the chain's first parent (`root_digest` of the request's cache salt)."""
+    ) -> tuple[list[int], list[bytes], bytes | None]:
+        """Pages (and their digests) holding the longest cached prefix, leaving a token to compute,
+        and the digest of the full page after it (None: none), where the disk tier's walk goes
+        on. `root`: the chain's first parent (`root_digest` of the request's cache salt)."""
         pages: list[int] = []
         digests: list[bytes] = []
         if not self.enable_prefix_caching:
-            return pages, digests
+            return pages, digests, None
         parent = root
         for i in range((len(token_ids) - 1) // self.page_size):
             tokens = self._page_tokens(token_ids, i)
             digest = page_digest(parent, tokens)
             page = self.digest_to_page.get(digest)
             if page is None or self.cached[page] != CachedPage(digest, parent, tokens):
-                break
+                return pages, digests, digest
             pages.append(page)
             digests.append(digest)
             parent = digest
-        return pages, digests
+        return pages, digests, None
 
     def _uncache(self, page: int) -> None:
         entry = self.cached.pop(page, None)
@@ -142,14 +158,17 @@ class BlockManager:
             if self.disk is not None and not self.disk.contains(entry.digest):
                 self.evicted.append((page, entry))
 
-    def _load_from_disk(self, seq: Sequence) -> None:
+    def _load_from_disk(self, seq: Sequence, digest: bytes) -> list[tuple[int, dict]]:
         """Extend the sequence's cached prefix with pages found in the disk tier (each checked
-        in full by the store: a corrupt or mismatched file is a miss), into fresh pages."""
+        in full by the store: a corrupt or mismatched file is a miss), into fresh pages; returns
+        those pages with their contents. `digest`: that of the first page past its prefix."""
         token_ids = seq.token_ids
         parent = seq.page_hashes[-1] if seq.page_hashes else root_digest(seq.cache_salt)
-        for i in range(len(seq.pages), (len(token_ids) - 1) // self.page_size):
+        loads, start = [], len(seq.pages)
+        for i in range(start, (len(token_ids) - 1) // self.page_size):
             tokens = self._page_tokens(token_ids, i)
-            digest = page_digest(parent, tokens)
+            if i > start:  # the first page's digest came from the prefix walk
+                digest = page_digest(parent, tokens)
             if digest in self.digest_to_page or not self.disk.contains(digest):
                 break
             arrays = self.disk.load(digest, parent, tokens)
@@ -158,11 +177,12 @@ class BlockManager:
             page = self._take_fresh_page()
             self.digest_to_page[digest] = page
             self.cached[page] = CachedPage(digest, parent, tokens)
-            self.loaded.append((page, arrays))
+            loads.append((page, arrays))
             seq.pages.append(page)
             seq.page_hashes.append(digest)
             self.num_disk_hit_tokens += self.page_size
             parent = digest
+        return loads
 
     def _take_fresh_page(self) -> int:
         page, _ = self.free.popitem(last=False)
@@ -172,35 +192,42 @@ class BlockManager:
 
     # ---------------------------------------------------------------- verbs
 
-    def can_allocate(self, seq: Sequence, reserve: int = 0) -> bool:
-        if seq.swapped is not None:  # resuming: every page is fresh
-            return self.pages_for(seq.cache_len) + reserve <= self.num_free_pages
-        if seq.pages:  # forked: only the pages past the shared prompt are new
-            return self.pages_for(seq.cache_len) - len(seq.pages) + reserve <= self.num_free_pages
-        cached, _ = self._cached_prefix(seq.token_ids, root_digest(seq.cache_salt))
-        needed = self.pages_for(len(seq)) - len(cached)
-        free_after_hits = self.num_free_pages - sum(1 for p in cached if self.refcount[p] == 0)
-        return needed + reserve <= free_after_hits
+    def allocate_slots(
+        self, seq: Sequence, lookahead: int = 0, reserve: int = 0
+    ) -> PageAllocation | None:
+        """Pages for all of the sequence's tokens and `lookahead` more, keeping `reserve` pages
+        free; all or nothing: None (nothing changed) when they do not fit, and the scheduler
+        preempts someone or stops admitting.
 
-    def allocate(self, seq: Sequence) -> None:
-        """Give a waiting sequence pages for all its tokens, reusing cached prefix pages from
-        memory or disk (or the pages it was forked with; a swapped-out sequence gets fresh
-        pages for the runner to copy its KV back into)."""
-        if seq.swapped is not None:
-            seq.pages = [self._take_fresh_page() for _ in range(seq.swapped.num_pages)]
-        elif not seq.pages:
-            cached, digests = self._cached_prefix(seq.token_ids, root_digest(seq.cache_salt))
+        A running sequence grows (decode, a multi-step run or a draft writes ahead). A waiting
+        one is admitted: a new one reuses its cached prefix from memory, then from disk (its
+        prompt hashed once, here); a forked one (beam search, n > 1) keeps the pages it shares;
+        a swapped-out one (it holds no page) gets fresh pages for its KV to be copied back into."""
+        cached, digests, missed = [], [], None
+        admitting = seq.swapped is None and not seq.pages
+        if admitting:
+            cached, digests, missed = self._cached_prefix(
+                seq.token_ids, root_digest(seq.cache_salt)
+            )
+        first_new = len(seq.pages) + len(cached)
+        needed = self.pages_for(seq.cache_len + lookahead) - first_new
+        revived = sum(1 for p in cached if self.refcount[p] == 0)  # cached, but in the free list
+        if needed + reserve > self.num_free_pages - revived:
+            return None
+        loads: list[tuple[int, dict]] = []
+        if admitting:
             for page in cached:
                 if self.refcount[page] == 0:
                     del self.free[page]
                 self.refcount[page] += 1
-            seq.pages = cached
-            seq.page_hashes = digests
+            seq.pages, seq.page_hashes = cached, digests
             self.num_memory_hit_tokens += len(cached) * self.page_size
-            if self.disk is not None:
-                self._load_from_disk(seq)
+            if self.disk is not None and missed is not None:
+                loads = self._load_from_disk(seq, missed)
             seq.num_computed_tokens = seq.num_cached_tokens = len(seq.pages) * self.page_size
-        self.append(seq)
+        while len(seq.pages) < self.pages_for(seq.cache_len + lookahead):
+            seq.pages.append(self._take_fresh_page())
+        return PageAllocation(tuple(seq.pages[first_new:]), tuple(loads))
 
     def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> None:
         """Share the parent's full pages covering its first `num_tokens` tokens with `child`
@@ -219,7 +246,7 @@ class BlockManager:
         """Give `child` all of the parent's computed tokens without recomputing any: full pages
         shared by refcount (as `fork`), the last partial page, which both will write into next,
         as a private copy. Returns that page's `(src, dst)` for the caller to copy on the device
-        (`ModelRunner.copy_pages`) before either writes, or None when every page is full."""
+        (`PageMover.copy_pages`) before either writes, or None when every page is full."""
         self.fork(parent, child, parent.num_computed_tokens)
         if parent.num_computed_tokens % self.page_size == 0:
             return None
@@ -227,15 +254,6 @@ class BlockManager:
         child.pages.append(dst)
         child.num_computed_tokens = parent.num_computed_tokens
         return parent.pages[len(child.pages) - 1], dst
-
-    def can_append(self, seq: Sequence, lookahead: int = 0) -> bool:
-        return self.pages_for(seq.cache_len + lookahead) - len(seq.pages) <= self.num_free_pages
-
-    def append(self, seq: Sequence, lookahead: int = 0) -> None:
-        """Make sure the sequence has pages for all its tokens and `lookahead` more (decode
-        grows one token a step; a multi-step decode or a draft writes several ahead)."""
-        while len(seq.pages) < self.pages_for(seq.cache_len + lookahead):
-            seq.pages.append(self._take_fresh_page())
 
     def commit(self, seq: Sequence) -> None:
         """Register the digests of pages that became full and computed, so others can share them
@@ -280,6 +298,11 @@ class BlockManager:
         self.cached.clear()
         self.evicted.clear()
 
+    def take_evicted(self) -> list[tuple[int, CachedPage]]:
+        """The cached pages queued for the disk tier since the last call (the queue empties)."""
+        evicted, self.evicted = self.evicted, []
+        return evicted
+
     def drop_cached(self, pages: set[int]) -> None:
         """Forget these pages' prefix-cache entries without writing them anywhere: their
         contents never arrived (a failed load from the disk tier)."""
@@ -294,7 +317,6 @@ class BlockManager:
         self.refcount = [0] * self.num_pages
         self.free = OrderedDict((p, None) for p in range(self.num_pages) if p != SCRATCH_PAGE)
         self.clear_cache()
-        self.loaded = []
 
     def check(self, holders: list[Sequence]) -> None:
         """Raise AssertionError unless the accounting is consistent with `holders` (every live
@@ -323,7 +345,7 @@ class BlockManager:
             if self.refcount[p]
         ]
         if problems:
-            raise AssertionError("block manager accounting: " + "; ".join(problems[:10]))
+            raise AssertionError("page manager accounting: " + "; ".join(problems[:10]))
 
     def pages_to_persist(self) -> list[tuple[int, CachedPage]]:
         """Cached pages in memory that the disk tier does not hold yet (a clean shutdown writes them)."""
