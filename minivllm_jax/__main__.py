@@ -10,6 +10,7 @@ from typing import Any
 from minivllm_jax.loading.checkpoint import load_converted
 from minivllm_jax.loading.errors import ConversionError
 from minivllm_jax.loading.resolve import resolve_model
+from minivllm_jax.models.params import unstack_layers
 from minivllm_jax.prompts import chat_ids, encode_text
 from minivllm_jax.reference.greedy import greedy_stream
 
@@ -31,7 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConversionError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    cfg, _, params = load_converted(model_dir)
+    cfg, _, stored = load_converted(model_dir)
+    params = unstack_layers(stored)  # the layout the model reads
+    del stored  # held once
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     try:
         ids = prompt_ids(tokenizer, args.prompt, args.raw)

@@ -24,7 +24,7 @@ from minivllm_jax.engine.runtime import enable_compilation_cache, keep_freed_mem
 from minivllm_jax.loading.checkpoint import load_converted
 from minivllm_jax.loading.quantize import quantize_model_params
 from minivllm_jax.loading.resolve import resolve_model
-from minivllm_jax.models.llama import Params, unstack_layers
+from minivllm_jax.models.params import ServingParams, unstack_layers
 from minivllm_jax.ops.quantization import CHECKPOINT_KEY
 from minivllm_jax.outputs import RequestOutput
 from minivllm_jax.parallel import distributed
@@ -88,6 +88,7 @@ class LLM:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLM:
+        """An LLM of these knobs (as `EngineArgs.from_cli_args` reads them from a command line)."""
         llm = cls.__new__(cls)
         llm._start(args)
         return llm
@@ -171,7 +172,7 @@ class LLM:
         self.engine.stop_followers()
 
     @property
-    def params(self) -> Params:
+    def params(self) -> ServingParams:
         """The loaded params in the serving layout (`unstack_layers`), as the first replica holds them."""
         return self.engine.params
 

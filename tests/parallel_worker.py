@@ -93,14 +93,14 @@ def _greedy_params():
 
 
 def hlo(model: str, tp: int) -> dict:
-    """The collectives of one compiled decode step (`benchmarks/bench_scaling.py` counts them)."""
-    from benchmarks.bench_scaling import expected, measured
+    """The collectives of one compiled decode step (`benchmarks/engine/bench_scaling.py` counts them)."""
+    from benchmarks.engine.bench_scaling import expected, measured
     from minivllm_jax import LLM
 
     llm = LLM(model, tensor_parallel_size=tp, warmup=False, **ENGINE)
     cfg = llm.engine.model_config
     return {
-        "measured": measured(llm.engine.runner._step_program(1, 1)),
+        "measured": measured(llm.engine.runner.step_program(1, 1)),
         "expected": expected(cfg.num_layers, cfg.hidden_size, cfg.vocab_size, tokens=1, seqs=1),
     }
 

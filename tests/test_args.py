@@ -146,6 +146,9 @@ def test_engine_config_replace_routes_flat_knobs_to_their_group_and_checks_them(
     assert changed.cache.page_size == 8 and changed.cache.num_pages == 64
     assert not changed.scheduler.async_scheduling and changed.max_model_len == 100
     assert config.cache.page_size == 16 and config.scheduler.async_scheduling  # a copy
+    knobs = changed.knobs()  # flat, by the EngineArgs names, for a results file
+    assert knobs["page_size"] == 8 and knobs["async_scheduling"] is False
+    assert set(knobs) - {"speculative"} <= set(FIELDS)
     with pytest.raises(ValueError, match="max_num_batched_tokens must be >= 16, got 8"):
         config.replace(max_num_batched_tokens=8)
     with pytest.raises(TypeError):

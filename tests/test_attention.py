@@ -2,17 +2,22 @@
 that mixes every kind of sequence: decodes with and without cached context, fresh prompts,
 prompt chunks after cached context (several query tiles and page spans), and padding; with
 float32 pages and with int8 pages (a scale per token and KV head), which every implementation
-must read as `value * scale`."""
+must read as `value * scale`. And the dispatcher: what the native kernel says it supports, an
+explicit choice it cannot serve refused, "auto" falling back (logged once)."""
 
 from __future__ import annotations
+
+import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from minivllm_jax import kernels
-from minivllm_jax.ops.attention import ATTENTION, get_attention
+from minivllm_jax import LLM, kernels
+from minivllm_jax.kernels import ragged_paged_attention as native_kernel
+from minivllm_jax.ops import attention
+from minivllm_jax.ops.attention import ATTENTION, get_attention, resolve_attention
 from minivllm_jax.ops.batch import Chunk, build_step_batch
 from minivllm_jax.ops.kv_cache import KVCache
 
@@ -160,3 +165,72 @@ def test_reference_honours_window_softcap_and_scale(page_dtype, windows):
         assert not np.any(got[real:])
         if windows[layer]:  # the window changes the answer: ignoring it would fail the test
             assert np.abs(naive_attention(*args)[:real] - want[:real]).max() > 0.1
+
+
+def test_the_native_kernel_supports_only_what_it_computes():
+    """float32 activations over float32 or int8 pages, plain causal softmax at hd ** -0.5."""
+    assert native_kernel.supports(jnp.float32, jnp.float32)
+    assert native_kernel.supports(jnp.float32, jnp.int8)
+    for dtype in (jnp.bfloat16, jnp.float16):
+        assert not native_kernel.supports(dtype, dtype)
+        assert not native_kernel.supports(dtype, jnp.int8)
+        assert not native_kernel.supports(jnp.float32, dtype)
+    assert not native_kernel.supports(jnp.float32, jnp.float32, softcap=50.0)
+    assert not native_kernel.supports(jnp.float32, jnp.float32, sliding_window=True)
+    assert not native_kernel.supports(jnp.float32, jnp.float32, default_scale=False)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_native_is_refused_for_16_bit_activations_and_auto_falls_back_once(
+    dtype, monkeypatch, caplog
+):
+    """Asked for by name, the kernel that cannot serve the model is an error naming what to use
+    (it used to run the reference silently); "auto" picks the reference and logs why, once."""
+    monkeypatch.delenv(kernels.FORCE_REFERENCE_ENV, raising=False)
+    with pytest.raises(
+        ValueError,
+        match=f"attention='native' cannot serve this model: {dtype} activations.*"
+        "use attention='auto'",
+    ):
+        resolve_attention("native", None, dtype)
+    attention._log_fallback.cache_clear()
+    with caplog.at_level(logging.INFO, logger=attention.__name__):
+        for _ in range(2):
+            assert resolve_attention("auto", None, dtype) == "reference"
+    fallbacks = [r.getMessage() for r in caplog.records if r.name == attention.__name__]
+    assert len(fallbacks) == 1 and f"{dtype} activations" in fallbacks[0], fallbacks
+    assert resolve_attention("auto", None, dtype, "int8") == "reference"
+    served = "native" if kernels.native_available() else "reference"
+    assert resolve_attention("auto", None, "float32") == served
+    assert resolve_attention("auto", None, "float32", "int8") == served
+
+
+def test_the_native_implementation_never_falls_back_inside_a_program():
+    """Called on bfloat16 arrays, the native implementation raises instead of computing
+    something else (the reference), whatever the dispatcher decided."""
+    rng = np.random.default_rng(0)
+    cache, _, _, _, batch, q, k_new, v_new = mixed_step(rng, "float32")
+    bf16 = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
+    with pytest.raises(ValueError, match="native attention kernel cannot serve bfloat16"):
+        jax.jit(get_attention("native"))(
+            bf16(q), bf16(k_new), bf16(v_new), cache, jnp.int32(0), batch
+        )
+
+
+def test_llm_refuses_native_attention_for_a_bfloat16_model(
+    tiny_model_with_tokenizer, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("MINIVLLM_CACHE_DIR", str(tmp_path))  # the bfloat16 conversion
+    monkeypatch.delenv(kernels.FORCE_REFERENCE_ENV, raising=False)
+    with pytest.raises(
+        ValueError, match="attention='native' cannot serve this model: bfloat16 activations"
+    ):
+        LLM(
+            str(tiny_model_with_tokenizer),
+            dtype="bfloat16",
+            attention="native",
+            num_pages=8,
+            max_model_len=64,
+            warmup=False,
+            use_tqdm=False,
+        )

@@ -30,9 +30,10 @@ from convert import (
 )
 from convert.cli import main as cli_main
 from minivllm_jax.config import ModelConfig, UnsupportedModelError
-from minivllm_jax.engine.step import forward_jit
+from minivllm_jax.engine.step import StepSpec, forward_jit
 from minivllm_jax.loading.checkpoint import load_converted
-from minivllm_jax.models.llama import hf_weight_map
+from minivllm_jax.models.hf_config import config_from_hf
+from minivllm_jax.models.params import hf_weight_map, unstack_layers
 from minivllm_jax.ops.batch import single_sequence_batch
 from minivllm_jax.ops.kv_cache import init_kv_cache
 from tests.conftest import make_tiny_llama, save_tiny_tokenizer
@@ -84,7 +85,11 @@ def get(tree, path):
 def jax_logits(cfg: ModelConfig, params, ids=IDS) -> np.ndarray:
     batch = single_sequence_batch(np.array(ids), 0, [1, 2, 3, 4, 5], 4)
     logits, _ = forward_jit(
-        params, init_kv_cache(cfg, 8, 4, jnp.float32), batch, cfg, all_logits=True
+        unstack_layers(params),
+        init_kv_cache(cfg, 8, 4, jnp.float32),
+        batch,
+        StepSpec(cfg),
+        all_logits=True,
     )
     return np.asarray(logits)
 
@@ -102,7 +107,7 @@ def test_safetensors_params_equal_hf_state_dict(models, name):
     path, model = models[name]
     assert ("sharded" in name) == (path / "model.safetensors.index.json").exists()
     hf_config, params = read_checkpoint(path, progress=False)
-    cfg = ModelConfig.from_hf(hf_config)
+    cfg = config_from_hf(hf_config)
     assert cfg.tie_word_embeddings == name.startswith("tied")
     assert ("lm_head" in params) != cfg.tie_word_embeddings
     for path_, want in expected_params(model, cfg).items():
@@ -130,7 +135,7 @@ def test_converted_dir_loads_and_matches_hf_logits(models, tmp_path, name):
 def test_bfloat16_conversion(models, tmp_path):
     src, model = models["untied-single"]
     hf_config, params = read_checkpoint(src, dtype="bfloat16", progress=False)
-    cfg = ModelConfig.from_hf(hf_config)
+    cfg = config_from_hf(hf_config)
     for path_, want in expected_params(model, cfg).items():
         got = get(params, path_)
         assert got.dtype == jnp.bfloat16
@@ -236,7 +241,7 @@ def gguf_model(tmp_path_factory):
 def test_gguf_params_equal_hf(tmp_path, tied):
     model = make_tiny_llama(tmp_path / "hf", seed=4, tie_word_embeddings=tied)
     hf_config, params = read_checkpoint(write_tiny_gguf(model, tmp_path / "m.gguf"), progress=False)
-    cfg = ModelConfig.from_hf(hf_config)
+    cfg = config_from_hf(hf_config)
     assert (cfg.tie_word_embeddings, cfg.num_kv_heads, cfg.head_dim) == (tied, 2, 16)
     for path_, want in expected_params(model, cfg).items():
         np.testing.assert_array_equal(get(params, path_), want, err_msg=str(path_))

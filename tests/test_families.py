@@ -1,5 +1,5 @@
 """Every model family (`minivllm_jax.models.registry`) against HF transformers in float32, on
-tiny random models saved with `save_pretrained` (`benchmarks.family_parity.make_tiny_family`:
+tiny random models saved with `save_pretrained` (`benchmarks.quality.family_parity.make_tiny_family`:
 GQA, head_dim 16, windows of 8 tokens, prompts several windows long): logits over a prompt and
 over a chunk after cached pages, 32 greedy tokens, and prompts of different lengths batched
 through `LLM` over pages of 4. Each family feature is shown to change HF's logits first (`controls`), so a
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks.family_parity import (
+from benchmarks.quality.family_parity import (
     FAMILIES,
     GREEDY_TOKENS,
     LOGIT_TOLERANCE,
@@ -31,10 +31,11 @@ from benchmarks.family_parity import (
     our_logits,
 )
 from convert import read_checkpoint
-from minivllm_jax import LLM, SamplingParams
+from minivllm_jax import LLM, SamplingParams, kernels
 from minivllm_jax.config import KVCompressionConfig, ModelConfig, UnsupportedModelError
-from minivllm_jax.engine.step import forward_jit
-from minivllm_jax.models.llama import unstack_layers
+from minivllm_jax.engine.step import StepSpec, forward_jit
+from minivllm_jax.models.hf_config import config_from_hf
+from minivllm_jax.models.params import unstack_layers
 from minivllm_jax.models.registry import families, supported_architectures
 from minivllm_jax.ops.attention import resolve_attention
 from minivllm_jax.ops.batch import single_sequence_batch
@@ -52,17 +53,22 @@ ENGINE_PROMPT_LENS = (
 )  # one prefill step (64 tokens), then 4-row decodes: two programs
 MAX_LEN = 80
 ROOT = Path(__file__).resolve().parents[1]
+# The families whose tiny models attend plainly (no window, soft-capping or other scale), as
+# FAMILIES builds them: the native kernel serves these, the reference the others. Named here,
+# not derived from the config under test, so a reader that loses a feature fails.
+PLAIN_ATTENTION = {"qwen2", "qwen3"}
 
 
 @pytest.fixture(scope="module", params=NEW_FAMILIES)
 def family(request, tmp_path_factory):
-    """(name, HF model, saved folder with a tokenizer, ModelConfig, params as converted)."""
+    """(name, HF model, saved folder with a tokenizer, ModelConfig, params as converted and
+    served)."""
     name = request.param
     path = tmp_path_factory.mktemp(name) / "hf"
     model = make_tiny_family(name, path)
     save_tiny_tokenizer(path, vocab_size=VOCAB)
     hf_config, params = read_checkpoint(path, progress=False)
-    return name, model, path, ModelConfig.from_hf(hf_config), params
+    return name, model, path, config_from_hf(hf_config), unstack_layers(params)
 
 
 def test_config_matches_hf_modules(family):
@@ -102,29 +108,27 @@ def test_logits_match_hf(family):
     _, model, _, cfg, params = family
     ids = np.random.default_rng(1).integers(3, VOCAB, PROMPT_LEN)
     ref = hf_logits(model, ids)
-    np.testing.assert_allclose(
-        our_logits(unstack_layers(params), cfg, ids), ref, atol=LOGIT_TOLERANCE, rtol=0
-    )
+    np.testing.assert_allclose(our_logits(params, cfg, ids), ref, atol=LOGIT_TOLERANCE, rtol=0)
     pages = [5, 2, 9, 3, 7, 4, 1, 6, 8, 10]
     cache = init_kv_cache(cfg, num_pages=11, page_size=PAGE_SIZE, dtype=jnp.float32)
     logits, cache = forward_jit(
-        params, cache, single_sequence_batch(ids[:13], 0, pages, PAGE_SIZE), cfg
+        params, cache, single_sequence_batch(ids[:13], 0, pages, PAGE_SIZE), StepSpec(cfg)
     )
     logits, cache = forward_jit(
-        params, cache, single_sequence_batch(ids[13:30], 13, pages, PAGE_SIZE), cfg
+        params, cache, single_sequence_batch(ids[13:30], 13, pages, PAGE_SIZE), StepSpec(cfg)
     )
     np.testing.assert_allclose(np.asarray(logits[0]), ref[29], atol=LOGIT_TOLERANCE, rtol=0)
     for t in range(30, 34):
         logits, cache = forward_jit(
-            params, cache, single_sequence_batch(ids[t : t + 1], t, pages, PAGE_SIZE), cfg
+            params, cache, single_sequence_batch(ids[t : t + 1], t, pages, PAGE_SIZE), StepSpec(cfg)
         )
         np.testing.assert_allclose(np.asarray(logits[0]), ref[t], atol=LOGIT_TOLERANCE, rtol=0)
 
 
 def test_parity_script_quick(tmp_path):
-    """`benchmarks/family_parity.py --quick` (the README's parity table, Gemma 3 only) exits 0
+    """`benchmarks/quality/family_parity.py --quick` (the README's parity table, Gemma 3 only) exits 0
     and records a passing row."""
-    from benchmarks import family_parity
+    from benchmarks.quality import family_parity
 
     assert family_parity.main(["--quick", "--out", str(tmp_path / "parity.json")]) == 0
     (row,) = json.loads((tmp_path / "parity.json").read_text())["rows"]
@@ -162,9 +166,8 @@ def test_engine_batched_prompts_match_hf(family, llm):
     HF `generate`'s for that prompt alone. The engine picks the reference attention for a model
     whose attention the native kernel lacks."""
     name, model, _, cfg, _ = family
-    assert llm.engine.runner.attention == resolve_attention("auto", cfg)
-    if cfg.attention_extras:
-        assert llm.engine.runner.attention == "reference"
+    native = name in PLAIN_ATTENTION and kernels.native_available()
+    assert llm.engine.runner.attention == ("native" if native else "reference")
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, VOCAB, n).tolist() for n in ENGINE_PROMPT_LENS]
     outs = llm.generate(
@@ -181,6 +184,7 @@ def test_engine_batched_prompts_match_hf(family, llm):
 def test_kv_compression_refused_with_sliding_window(family, llm):
     name, _, path, cfg, _ = family
     policy = {"policy": "sink_window", "sink_tokens": 4, "window_tokens": 16}
+    assert cfg.has_sliding_window == (name not in PLAIN_ATTENTION)  # every other family slides
     if not cfg.has_sliding_window:  # full attention keeps working with it
         KVCompressionConfig.from_dict(policy).check_model(cfg)
         return
@@ -204,9 +208,12 @@ def test_native_attention_refused_where_it_would_be_wrong(family):
     kernel: 'auto' resolves to the reference, and asking for it by name is an error, both when
     resolving and inside the model (so no path silently computes plain attention)."""
     name, _, _, cfg, params = family
-    if not cfg.attention_extras:
-        assert resolve_attention("reference", cfg) == "reference"
+    if name in PLAIN_ATTENTION:  # nothing to refuse: the kernel serves it, by name or by "auto"
+        assert cfg.attention_extras == ()
+        if kernels.native_available():
+            assert resolve_attention("native", cfg) == resolve_attention("auto", cfg) == "native"
         return
+    assert cfg.attention_extras  # what the kernel lacks, named in the errors below
     assert resolve_attention("auto", cfg) == "reference"
     with pytest.raises(ValueError, match="native"):
         resolve_attention("native", cfg)
@@ -214,7 +221,12 @@ def test_native_attention_refused_where_it_would_be_wrong(family):
     with pytest.raises(
         ValueError, match=f"attention='native' does not implement {cfg.attention_extras[0]}"
     ):
-        forward_jit(params, cache, single_sequence_batch([5, 6], 0, [1], PAGE_SIZE), cfg, "native")
+        forward_jit(
+            params,
+            cache,
+            single_sequence_batch([5, 6], 0, [1], PAGE_SIZE),
+            StepSpec(cfg, attention="native"),
+        )
 
 
 TP_SCRIPT = """
@@ -304,12 +316,12 @@ def test_unsupported_architecture_names_the_supported_ones(hf):
         "Gemma3ForCausalLM"
     )
     with pytest.raises(UnsupportedModelError, match=f"supported: {supported}"):
-        ModelConfig.from_hf({**BASE, **hf})
+        config_from_hf({**BASE, **hf})
 
 
 def test_model_type_alone_picks_the_family():
-    assert ModelConfig.from_hf({**BASE, "model_type": "qwen3"}).family == "qwen3"
-    assert ModelConfig.from_hf({**BASE, "model_type": "gemma3_text"}).family == "gemma3"
+    assert config_from_hf({**BASE, "model_type": "qwen3"}).family == "qwen3"
+    assert config_from_hf({**BASE, "model_type": "gemma3_text"}).family == "gemma3"
 
 
 def test_qwen2_windows_from_max_window_layers_without_layer_types():
@@ -321,15 +333,15 @@ def test_qwen2_windows_from_max_window_layers_without_layer_types():
         "sliding_window": 32768,
         "max_window_layers": 9,
     }
-    assert ModelConfig.from_hf({**qwen, "use_sliding_window": False}).layer_windows == ()
-    cfg = ModelConfig.from_hf({**qwen, "use_sliding_window": True})
+    assert config_from_hf({**qwen, "use_sliding_window": False}).layer_windows == ()
+    cfg = config_from_hf({**qwen, "use_sliding_window": True})
     assert cfg.layer_windows == (0,) * 9 + (32768,) * 3 and cfg.qkv_bias and not cfg.attention_bias
 
 
 def test_gemma3_transformers4_layout():
     """4.x Gemma 3: rope_theta + rope_scaling for global layers, rope_local_base_freq for local
     ones, and the 5:1 pattern from sliding_window_pattern; HF's defaults for omitted keys."""
-    cfg = ModelConfig.from_hf(
+    cfg = config_from_hf(
         {
             **BASE,
             "architectures": ["Gemma3ForCausalLM"],
@@ -356,10 +368,10 @@ def test_gemma3_transformers4_layout():
 
 
 def test_gemma2_defaults_and_mistral_without_window():
-    gemma2 = ModelConfig.from_hf({**BASE, "architectures": ["Gemma2ForCausalLM"], "head_dim": 16})
+    gemma2 = config_from_hf({**BASE, "architectures": ["Gemma2ForCausalLM"], "head_dim": 16})
     assert (gemma2.attn_logit_softcap, gemma2.final_logit_softcap) == (50.0, 30.0)  # HF's defaults
     assert gemma2.layer_windows == (4096, 0) * 6 and gemma2.hidden_act == "gelu_pytorch_tanh"
-    mistral = ModelConfig.from_hf(
+    mistral = config_from_hf(
         {**BASE, "architectures": ["MistralForCausalLM"], "sliding_window": None}
     )
     assert mistral.layer_windows == () and mistral.attention_extras == ()
@@ -394,12 +406,12 @@ def test_gemma2_defaults_and_mistral_without_window():
 )
 def test_unsupported_options_are_clear_errors(hf, message):
     with pytest.raises(UnsupportedModelError, match=message):
-        ModelConfig.from_hf({**BASE, **hf})
+        config_from_hf({**BASE, **hf})
 
 
 def test_llama_config_is_unchanged_by_the_registry():
     """Llama reads as it did: every family field at its default (the decoder adds nothing)."""
-    cfg = ModelConfig.from_hf({**BASE, "architectures": ["LlamaForCausalLM"], "rope_theta": 1e5})
+    cfg = config_from_hf({**BASE, "architectures": ["LlamaForCausalLM"], "rope_theta": 1e5})
     assert cfg == ModelConfig(
         vocab_size=VOCAB,
         hidden_size=64,

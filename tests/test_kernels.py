@@ -4,6 +4,8 @@ attention keeps HF greedy parity and batch invariance."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -155,16 +157,18 @@ def test_engine_on_native_attention_matches_hf_and_is_batch_invariant(smollm2_gr
 @pytest.mark.parametrize("rows", [1, 3, 4, 6, 16, 64])
 def test_native_quantized_matmul_equals_reference(scheme, group_size, rows):
     """Every row-pass size (1-4, and passes of 4 with a remainder), each scheme and int4 group."""
-    from minivllm_jax.ops.quantization import MATMUL, quantize_projection, to_panels
+    from minivllm_jax.kernels.quantized_matmul import TARGETS
+    from minivllm_jax.ops.matmul import matmul
+    from minivllm_jax.ops.quantization import quantize_weight, to_panels
 
     rng = np.random.default_rng(rows)
     w = rng.standard_normal((256, 192)).astype(np.float32)
-    p = to_panels(
-        quantize_projection({"kernel": w}, scheme, group_size)
-    )  # the layout the kernel reads
+    p = to_panels(quantize_weight(w, scheme, group_size))  # the layout the kernel reads
     x = jnp.asarray(rng.standard_normal((rows, 256)).astype(np.float32))
-    got = np.asarray(jax.jit(MATMUL["native"])(x, p))
-    want = np.asarray(jax.jit(MATMUL["reference"])(x, p))
+    native = jax.jit(functools.partial(matmul, impl="native"))
+    assert TARGETS[scheme] in native.lower(x, p).as_text()
+    got = np.asarray(native(x, p))
+    want = np.asarray(jax.jit(matmul)(x, p))  # the reference
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
@@ -178,21 +182,25 @@ def test_native_float_matmul_equals_reference(rows, n_in, n_out):
     """Every row-pass size (2-4, a pass of 4 and a remainder) of a float projection; one row, rows
     past the native limit and an output size that is not a multiple of 64 stay with XLA."""
     from minivllm_jax.kernels.float_matmul import MAX_NATIVE_ROWS
-    from minivllm_jax.ops.quantization import MATMUL
+    from minivllm_jax.ops.matmul import matmul
 
     rng = np.random.default_rng(rows)
-    p = {"kernel": jnp.asarray(rng.standard_normal((n_in, n_out)).astype(np.float32))}
+    w = jnp.asarray(rng.standard_normal((n_in, n_out)).astype(np.float32))
     x = jnp.asarray(rng.standard_normal((rows, n_in)).astype(np.float32))
-    native = jax.jit(MATMUL["native"])
-    got, want = np.asarray(native(x, p)), np.asarray(x @ p["kernel"])
+    native = jax.jit(functools.partial(matmul, impl="native"))
+    got, want = np.asarray(native(x, w)), np.asarray(x @ w)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-    uses_kernel = "minivllm_matmul_f32" in native.lower(x, p).as_text()
+    uses_kernel = "minivllm_matmul_f32" in native.lower(x, w).as_text()
     assert uses_kernel == (1 < rows <= MAX_NATIVE_ROWS)
-    odd = {"kernel": p["kernel"][:, :40]}
-    assert "minivllm_matmul_f32" not in native.lower(x, odd).as_text()
+    odd = w[:, :40]  # not a multiple of 64 columns: 'native' refuses it where it would run
+    auto = jax.jit(functools.partial(matmul, impl="auto"))
+    assert "minivllm_matmul_f32" not in auto.lower(x, odd).as_text()
     np.testing.assert_allclose(
-        np.asarray(native(x, odd)), want[:, :40], rtol=1e-5, atol=1e-5 * np.abs(want).max()
+        np.asarray(auto(x, odd)), want[:, :40], rtol=1e-5, atol=1e-5 * np.abs(want).max()
     )
+    if uses_kernel:
+        with pytest.raises(ValueError, match="matmul='native': .*multiple of 64"):
+            matmul(x, odd, "native")
 
 
 @pytest.mark.skipif(
@@ -203,12 +211,13 @@ def test_native_float_matmul_equals_reference(rows, n_in, n_out):
 def test_native_transposed_float_matmul_equals_reference(rows):
     """A tied output head (`x @ embedding.T`) for every row-pass size; 1 row and rows past the
     native limit stay with XLA."""
-    from minivllm_jax.kernels.float_matmul import MAX_NATIVE_ROWS, float_matmul_transposed_native
+    from minivllm_jax.kernels.float_matmul import MAX_NATIVE_ROWS
+    from minivllm_jax.ops.matmul import head_matmul
 
     rng = np.random.default_rng(rows)
     w = jnp.asarray(rng.standard_normal((200, 96)).astype(np.float32))  # [vocab, hidden]
     x = jnp.asarray(rng.standard_normal((rows, 96)).astype(np.float32))
-    native = jax.jit(float_matmul_transposed_native)
+    native = jax.jit(functools.partial(head_matmul, transposed=True, impl="native"))
     got, want = np.asarray(native(x, w)), np.asarray(x @ w.T)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     assert ("minivllm_matmul_f32_t" in native.lower(x, w).as_text()) == (
@@ -237,7 +246,7 @@ def test_engine_quantized_native_matmul_matches_reference_matmul(monkeypatch):
             use_tqdm=False,
             warmup=False,
         )  # compiles what it runs
-        assert llm.engine.runner.matmul == impl
+        assert llm.engine.runner.matmul == ("auto" if impl == "native" else impl)
         prompts = ["The capital of France is", "def fibonacci(n):"]
         res = llm.generate(
             prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False

@@ -146,7 +146,7 @@ def test_engine_on_int8_pages_agrees_with_fp32_and_is_invariant(tiny_model):
         )
         == batched
     )
-    assert llm.engine.block_manager.num_free_pages == llm.engine.config.cache.num_pages - 1
+    assert llm.engine.page_manager.num_free_pages == llm.engine.config.cache.num_pages - 1
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -10,8 +10,10 @@ import torch
 
 from convert import read_checkpoint
 from minivllm_jax.config import ModelConfig
-from minivllm_jax.engine.step import forward_jit
-from minivllm_jax.models.llama import init_params, unstack_layers
+from minivllm_jax.engine.step import StepSpec, forward_jit
+from minivllm_jax.models.decoder import forward
+from minivllm_jax.models.hf_config import config_from_hf
+from minivllm_jax.models.params import ServingParams, init_params, unstack_layers
 from minivllm_jax.ops.batch import single_sequence_batch
 from minivllm_jax.ops.kv_cache import init_kv_cache
 from minivllm_jax.reference.greedy import greedy_generate
@@ -39,7 +41,7 @@ def variant(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     hf = make_tiny_llama(path, seed=len(request.param), **VARIANTS[request.param])
     hf_config, params = read_checkpoint(path, progress=False)
-    return hf, ModelConfig.from_hf(hf_config), params
+    return hf, config_from_hf(hf_config), unstack_layers(params)  # as the runner holds them
 
 
 def test_config_reads_variant(variant):
@@ -57,9 +59,8 @@ def test_full_sequence_logits_match_hf(variant):
         ref = hf(torch.tensor(ids[None])).logits[0].numpy()
     cache = init_kv_cache(cfg, num_pages=12, page_size=4, dtype=jnp.float32)
     batch = single_sequence_batch(ids, 0, list(range(1, 11)), page_size=4)
-    for layout in (params, unstack_layers(params)):  # as stored, and as the runner holds them
-        logits, cache = forward_jit(layout, cache, batch, cfg, all_logits=True)
-        np.testing.assert_allclose(np.asarray(logits), ref, atol=1e-4, rtol=0)
+    logits, cache = forward_jit(params, cache, batch, StepSpec(cfg), all_logits=True)
+    np.testing.assert_allclose(np.asarray(logits), ref, atol=1e-4, rtol=0)
 
 
 def test_per_layer_params_are_read_in_place():
@@ -80,21 +81,24 @@ def test_per_layer_params_are_read_in_place():
     )
     params = init_params(cfg, jax.random.PRNGKey(0))
     serving = unstack_layers(params)
-    assert len(serving["layers"]) == cfg.num_layers and unstack_layers(serving) is serving
+    assert isinstance(serving, ServingParams) and len(serving.layers) == cfg.num_layers
+    with pytest.raises(TypeError, match="takes stored params"):
+        unstack_layers(serving)  # the types say which layout a function takes
     cache = init_kv_cache(cfg, num_pages=4, page_size=4, dtype=jnp.float32)
     batch = single_sequence_batch(np.arange(3, 6), 0, [1], 4)
     mlp_kernels = {"f32[48,80]", "f32[80,48]", "f32[48,160]"}  # shapes nothing else in the step has
 
-    def weight_copies(p) -> int:  # instructions that compute a weight-shaped array
-        hlo = forward_jit.lower(p, cache, batch, cfg).compile().as_text()
+    def weight_copies(model, p) -> int:  # instructions that compute a weight-shaped array
+        hlo = jax.jit(model).lower(p, cache, batch).compile().as_text()
         ops = [line.split(" = ", 1)[1].split(" ", 1) for line in hlo.splitlines() if " = " in line]
         copies = ("fusion(", "slice(", "dynamic-slice(", "copy(")
         return sum(
             shape.split("{")[0] in mlp_kernels and rest.startswith(copies) for shape, rest in ops
         )
 
-    assert weight_copies(params) > 0  # the check sees the copies the stacked layout makes
-    assert weight_copies(serving) == 0
+    # The check sees the copies that slicing the stacked layout inside the program makes.
+    assert weight_copies(lambda p, c, b: forward(unstack_layers(p), c, b, cfg), params) > 0
+    assert weight_copies(lambda p, c, b: forward(p, c, b, cfg), serving) == 0
 
 
 def test_incremental_decode_matches_full_forward(variant):
@@ -105,11 +109,13 @@ def test_incremental_decode_matches_full_forward(variant):
         ref = hf(torch.tensor(ids[None])).logits[0].numpy()
     pages = [5, 2, 9, 3, 7, 4]  # deliberately out of order: the block table decides
     cache = init_kv_cache(cfg, num_pages=10, page_size=4, dtype=jnp.float32)
-    logits, cache = forward_jit(params, cache, single_sequence_batch(ids[:13], 0, pages, 4), cfg)
+    logits, cache = forward_jit(
+        params, cache, single_sequence_batch(ids[:13], 0, pages, 4), StepSpec(cfg)
+    )
     np.testing.assert_allclose(np.asarray(logits[0]), ref[12], atol=1e-4, rtol=0)
     for t in range(13, len(ids)):
         logits, cache = forward_jit(
-            params, cache, single_sequence_batch(ids[t : t + 1], t, pages, 4), cfg
+            params, cache, single_sequence_batch(ids[t : t + 1], t, pages, 4), StepSpec(cfg)
         )
         np.testing.assert_allclose(np.asarray(logits[0]), ref[t], atol=1e-4, rtol=0)
 
@@ -133,7 +139,7 @@ def test_scratch_page_is_untouched_by_real_tokens(variant):
     _, cfg, params = variant
     cache = init_kv_cache(cfg, num_pages=4, page_size=4, dtype=jnp.float32)
     _, cache = forward_jit(
-        params, cache, single_sequence_batch(np.arange(3, 10), 0, [2, 3], 4), cfg
+        params, cache, single_sequence_batch(np.arange(3, 10), 0, [2, 3], 4), StepSpec(cfg)
     )
     assert float(jnp.abs(cache.k[:, 0]).max()) == 0.0
     assert float(jnp.abs(cache.k[:, 2]).max()) > 0.0

@@ -5,16 +5,24 @@ and the engine on quantized weights (greedy agreement with fp32, no recompiles).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 
 import jax
 import numpy as np
 import pytest
 
 from minivllm_jax import LLM, SamplingParams, kernels
-from minivllm_jax.models.llama import init_params, unstack_layers
+from minivllm_jax.models.params import init_params, unstack_layers
+from minivllm_jax.ops.matmul import matmul
 from minivllm_jax.ops.quantization import (
+    Int4Weight,
+    Int8Weight,
+    W8A8Weight,
     dequantize,
     from_panels,
+    int4_weight,
+    is_quantized,
     lookup_embedding,
     pack_int4,
     pack_vnni,
@@ -22,8 +30,8 @@ from minivllm_jax.ops.quantization import (
     quantize_int4,
     quantize_int8,
     quantize_params,
-    quantize_projection,
     quantize_w8a8,
+    quantize_weight,
     serving_layout,
     to_panels,
     unpack_int4,
@@ -43,12 +51,10 @@ def test_int8_error_is_at_most_half_a_step_per_channel():
         0.01, 3, 40
     )
     p = quantize_int8(w)
-    assert p["qweight"].dtype == np.int8 and p["scales"].shape == (40,)
+    assert p.q.dtype == np.int8 and p.scales.shape == (40,) and p.layout == "plain"
     err = np.abs(np.asarray(dequantize(p)) - w)
-    assert np.all(err <= np.asarray(p["scales"]) / 2 + 1e-6)
-    assert (
-        np.abs(np.asarray(p["qweight"])).max() == 127
-    )  # each column's largest weight uses the full range
+    assert np.all(err <= np.asarray(p.scales) / 2 + 1e-6)
+    assert np.abs(np.asarray(p.q)).max() == 127  # each column's largest weight uses the full range
 
 
 def test_int4_packing_round_trips_exactly():
@@ -62,9 +68,10 @@ def test_int4_packing_round_trips_exactly():
 def test_int4_error_is_at_most_half_a_step_per_group(group_size):
     w = np.random.default_rng(2).standard_normal((256, 16)).astype(np.float32)
     p = quantize_int4(w, group_size)
-    assert p["qweight4"].shape == (128, 16) and p["scales"].shape == (256 // group_size, 16)
+    assert p.q.shape == (128, 16) and p.scales_mins.shape == (256 // group_size, 2, 16)
+    assert p.group_size == group_size
     err = np.abs(np.asarray(dequantize(p)) - w).reshape(256 // group_size, group_size, 16)
-    assert np.all(err <= np.asarray(p["scales"])[:, None] / 2 + 1e-6)
+    assert np.all(err <= np.asarray(p.scales_mins)[:, None, 0] / 2 + 1e-6)
 
 
 def test_bad_schemes_and_shapes_are_refused():
@@ -98,11 +105,14 @@ def test_policy_quantizes_every_projection_and_shrinks_them():
         "int4",
     )
     assert (
-        untied["lm_head"]["qweight"].shape == (64, 128)
+        isinstance(untied["lm_head"], Int8Weight)
+        and untied["lm_head"].q.shape == (64, 128)
         and untied["embed_tokens"].dtype == np.float32
     )
     stacked = init_params(cfg, jax.random.PRNGKey(0))
-    params = unstack_layers(stacked)
+    serving = unstack_layers(stacked)
+    # per layer, as served (a plain dict: quantize_params takes either layout)
+    params = {"embed_tokens": serving.embed_tokens, "layers": serving.layers, "norm": serving.norm}
     expected = {  # bytes of one [in, out] projection: weights, then scales (and int4's minimums)
         "int8": lambda n_in, n_out: n_in * n_out + 4 * n_out,
         "int4": lambda n_in, n_out: n_in * n_out // 2 + 2 * 4 * (n_in // 32) * n_out,
@@ -112,21 +122,20 @@ def test_policy_quantizes_every_projection_and_shrinks_them():
         q = quantize_params(params, scheme)
         # The tied embedding becomes the int8 head [hidden, vocab] (+ a scale per entry), whatever the
         # scheme; the lookup reads it back within half a step of each entry.
-        assert param_bytes(q["embed_tokens"]) == 128 * 64 + 4 * 128 and q["embed_tokens"][
-            "qweight"
-        ].shape == (64, 128)
+        assert param_bytes(q["embed_tokens"]) == 128 * 64 + 4 * 128
+        assert q["embed_tokens"].q.shape == (64, 128)
         tokens = jax.numpy.asarray([0, 5, 127, 5])
         rows = np.asarray(lookup_embedding(q["embed_tokens"], tokens, np.float32))
         err = np.abs(rows - np.asarray(params["embed_tokens"])[np.asarray(tokens)])
         assert np.all(
-            err <= np.asarray(q["embed_tokens"]["scales"])[np.asarray(tokens)][:, None] / 2 + 1e-6
+            err <= np.asarray(q["embed_tokens"].scales)[np.asarray(tokens)][:, None] / 2 + 1e-6
         )
         for lp, qp in zip(params["layers"], q["layers"]):
             for name, proj in lp.items():
                 if not (isinstance(proj, dict) and "kernel" in proj):
                     assert param_bytes(qp[name]) == param_bytes(proj)  # norms stay as they are
                     continue
-                assert "kernel" not in qp[name]  # no full-precision copy
+                assert is_quantized(qp[name]["kernel"])  # no full-precision copy
                 assert param_bytes(qp[name]) == size(*proj["kernel"].shape) + param_bytes(
                     proj.get("bias", ())
                 )
@@ -205,13 +214,11 @@ def test_vnni_packing_round_trips_and_pads_the_inputs():
     # served as panels of 64 columns x 4 inputs a row (the last panel zero-padded), and back
     p = quantize_w8a8(np.random.default_rng(4).standard_normal((70, 80)).astype(np.float32))
     panels = to_panels(p)
-    assert "qweight_a8" not in panels and panels["qweight_a8_panels"].shape == (2, 18, 256)
-    last = np.asarray(panels["qweight_a8_panels"])[1]  # columns 64..79, then zeros
-    np.testing.assert_array_equal(last[:, : 4 * 16], np.asarray(p["qweight_a8"])[:, 4 * 64 :])
+    assert panels.layout == "panels" and panels.q.shape == (2, 18, 256)
+    last = np.asarray(panels.q)[1]  # columns 64..79, then zeros
+    np.testing.assert_array_equal(last[:, : 4 * 16], np.asarray(p.q)[:, 4 * 64 :])
     assert not last[:, 4 * 16 :].any()
-    np.testing.assert_array_equal(
-        np.asarray(from_panels(panels)["qweight_a8"]), np.asarray(p["qweight_a8"])
-    )
+    np.testing.assert_array_equal(np.asarray(from_panels(panels).q), np.asarray(p.q))
     np.testing.assert_array_equal(np.asarray(dequantize(panels)), np.asarray(dequantize(p)))
 
 
@@ -234,8 +241,8 @@ def test_w8a8_reference_equals_integer_math(n_in, rows):
     s = np.where(amax > 0, amax * np.float32(1 / 127), np.float32(1)).astype(np.float32)
     xq = np.clip(np.rint(x * (np.float32(1) / s)), -127, 127).astype(np.int64)
     assert list(xq[0, :4]) == [0, 0, 2, 2]
-    wq = np.asarray(quantize_int8(w)["qweight"], np.int64)
-    want = ((xq @ wq).astype(np.float32) * s) * np.asarray(p["scales"])
+    wq = np.asarray(quantize_int8(w).q, np.int64)
+    want = ((xq @ wq).astype(np.float32) * s) * np.asarray(p.scales)
     got = np.asarray(jax.jit(w8a8_matmul_reference)(jax.numpy.asarray(x), p))
     np.testing.assert_array_equal(got, want)
     assert rows == 1 or not got[-1].any()
@@ -251,7 +258,6 @@ def test_native_w8a8_equals_reference_exactly(rows, n_in, n_out):
     floats bit for bit (tolerance zero) at every row count: micro-tiles of 6 rows and their
     remainders, panels of 64 columns and a 48-column one, inputs padded to a multiple of 4."""
     from minivllm_jax.kernels.w8a8_matmul import TARGET
-    from minivllm_jax.ops.quantization import MATMUL
 
     rng = np.random.default_rng(rows * n_in)
     p = to_panels(quantize_w8a8(rng.standard_normal((n_in, n_out)).astype(np.float32)))  # as served
@@ -260,34 +266,102 @@ def test_native_w8a8_equals_reference_exactly(rows, n_in, n_out):
     ).astype(np.float32)
     x[rows // 2] = 0.0
     x = jax.numpy.asarray(x)
-    assert TARGET in jax.jit(MATMUL["native"]).lower(x, p).as_text()
-    got = np.asarray(jax.jit(MATMUL["native"])(x, p))
-    np.testing.assert_array_equal(got, np.asarray(jax.jit(MATMUL["reference"])(x, p)))
-    np.testing.assert_array_equal(
-        np.asarray(jax.jit(MATMUL["native"])(x[None], p)), got[None]
-    )  # leading axes
+    native = jax.jit(functools.partial(matmul, impl="native"))
+    assert TARGET in native.lower(x, p).as_text()
+    got = np.asarray(native(x, p))
+    np.testing.assert_array_equal(got, np.asarray(jax.jit(matmul)(x, p)))  # the reference
+    np.testing.assert_array_equal(np.asarray(native(x[None], p)), got[None])  # leading axes
 
 
 @requires_native
-def test_native_w8a8_falls_back_to_the_reference_where_the_kernel_does_not_apply():
+def test_w8a8_the_kernel_cannot_serve_raises_under_native_and_runs_the_reference_under_auto():
     """Output sizes that are not a multiple of 16, non-float32 activations and weights not in the
-    serving layout run the reference (no custom call in the program)."""
-    from minivllm_jax.ops.quantization import MATMUL
-
+    serving layout: matmul='native' refuses them, naming why; 'auto' runs the reference (no
+    custom call in the program)."""
     rng = np.random.default_rng(9)
-    for n_out, dtype, served in [
-        (40, np.float32, True),
-        (64, jax.numpy.bfloat16, True),
-        (64, np.float32, False),
+    for n_out, dtype, served, why in [
+        (40, np.float32, True, "multiples of 16"),
+        (64, jax.numpy.bfloat16, True, "float32 activations"),
+        (64, np.float32, False, "panel layout"),
     ]:
         p = quantize_w8a8(rng.standard_normal((64, n_out)).astype(np.float32))
         p = to_panels(p) if served else p
         x = jax.numpy.asarray(rng.standard_normal((5, 64)), dtype)
-        assert "custom_call" not in jax.jit(MATMUL["native"]).lower(x, p).as_text()
+        with pytest.raises(ValueError, match=f"matmul='native': .*{why}"):
+            matmul(x, p, "native")
+        auto = jax.jit(functools.partial(matmul, impl="auto"))
+        assert "custom_call" not in auto.lower(x, p).as_text()
         np.testing.assert_array_equal(
-            np.asarray(jax.jit(MATMUL["native"])(x, p), np.float32),
+            np.asarray(auto(x, p), np.float32),
             np.asarray(w8a8_matmul_reference(x, p), np.float32),
         )
+
+
+def test_checkpoints_keep_their_on_disk_names(tmp_path):
+    """A quantized checkpoint stores each weight under the names it had before the weight types
+    (`{"qweight", "scales"}` beside a bias, int4's `{"qweight4", "scales", "mins"}`, w8a8's
+    `{"qweight_a8", "scales"}`), so the ones written earlier still load: a tree written by hand
+    in that format comes back as the weight types, equal to quantizing now."""
+    from minivllm_jax.config import ModelConfig
+    from minivllm_jax.loading.checkpoint import load_params, save_params
+
+    cfg = ModelConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=1e4,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        attention_bias=True,
+    )
+    stacked = init_params(cfg, jax.random.PRNGKey(0))
+
+    def old(w):  # the format, spelled out
+        if isinstance(w, Int4Weight):
+            sm = np.asarray(w.scales_mins)
+            return {"qweight4": w.q, "scales": sm[..., 0, :], "mins": sm[..., 1, :]}
+        return {"qweight_a8" if isinstance(w, W8A8Weight) else "qweight": w.q, "scales": w.scales}
+
+    for scheme in ("int8", "int4", "w8a8"):
+        q = quantize_params(stacked, scheme)
+        layers = {
+            name: {**old(v.pop("kernel")), **v} if isinstance(v, dict) else v
+            for name, v in jax.tree.map(lambda a: a, q["layers"]).items()
+        }
+        save_params(
+            tmp_path / scheme, {**q, "layers": layers, "embed_tokens": old(q["embed_tokens"])}
+        )
+        loaded = load_params(
+            tmp_path / scheme, cfg, np.float32, {"scheme": scheme, "group_size": 32}
+        )
+        assert jax.tree.structure(loaded) == jax.tree.structure(q)
+        for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(q)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_matmul_auto_says_once_why_the_reference_serves(caplog):
+    """'auto' runs the reference where the kernels cannot serve a weight (here: not in the panel
+    layout) and logs why once, however often it is traced; 'native' raises instead."""
+    from minivllm_jax.ops import matmul as matmul_module
+
+    matmul_module._log_once.cache_clear()
+    w = quantize_int8(np.random.default_rng(3).standard_normal((64, 64)).astype(np.float32))
+    x = jax.numpy.ones((2, 64), np.float32)
+    with caplog.at_level(logging.INFO, logger=matmul_module.__name__):
+        for _ in range(3):
+            np.testing.assert_array_equal(
+                np.asarray(matmul(x, w, "auto")), np.asarray(matmul(x, w, "reference"))
+            )
+    assert sum("panel layout" in r.getMessage() for r in caplog.records) == 1
+    with pytest.raises(ValueError, match="matmul='native': Int8Weight .* panel layout"):
+        matmul(x, w, "native")
+    with pytest.raises(ValueError, match="matmul must be one of"):
+        matmul(x, w, "fast")
 
 
 def test_engine_w8a8_greedy_agrees_with_fp32(tiny_model):
@@ -348,13 +422,7 @@ def test_gguf_int4_blocks_equal_the_gguf_dequantizer(type_name):
         q.reshape(6, 3, 32) * scales[..., None] + mins[..., None], want.reshape(6, 3, 32)
     )
     # and through our layout ([in, out], packed) and the traceable dequantize
-    ours = dequantize(
-        {
-            "qweight4": jax.numpy.asarray(pack_int4(q.T)),
-            "scales": jax.numpy.asarray(scales.T),
-            "mins": jax.numpy.asarray(mins.T),
-        }
-    )
+    ours = dequantize(int4_weight(pack_int4(q.T), scales.T, mins.T))
     np.testing.assert_allclose(np.asarray(ours), want.T, rtol=1e-6, atol=1e-7)
 
 
@@ -380,9 +448,10 @@ def test_gguf_projections_come_back_exactly_and_serve_like_their_float_conversio
     _, float_params = read_checkpoint(q4_gguf["Q4_1"], progress=False)
     blocks = read_int4_projections(q4_gguf["Q4_1"], num_layers=2)
     assert sorted(blocks) == sorted(k for k in float_params["layers"] if k.endswith("_proj"))
-    for name, arrays in blocks.items():
+    for name, weight in blocks.items():
+        assert isinstance(weight, Int4Weight) and weight.group_size == 32
         for layer in range(2):
-            got = dequantize({k: jax.numpy.asarray(v[layer]) for k, v in arrays.items()})
+            got = dequantize(jax.tree.map(lambda a: jax.numpy.asarray(a[layer]), weight))
             np.testing.assert_allclose(
                 np.asarray(got),
                 float_params["layers"][name]["kernel"][layer],
@@ -458,39 +527,29 @@ def _float_params(model: str):
     return load_converted(resolve_model(model, progress=False))[2]
 
 
-@pytest.mark.parametrize("scheme,key", [("int8", "qweight"), ("int4", "qweight4")])
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("n_out", [192, 200])
-def test_serving_panels_round_trip_and_stand_for_the_same_weights(scheme, key, n_out):
+def test_serving_panels_round_trip_and_stand_for_the_same_weights(scheme, n_out):
     """`[rows, out]` weights as panels of 64 columns (int8: the last zero-padded when `out` is not
     a multiple of 64; int4: only when it is, with the scales and minimums as panels too) come
     back exactly, and dequantize to the same kernel."""
     rng = np.random.default_rng(n_out)
-    p = quantize_projection({"kernel": rng.standard_normal((64, n_out)).astype(np.float32)}, scheme)
+    p = quantize_weight(rng.standard_normal((64, n_out)).astype(np.float32), scheme)
     panels = to_panels(p)
     np.testing.assert_array_equal(np.asarray(dequantize(panels)), np.asarray(dequantize(p)))
     if scheme == "int4" and n_out % 64:
         assert panels is p  # stays as it is (the native kernel takes multiples of 64 only)
         return
-    assert key not in panels and panels[f"{key}_panels"].shape == (
-        -(-n_out // 64),
-        p[key].shape[0],
-        64,
-    )
-    assert not np.any(
-        np.asarray(panels[f"{key}_panels"])[-1, :, n_out % 64 or 64 :]
-    )  # padding is zeros
+    assert panels.layout == "panels" and panels.q.shape == (-(-n_out // 64), p.q.shape[0], 64)
+    assert not np.any(np.asarray(panels.q)[-1, :, n_out % 64 or 64 :])  # padding is zeros
     back = from_panels(panels)
-    for name in p:
-        np.testing.assert_array_equal(np.asarray(back[name]), np.asarray(p[name]))
+    assert type(back) is type(p) and back.layout == "plain"
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(p)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     if scheme == "int4":
-        assert "scales" not in panels and panels["scales_mins_panels"].shape == (
-            n_out // 64,
-            64 // 32,
-            2,
-            64,
-        )
+        assert panels.scales_mins.shape == (n_out // 64, 64 // 32, 2, 64)
         # byte 8j + 2k + e of a panel row holds column 16k + 2j + e
-        got, rows = np.asarray(panels["qweight4_panels"]), np.asarray(p["qweight4"])
+        got, rows = np.asarray(panels.q), np.asarray(p.q)
         for pos, col in [(0, 0), (1, 1), (2, 16), (8, 2), (15, 51), (63, 63)]:
             np.testing.assert_array_equal(got[0, :, pos], rows[:, col])
 
@@ -513,10 +572,11 @@ def test_served_params_are_panels_and_the_embedding_lookup_reads_them():
     )
     stacked = quantize_params(init_params(cfg, jax.random.PRNGKey(0)), "int8")
     served = unstack_layers(stacked)
-    for lp in served["layers"]:
-        assert all("qweight_panels" in p for p in lp.values() if isinstance(p, dict))
-    head = served["embed_tokens"]
-    assert head["qweight_panels"].shape == (4, 64, 64)  # vocab 200 -> 4 panels
+    for lp in served.layers:
+        kernels = [p["kernel"] for p in lp.values() if isinstance(p, dict)]
+        assert kernels and all(k.layout == "panels" for k in kernels)
+    head = served.embed_tokens
+    assert head.layout == "panels" and head.q.shape == (4, 64, 64)  # vocab 200 -> 4 panels
     tokens = jax.numpy.asarray([0, 5, 63, 64, 199, 5])
     np.testing.assert_array_equal(
         np.asarray(lookup_embedding(head, tokens, np.float32)),

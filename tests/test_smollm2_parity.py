@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from convert import read_checkpoint
-from minivllm_jax.config import ModelConfig
+from minivllm_jax.models.hf_config import config_from_hf
+from minivllm_jax.models.params import unstack_layers
 from minivllm_jax.reference.greedy import greedy_generate
 from tests.conftest import require_smollm2
 
@@ -74,7 +75,7 @@ def assert_same_greedy(
 @pytest.fixture(scope="module")
 def gguf_model():
     hf_config, params = read_checkpoint(gguf_path(), progress=False)
-    return ModelConfig.from_hf(hf_config), params
+    return config_from_hf(hf_config), unstack_layers(params)
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,7 @@ def safetensors_model(smollm2_hf, tmp_path_factory):
     folder = tmp_path_factory.mktemp("smollm2-hf")
     model.save_pretrained(folder)
     hf_config, params = read_checkpoint(folder, progress=False)
-    return ModelConfig.from_hf(hf_config), params
+    return config_from_hf(hf_config), unstack_layers(params)
 
 
 def test_real_config(gguf_model):

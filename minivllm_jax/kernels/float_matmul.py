@@ -1,9 +1,12 @@
 """The native float32 matmul for few rows (`float_matmul.cc`): `x @ w` for a projection's
-`[in, out]` kernel, read in place. It serves steps of 2 to `MAX_NATIVE_ROWS` rows (small decode
-batches, speculative verify steps), where XLA's dot reads the weights at half the speed of its
-1-row dot. One row stays with XLA (its dot streams whole weight rows; this kernel's strided panels
-measured 27 against 24 ms a SmolLM2 decode step), as do longer steps, other dtypes and output
-sizes that are not multiples of 64."""
+`[in, out]` kernel, and `x @ w.T` for a tied output head's `[vocab, hidden]` embedding, both
+read in place. It pays for steps of 2 to `MAX_NATIVE_ROWS` rows (small decode batches,
+speculative verify steps), where XLA's dot reads the weights at half the speed of its 1-row dot;
+one row stays with XLA (its dot streams whole weight rows; this kernel's strided panels were
+slower there), as do longer steps: that choice is the dispatcher's (`minivllm_jax.ops.matmul`).
+
+`supports(...)` / `supports_transposed(...)` say what the kernel serves; the calls raise on
+anything else."""
 
 from __future__ import annotations
 
@@ -17,34 +20,44 @@ TARGET = "minivllm_matmul_f32"
 TARGET_TRANSPOSED = "minivllm_matmul_f32_t"
 
 
-def float_matmul_native(x: jax.Array, w: jax.Array) -> jax.Array:
-    rows = x.size // x.shape[-1]
-    if (
-        x.dtype != jnp.float32
-        or w.dtype != jnp.float32
-        or w.ndim != 2
-        or w.shape[1] % 64
-        or not 1 < rows <= MAX_NATIVE_ROWS
-    ):
-        return x @ w
-    require_native("matmul", "matmul='reference'")
-    y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows, w.shape[1]), jnp.float32))(
-        x.reshape(rows, -1), w
-    )
-    return y.reshape(*x.shape[:-1], w.shape[1])
+def supports(x_dtype: jnp.dtype, w_dtype: jnp.dtype, w_shape: tuple[int, ...]) -> str | None:
+    """None when the kernel serves `x @ w` for these dtypes and `w`'s shape, else why not."""
+    if x_dtype != jnp.float32 or w_dtype != jnp.float32:
+        return f"the native float matmul takes float32, not {jnp.dtype(x_dtype)} x {jnp.dtype(w_dtype)}"
+    if len(w_shape) != 2 or w_shape[1] % 64:
+        return "the native float matmul takes an [in, out] kernel with out a multiple of 64"
+    return None
 
 
-def float_matmul_transposed_native(x: jax.Array, w: jax.Array) -> jax.Array:
-    """`x @ w.T` in float32 for `w` `[out, in]` read in place (a tied output head: the embedding),
-    natively for 2 to `MAX_NATIVE_ROWS` rows; else XLA's dot, with float32 results."""
-    rows = x.size // x.shape[-1]
-    native = (
-        x.dtype == jnp.float32 and w.dtype == jnp.float32 and w.ndim == 2 and w.shape[1] % 16 == 0
-    )
-    if not (native and w.shape[0] % 4 == 0 and 1 < rows <= MAX_NATIVE_ROWS):
-        return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=jnp.float32)
+def supports_transposed(
+    x_dtype: jnp.dtype, w_dtype: jnp.dtype, w_shape: tuple[int, ...]
+) -> str | None:
+    """None when the kernel serves `x @ w.T` for these dtypes and `w`'s shape, else why not."""
+    if x_dtype != jnp.float32 or w_dtype != jnp.float32:
+        return f"the native float matmul takes float32, not {jnp.dtype(x_dtype)} x {jnp.dtype(w_dtype)}"
+    if len(w_shape) != 2 or w_shape[1] % 16 or w_shape[0] % 4:
+        return "the native transposed matmul takes [out, in] with in a multiple of 16, out of 4"
+    return None
+
+
+def _call(target: str, x: jax.Array, w: jax.Array, n_out: int, reason: str | None) -> jax.Array:
+    if reason is not None:
+        raise ValueError(reason)
     require_native("matmul", "matmul='reference'")
-    y = jax.ffi.ffi_call(TARGET_TRANSPOSED, jax.ShapeDtypeStruct((rows, w.shape[0]), jnp.float32))(
+    rows = x.size // x.shape[-1]
+    y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, n_out), jnp.float32))(
         x.reshape(rows, -1), w
     )
-    return y.reshape(*x.shape[:-1], w.shape[0])
+    return y.reshape(*x.shape[:-1], n_out)
+
+
+def float_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """`x @ w` for a float32 `[in, out]` kernel (`supports`)."""
+    return _call(TARGET, x, w, w.shape[-1], supports(x.dtype, w.dtype, w.shape))
+
+
+def float_matmul_transposed(x: jax.Array, w: jax.Array) -> jax.Array:
+    """`x @ w.T` in float32 for `w` `[out, in]` (`supports_transposed`)."""
+    return _call(
+        TARGET_TRANSPOSED, x, w, w.shape[0], supports_transposed(x.dtype, w.dtype, w.shape)
+    )

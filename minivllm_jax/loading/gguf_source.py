@@ -19,6 +19,7 @@ from minivllm_jax.loading.errors import (
     UnsupportedArchitectureError,
 )
 from minivllm_jax.loading.source import Source, TensorEntry
+from minivllm_jax.ops.quantization import Int4Weight, int4_weight, pack_int4
 
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK = {
@@ -160,15 +161,13 @@ def int4_blocks(
     return q, scales, mins
 
 
-def read_int4_projections(path: Path, num_layers: int) -> dict[str, dict[str, np.ndarray]]:
-    """Every layer projection of a GGUF whose weights are Q4_0/Q4_1 blocks, in our stacked int4
-    layout without a round trip through floats: `{"q_proj": {"qweight4": uint8 [L, in / 2, out],
-    "scales"/"mins": f32 [L, in / 32, out]}, ...}` (`minivllm_jax.ops.quantization`), Q/K rows
+def read_int4_projections(path: Path, num_layers: int) -> dict[str, Int4Weight]:
+    """Every layer projection of a GGUF whose weights are Q4_0/Q4_1 blocks, as our int4 weight
+    stacked over layers, without a round trip through floats: `{"q_proj": Int4Weight(uint8
+    [L, in / 2, out], f32 [L, in / 32, 2, out]), ...}` (`minivllm_jax.ops.quantization`), Q/K rows
     un-permuted as the float path does. A projection stored in another type is an error that
     says which: those files are served with quantization='int4' or 'int8' instead."""
     import gguf
-
-    from minivllm_jax.ops.quantization import pack_int4
 
     reader = gguf.GGUFReader(str(path))
     hf_config = gguf_hf_config(path)
@@ -197,7 +196,7 @@ def read_int4_projections(path: Path, num_layers: int) -> dict[str, dict[str, np
         if name in heads:
             q, scales, mins = (unpermute_rotary(a, heads[name]) for a in (q, scales, mins))
         per_layer.setdefault(name, [None] * num_layers)[layer] = {
-            "qweight4": pack_int4(q.T),
+            "q": pack_int4(q.T),
             "scales": np.ascontiguousarray(scales.T),
             "mins": np.ascontiguousarray(mins.T),
         }
@@ -210,6 +209,6 @@ def read_int4_projections(path: Path, num_layers: int) -> dict[str, dict[str, np
     if missing:
         raise ConversionError(f"{path.name}: projections missing: {', '.join(missing[:8])}")
     return {
-        name: {key: np.stack([x[key] for x in layers]) for key in layers[0]}
+        name: int4_weight(*(np.stack([x[key] for x in layers]) for key in ("q", "scales", "mins")))
         for name, layers in per_layer.items()
     }

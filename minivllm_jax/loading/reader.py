@@ -30,7 +30,8 @@ from minivllm_jax.loading.errors import (
 from minivllm_jax.loading.gguf_source import open_gguf
 from minivllm_jax.loading.safetensors_source import open_hf_folder
 from minivllm_jax.loading.source import Source, TensorEntry
-from minivllm_jax.models.llama import hf_weight_map, param_shapes
+from minivllm_jax.models.hf_config import config_from_hf
+from minivllm_jax.models.params import hf_weight_map, param_shapes
 
 DTYPES = ("float32", "bfloat16", "float16")
 EXPECTED = (
@@ -46,9 +47,9 @@ def check_dtype(dtype: Any) -> np.dtype:
 
 
 def model_config(hf_config: dict[str, Any]) -> ModelConfig:
-    """`ModelConfig.from_hf` with its failures turned into conversion errors."""
+    """`config_from_hf` with its failures turned into conversion errors."""
     try:
-        return ModelConfig.from_hf(hf_config)
+        return config_from_hf(hf_config)
     except UnsupportedModelError as e:
         raise UnsupportedArchitectureError(str(e)) from e
     except KeyError as e:

@@ -7,14 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from minivllm_jax.config import (
-    ModelConfig,
-    UnsupportedModelError,
-    decoder_fields,
-    layer_windows,
-    parse_rope,
-)
+from minivllm_jax.config import ModelConfig, UnsupportedModelError
 from minivllm_jax.models.gemma2 import SANDWICH_NORMS, gemma_fields, hf_value
+from minivllm_jax.models.hf_config import decoder_fields, layer_windows, parse_rope
 from minivllm_jax.models.registry import ModelFamily
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from minivllm_jax.config import ModelConfig, check_activation, decoder_fields, layer_windows
+from minivllm_jax.config import ModelConfig
+from minivllm_jax.models.hf_config import check_activation, decoder_fields, layer_windows
 from minivllm_jax.models.registry import ModelFamily
 
 

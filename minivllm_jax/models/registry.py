@@ -1,7 +1,7 @@
 """Model families: HF architecture name (`architectures[0]`, else `model_type`) -> the family
 that maps its `config.json` to a `ModelConfig` and names its extra tensors.
 
-Every family runs the one decoder in `models/llama.py`; a family is what it changes there,
+Every family runs the one decoder in `models/decoder.py`; a family is what it changes there,
 as `ModelConfig` fields (biases, q/k norms, sliding windows, soft-capping, ...). Adding one:
 write `models/<name>.py` with a `FAMILY = ModelFamily(...)` (its `config_from_hf` and, for
 tensors Llama does not have, their HF names) and add `<name>` to `FAMILY_MODULES`.
@@ -35,14 +35,14 @@ class ModelFamily:
     model_types: tuple[str, ...]  # HF `model_type` values (a config without architectures)
     config_from_hf: Callable[
         [dict[str, Any]], ModelConfig
-    ]  # sets the family's fields; `decoder_fields` does the rest
+    ]  # sets the family's fields; `hf_config.decoder_fields` does the rest
     layer_weights: tuple[tuple[str, str], ...] = ()  # extra per-layer (our key, HF module) pairs
 
 
 @functools.cache
 def families() -> tuple[ModelFamily, ...]:
     """Every registered family, in `FAMILY_MODULES` order (imported on first use: the family
-    modules import `minivllm_jax.config`, which asks this module for them lazily)."""
+    modules import `models.hf_config`, which asks this module for them)."""
     return tuple(
         importlib.import_module(f"minivllm_jax.models.{name}").FAMILY for name in FAMILY_MODULES
     )
@@ -79,12 +79,6 @@ def family_for_hf(hf: dict[str, Any]) -> ModelFamily:
     )
 
 
-def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """`ModelConfig` of an HF config dict, by its family (`ModelConfig.from_hf`)."""
-    family = family_for_hf(hf)
-    return dataclasses.replace(family.config_from_hf(hf), family=family.name)
-
-
 def layer_weight_names(cfg: ModelConfig) -> dict[str, str]:
-    """Our per-layer norm keys -> HF module names, for `cfg`'s family (`llama.hf_weight_map`)."""
+    """Our per-layer norm keys -> HF module names, for `cfg`'s family (`params.hf_weight_map`)."""
     return dict(LLAMA_LAYER_WEIGHTS + get_family(cfg.family).layer_weights)

@@ -1,4 +1,7 @@
-"""Ragged paged attention: one signature, implementations chosen by name (`ATTENTION`).
+"""Ragged paged attention: one contract, its pure-JAX reference, and the one dispatcher that
+picks an implementation (`ATTENTION`: the reference or the native kernel,
+`minivllm_jax.kernels.ragged_paged_attention`) from static facts (`resolve_attention`) and
+gives a model what it calls (`layer_attention`).
 
 The contract every implementation keeps (a native kernel goes behind the same signature):
 
@@ -19,7 +22,7 @@ The contract every implementation keeps (a native kernel goes behind the same si
   `context_len[s]` cached tokens and to `s`'s new tokens up to and including itself, with
   softmax in float32 and scale `hd ** -0.5`. Padding tokens give zeros.
 - The keywords, for the families that need them (`ModelConfig.attention_extras`; only the
-  implementations in `ATTENTION_WITH_EXTRAS` take them): `scale` replaces `hd ** -0.5`;
+  reference takes them): `scale` replaces `hd ** -0.5`;
   `softcap` (static) maps scores to `softcap * tanh(score / softcap)` before the softmax;
   `window` (an int or a traced int32 scalar, the layer's; 0 = none) keeps only the keys at
   cache indices `> i - window` for a query at cache index `i` (a token's cache index is its
@@ -30,13 +33,18 @@ Nothing in it depends on how an implementation schedules its work: only these ar
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import DTypeLike
 
+from minivllm_jax import kernels
 from minivllm_jax.config import ModelConfig
+from minivllm_jax.kernels import ragged_paged_attention as native
 from minivllm_jax.ops.batch import StepBatch, token_sequences
 from minivllm_jax.ops.kv_cache import (
     KVCache,
@@ -45,6 +53,8 @@ from minivllm_jax.ops.kv_cache import (
     dequantize_v_blocks,
     from_bits,
 )
+
+logger = logging.getLogger(__name__)
 
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, KVCache, jax.Array, StepBatch], jax.Array]
 
@@ -335,19 +345,38 @@ def ragged_paged_attention(
     return _merge(parts, valid).astype(q.dtype).reshape(T, H, hd)
 
 
-def _native(*args: jax.Array) -> jax.Array:
-    # Imported on first use: the kernels package loads a shared library.
-    from minivllm_jax.kernels.ragged_paged_attention import ragged_paged_attention_native
-
-    return ragged_paged_attention_native(*args)
+def _native(
+    q: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    cache: KVCache,
+    layer: jax.Array,
+    batch: StepBatch,
+) -> jax.Array:
+    """The native kernel behind the contract (no keywords: it has none of the extras)."""
+    return native.ragged_paged_attention(
+        q,
+        as_stored(cache, k_new),
+        as_stored(cache, v_new),
+        cache.k,
+        cache.v,
+        cache.k_scale,
+        cache.v_scale,
+        layer,
+        batch.query_start,
+        batch.query_len,
+        batch.context_len,
+        batch.page_start,
+        batch.page_ids,
+    )
 
 
 ATTENTION: dict[str, AttentionFn] = {"reference": ragged_paged_attention, "native": _native}
-# The implementations that take the keywords `scale`, `softcap` and `window` (see the module docstring).
-ATTENTION_WITH_EXTRAS = ("reference",)
+CHOICES = ("auto", *ATTENTION)  # what `EngineConfig.attention` may name
 
 
 def get_attention(name: str) -> AttentionFn:
+    """The implementation `name` as it is (`layer_attention` is what a model calls)."""
     if name not in ATTENTION:
         raise ValueError(
             f"unknown attention implementation {name!r}; available: {', '.join(sorted(ATTENTION))}"
@@ -355,33 +384,99 @@ def get_attention(name: str) -> AttentionFn:
     return ATTENTION[name]
 
 
-def resolve_attention(name: str, cfg: ModelConfig | None = None) -> str:
-    """The implementation `name` means here: "auto" is the native kernel where it is built for
-    this platform, else the reference; `MINIVLLM_KERNELS=reference` forces the reference.
-    Given the model's `cfg`, "auto" is the reference when the model's attention has what the
-    native kernel lacks (`ModelConfig.attention_extras`: sliding windows, soft-capping, another
-    scale), and asking for such a kernel by name is a ValueError.
+def page_dtype(dtype: DTypeLike, kv_cache_dtype: str = "auto") -> jnp.dtype:
+    """The dtype of the values KV pages hold: int8, or the model's `dtype` ("auto")."""
+    return jnp.dtype(jnp.int8 if kv_cache_dtype == "int8" else dtype)
+
+
+def native_unsupported(
+    cfg: ModelConfig | None, dtype: DTypeLike, kv_cache_dtype: str = "auto"
+) -> str | None:
+    """Why the native kernel cannot serve this model's attention (None: it can), from static
+    facts: the model's extras (`cfg.attention_extras`), its `dtype` and its KV pages."""
+    extras = (
+        {}
+        if cfg is None
+        else dict(
+            default_scale=cfg.attention_scale == cfg.head_dim**-0.5,
+            softcap=cfg.attn_logit_softcap,
+            sliding_window=cfg.has_sliding_window,
+        )
+    )
+    return native.unsupported(dtype, page_dtype(dtype, kv_cache_dtype), **extras)
+
+
+@functools.cache
+def _log_fallback(why: str) -> None:
+    logger.info("attention='auto' runs the pure-JAX reference: %s", why)
+
+
+def resolve_attention(
+    name: str,
+    cfg: ModelConfig | None = None,
+    dtype: DTypeLike = jnp.float32,
+    kv_cache_dtype: str = "auto",
+) -> str:
+    """The one choice of attention implementation, from static facts: the requested `name`
+    (`CHOICES`), the model (`cfg`: its sliding windows, soft-capping, scale), its `dtype` and
+    its KV pages (`kv_cache_dtype`).
+
+    "reference" is always served. "native" is served where the kernels are loaded for this
+    backend and the kernel `supports` these facts, else it is a ValueError saying why and what
+    to use. "auto" is "native" where it would be served, else the reference, logged once with
+    the reason. `MINIVLLM_KERNELS=reference` turns "auto" and a servable "native" into the
+    reference (debugging, A/B benchmarks).
 
     A "native" answer means the kernels are loaded (their FFI targets registered): a program
     loaded whole from the program cache is never traced, so nothing else would load them."""
-    from minivllm_jax import kernels
-
-    extras = () if cfg is None else cfg.attention_extras
-    if name == "auto":
-        return "native" if kernels.native_available() and not extras else "reference"
-    get_attention(name)  # unknown names fail here, before any tracing
-    if (
-        extras and name not in ATTENTION_WITH_EXTRAS
-    ):  # an error whatever the switch says, as without it
+    if name not in CHOICES:
         raise ValueError(
-            f"attention={name!r} does not implement {', '.join(extras)}, which this model uses; "
-            f"use 'auto' or 'reference'"
+            f"unknown attention implementation {name!r}; choose one of {', '.join(CHOICES)}"
         )
-    if kernels.reference_forced():
+    if name == "reference":
+        return name
+    why = native_unsupported(cfg, dtype, kv_cache_dtype)
+    if why is None and kernels.reference_forced():
         return "reference"
-    if name == "native" and not kernels.native_available():
-        raise ValueError(
-            "attention='native' needs the native kernels, which are not available here (not built "
-            "or not a CPU backend: python -m minivllm_jax.kernels.build); use 'auto' or 'reference'"
+    if why is None and not kernels.native_available():
+        why = (
+            "the native kernels are not available here (not built, or not a CPU backend: "
+            "python -m minivllm_jax.kernels.build)"
         )
-    return name
+    if why is None:
+        return "native"
+    if name == "native":
+        raise ValueError(
+            f"attention='native' cannot serve this model: {why}; use attention='auto' (the "
+            "native kernel where it serves, else the reference) or 'reference'"
+        )
+    _log_fallback(why)
+    return "reference"
+
+
+def layer_attention(cfg: ModelConfig, name: str) -> AttentionFn:
+    """What a model calls for attention: the implementation `name` (as `resolve_attention`
+    chose it) with the model's sliding windows (per layer, by the traced layer index),
+    soft-capping and scale bound in when it has any (`cfg.attention_extras`). Only the
+    reference takes them: another implementation is refused rather than run without them."""
+    attend = get_attention(name)
+    if not cfg.attention_extras:
+        return attend
+    if name != "reference":
+        raise ValueError(
+            f"attention={name!r} does not implement {', '.join(cfg.attention_extras)}, which "
+            "this model uses; use 'reference' ('auto' picks it)"
+        )
+    options = dict(scale=cfg.attention_scale, softcap=cfg.attn_logit_softcap)
+    windows = set(cfg.layer_windows)
+    per_layer = len(windows) > 1  # else none, or every layer's the same (Mistral): a constant
+
+    def attend_layer(q, k, v, cache, layer, batch):
+        window = (
+            jnp.asarray(cfg.layer_windows, jnp.int32)[layer]
+            if per_layer
+            else next(iter(windows), None)
+        )
+        return attend(q, k, v, cache, layer, batch, window=window, **options)
+
+    return attend_layer

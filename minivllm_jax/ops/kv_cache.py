@@ -5,7 +5,7 @@ head) is a contiguous block and attention gathers whole blocks. V blocks are `[p
 head_dim]`; K blocks are stored transposed, `[head_dim, page_size]`, so that scoring a page
 is a plain `q @ K_page` matmul (the page-score dot of a 64-row decode step measured about twice
 as fast on CPU as contracting the minor axis of `[page_size, head_dim]` blocks). Page 0 is a scratch page: padded slots of
-a bucket write there, so padding never touches a live sequence's pages, and the block manager
+a bucket write there, so padding never touches a live sequence's pages, and the page manager
 never hands it out. A token's slot is `page * page_size + offset`.
 
 bfloat16/float16 pages are stored as their bits (`uint16`; `as_bits`/`from_bits`), read as

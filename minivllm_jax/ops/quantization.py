@@ -1,39 +1,37 @@
-"""Quantization: the schemes, their pure-JAX references (every quantized matmul must equal
-them), and the policy of which weights are quantized.
+"""Quantization: the schemes as weight types, their pure-JAX references (every quantized matmul
+must equal them), and the policy of which weights are quantized.
 
-A quantized projection replaces `{"kernel": [in, out]}` in the per-layer params
-(`models.llama.unstack_layers`) by arrays only, so it stays an ordinary pytree:
+A quantized projection keeps its place in the params tree, `{"kernel": W, "bias"?: b}`, with
+`W` one of the weight types below instead of a float `[in, out]` array. They are registered
+pytree dataclasses: the arrays are leaves, the `layout` a static field, so a matmul
+(`minivllm_jax.ops.matmul.matmul`) dispatches on the weight's type and layout at trace time.
 
-- int8, per output channel, symmetric: `{"qweight": int8 [in, out], "scales": f32 [out]}`,
-  `w = qweight * scales`.
-- int4, group-wise along `in` (the reduction axis; group size 32 by default, 64 or 128),
-  asymmetric: `{"qweight4": uint8 [in / 2, out], "scales": f32 [in / g, out], "mins": f32
-  [in / g, out]}`, `w = q * scale + min` with `q` in 0..15; byte `i` holds input rows `2i`
-  (low nibble) and `2i + 1` (high nibble). Scale-and-minimum groups along `in` are GGUF's Q4_1
-  blocks, so those (and Q4_0's, `min = -8 * scale`) map onto this layout exactly: "gguf" serves
-  a GGUF's own blocks (`minivllm_jax.loading.gguf_source.read_int4_projections`). Q8_0 blocks (a scale per 32
-  inputs) have no exact place in per-channel int8, so that mode refuses them.
-- w8a8 (vLLM's INT8 W8A8): int8's weights, with int8 activations quantized per row on the fly:
-  `{"qweight_a8": int8 [ceil(in / 4), 4 * out], "scales": f32 [out]}`, the weights packed for
+- `Int8Weight`, per output channel, symmetric: `q` int8 `[in, out]`, `scales` f32 `[out]`,
+  `w = q * scales`.
+- `Int4Weight`, group-wise along `in` (the reduction axis; group size 32 by default, 64 or 128),
+  asymmetric: `q` uint8 `[in / 2, out]`, `scales_mins` f32 `[in / g, 2, out]` (per group and
+  column the scale, then the minimum), `w = q * scale + min` with `q` in 0..15; byte `i` holds
+  input rows `2i` (low nibble) and `2i + 1` (high nibble). Scale-and-minimum groups along `in`
+  are GGUF's Q4_1 blocks, so those (and Q4_0's, `min = -8 * scale`) map onto this layout
+  exactly: "gguf" serves a GGUF's own blocks (`minivllm_jax.loading.gguf_source`). Q8_0 blocks
+  (a scale per 32 inputs) have no exact place in per-channel int8, so that mode refuses them.
+- `W8A8Weight` (vLLM's INT8 W8A8): int8's weights, with int8 activations quantized per row on
+  the fly: `q` int8 `[ceil(in / 4), 4 * out]`, `scales` f32 `[out]`, the weights packed for
   AVX-512 VNNI: element `(k, 4 o + j)` is input row `4 k + j` of column `o` (rows past `in` are
   zero), so 64 bytes are 16 columns x 4 inputs, one operand of `vpdpbusd`, and projections
-  merged along `out` (`unstack_layers`) stay packed. The matmul (`w8a8_matmul_reference`) sums
-  int8 x int8 in int32, exactly, so the native kernel gives the same numbers bit for bit; it
-  pays where fp32 is bound by the float peak (prefill, big batches).
+  merged along `out` stay packed. The matmul (`w8a8_matmul_reference`) sums int8 x int8 in
+  int32, exactly, so the native kernel gives the same numbers bit for bit; it pays where fp32 is
+  bound by the float peak (prefill, big batches).
 
-The arrays keep any leading axes: stored (stacked `[L, ...]`) params quantize the same as the
-serving layout, and `minivllm-convert --quantize` writes them so (`quantized_shapes`).
+Every array keeps any leading axes: stored (stacked `[L, ...]`) params quantize the same as the
+serving layout, and `minivllm-convert --quantize` writes them so (`quantized_shapes`; the names
+on disk are `minivllm_jax.loading.checkpoint`'s).
 
-Served, the weights are laid out for the native kernels (`serving_layout`, applied by
-`models.llama.unstack_layers` after it merges projections): `qweight` / `qweight4` become
-`qweight_panels` / `qweight4_panels`, `[ceil(out / 64), rows, 64]`: panels of 64 output columns,
-each contiguous (zero columns pad the last; w8a8's `qweight_a8_panels` are `[ceil(out / 64),
-ceil(in / 4), 256]`, 64 columns x 4 inputs a row), so a batch-1 matmul streams memory in order
-instead of reading 64 bytes every `out` bytes (measured here: 2-3x the bandwidth of the
-`[rows, out]` layout). int4 panels also order the bytes of each row so that the kernel's
-nibble-to-bf16 step reaches them (`INT4_PANEL_ORDER`), and int4's scales and minimums become
-panels beside them (`scales_mins_panels`, when `out` is a multiple of 64); int8's and w8a8's
-scales stay as they are (their length is the true `out`). Every reader takes either layout
+Served, the weights are laid out for the native kernels (`to_panels`, applied by
+`serving_layout` once projections are merged): `layout="panels"`, the layout each kernel module
+owns (`minivllm_jax.kernels.quantized_matmul.panels`, `w8a8_matmul.to_panels`), so a batch-1
+matmul streams memory in order. int4 weights whose `out` is not a multiple of the panel width
+stay `"plain"` (the kernel takes only whole panels). Every reader takes either layout
 (`from_panels`).
 
 Policy: the seven projections of every layer (q/k/v/o, gate/up/down; merged as the serving
@@ -42,18 +40,22 @@ entry whatever the scheme, w8a8 included (as llama.cpp's 4-bit files keep it at 
 one row per sequence, few next to a prefill's tokens, so weight-only suits it): the head is read
 whole for every decode step (SmolLM2's tied embedding is 21% of its parameters, and after the
 layers shrink most of the bytes per token). A tied embedding is stored once, as that head
-(`{"qweight": int8 [hidden, vocab], "scales": f32 [vocab]}`), and the token lookup reads its
-columns; an untied model's input embedding is only gathered (a few rows a step) and keeps the
-model dtype, as do the norms and biases.
+(an `Int8Weight` `[hidden, vocab]`), and the token lookup reads its columns; an untied model's
+input embedding is only gathered (a few rows a step) and keeps the model dtype, as do the norms
+and biases.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from minivllm_jax.kernels import quantized_matmul, w8a8_matmul
+from minivllm_jax.kernels.quantized_matmul import PANEL
 
 QUANTIZATIONS = ("int8", "int4", "w8a8")
 # What `LLM(quantization=...)` takes: a scheme applied to float weights, or "gguf": a GGUF
@@ -62,16 +64,81 @@ LLM_QUANTIZATIONS = (*QUANTIZATIONS, "gguf")
 # A quantized checkpoint's config.json records its scheme under this key: {"scheme", "group_size"}.
 CHECKPOINT_KEY = "minivllm_quantization"
 INT4_GROUP_SIZES = (32, 64, 128)
+LAYOUTS = ("plain", "panels")  # `[..., rows, out]` as quantized, or the native kernels' panels
 
 
-def quantize_int8(kernel: Any) -> dict[str, jax.Array]:
+def _layout_field() -> Any:
+    return dataclasses.field(default="plain", metadata=dict(static=True))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Int8Weight:
+    """Per-output-channel int8: `q` `[..., in, out]` ("plain") or its panels, `scales` `[..., out]`."""
+
+    q: Any
+    scales: Any
+    layout: str = _layout_field()
+
+    @property
+    def n_out(self) -> int:
+        return self.scales.shape[-1]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Int4Weight:
+    """Group-wise int4: `q` `[..., in / 2, out]` bytes and `scales_mins` `[..., in / g, 2, out]`
+    ("plain"), or both as the int4 kernel's panels (`kernels.quantized_matmul.int4_panels`)."""
+
+    q: Any
+    scales_mins: Any
+    layout: str = _layout_field()
+
+    @property
+    def n_out(self) -> int:
+        if self.layout == "panels":
+            return self.scales_mins.shape[-4] * PANEL
+        return self.scales_mins.shape[-1]
+
+    @property
+    def group_size(self) -> int:
+        return 2 * self.q.shape[-2] // self.scales_mins.shape[-3]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class W8A8Weight:
+    """int8 weights for int8 activations: `q` VNNI-packed `[..., ceil(in / 4), 4 * out]` ("plain")
+    or its panels (`kernels.w8a8_matmul.to_panels`), `scales` `[..., out]`."""
+
+    q: Any
+    scales: Any
+    layout: str = _layout_field()
+
+    @property
+    def n_out(self) -> int:
+        return self.scales.shape[-1]
+
+
+QuantizedWeight = Int8Weight | Int4Weight | W8A8Weight
+# The scheme each weight type implements (what a checkpoint's config.json records).
+SCHEMES = {Int8Weight: "int8", Int4Weight: "int4", W8A8Weight: "w8a8"}
+
+
+def is_quantized(w: Any) -> bool:
+    """`w` is a quantized weight (not a float array)."""
+    return isinstance(w, (Int8Weight, Int4Weight, W8A8Weight))
+
+
+def quantize_int8(kernel: Any) -> Int8Weight:
     """Symmetric per-output-channel int8 of a `[..., in, out]` kernel (round to nearest); leading
     axes (stacked layers) are kept."""
     w = np.asarray(kernel, np.float32)
     amax = np.abs(w).max(axis=-2)
     scales = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
     q = np.clip(np.rint(w / scales[..., None, :]), -127, 127).astype(np.int8)
-    return {"qweight": jnp.asarray(q), "scales": jnp.asarray(scales)}
+    return Int8Weight(jnp.asarray(q), jnp.asarray(scales))
 
 
 def pack_vnni(q: np.ndarray) -> np.ndarray:
@@ -90,10 +157,10 @@ def unpack_vnni(packed: jax.Array) -> jax.Array:
     return jnp.swapaxes(packed.reshape(in4, n4 // 4, 4), -1, -2).reshape(4 * in4, n4 // 4)
 
 
-def quantize_w8a8(kernel: Any) -> dict[str, jax.Array]:
+def quantize_w8a8(kernel: Any) -> W8A8Weight:
     """int8's weights of a `[..., in, out]` kernel, packed for the w8a8 matmul (`pack_vnni`)."""
-    p = quantize_int8(kernel)
-    return {"qweight_a8": jnp.asarray(pack_vnni(np.asarray(p["qweight"]))), "scales": p["scales"]}
+    w = quantize_int8(kernel)
+    return W8A8Weight(jnp.asarray(pack_vnni(np.asarray(w.q))), w.scales)
 
 
 def pack_int4(q: np.ndarray) -> np.ndarray:
@@ -108,7 +175,12 @@ def unpack_int4(packed: jax.Array) -> jax.Array:
     return jnp.stack([low, high], axis=1).reshape(-1, packed.shape[-1])
 
 
-def quantize_int4(kernel: Any, group_size: int = 32) -> dict[str, jax.Array]:
+def int4_weight(q: Any, scales: Any, mins: Any) -> Int4Weight:
+    """An `Int4Weight` from packed bytes and separate scales and minimums `[..., in / g, out]`."""
+    return Int4Weight(jnp.asarray(q), jnp.stack([jnp.asarray(scales), jnp.asarray(mins)], -2))
+
+
+def quantize_int4(kernel: Any, group_size: int = 32) -> Int4Weight:
     """Asymmetric group-wise int4 of a `[..., in, out]` kernel: per group of `group_size` input
     rows and per output column, `min` and `scale = (max - min) / 15` (GGUF Q4_1's rule)."""
     if group_size not in INT4_GROUP_SIZES:
@@ -123,121 +195,67 @@ def quantize_int4(kernel: Any, group_size: int = 32) -> dict[str, jax.Array]:
     lo, hi = g.min(axis=-2), g.max(axis=-2)
     scales = np.where(hi > lo, (hi - lo) / 15.0, 1.0).astype(np.float32)
     q = np.clip(np.rint((g - lo[..., None, :]) / scales[..., None, :]), 0, 15).reshape(w.shape)
-    return {
-        "qweight4": jnp.asarray(pack_int4(q)),
-        "scales": jnp.asarray(scales),
-        "mins": jnp.asarray(lo.astype(np.float32)),
-    }
+    return int4_weight(pack_int4(q), scales, lo.astype(np.float32))
 
 
-PANEL = 64  # output columns of one panel of the serving layout (the native matmul's work block)
-# What `serving_layout` lays out as panels, and the array columns of one output column (w8a8
-# keeps each column's 4 inputs side by side, so its panel rows are 4 * PANEL bytes).
-_PANEL_KEYS = {"qweight": 1, "qweight4": 1, "qweight_a8": 4}
-# Within an int4 panel row, byte 8j + 2k + e holds column 16k + 2j + e (j < 8, k < 4, e < 2):
-# each 8-byte word then holds two columns of each 16-column vector, which is what the native
-# kernel's vpmultishiftqb can spread into that vector's lanes (quantized_matmul.cc).
-INT4_PANEL_ORDER = np.array([16 * (p % 8 // 2) + 2 * (p // 8) + p % 2 for p in range(PANEL)])
+def to_panels(w: QuantizedWeight) -> QuantizedWeight:
+    """`w` in the native kernels' panel layout (the module docstring); int4 whose `out` is not a
+    multiple of the panel width stays plain. Traceable."""
+    if w.layout == "panels":
+        return w
+    if isinstance(w, Int4Weight):
+        if not quantized_matmul.int4_panels_apply(w.n_out):
+            return w
+        return Int4Weight(*quantized_matmul.int4_panels(w.q, w.scales_mins), layout="panels")
+    if isinstance(w, W8A8Weight):
+        return W8A8Weight(w8a8_matmul.to_panels(w.q), w.scales, layout="panels")
+    return Int8Weight(quantized_matmul.panels(w.q), w.scales, layout="panels")
 
 
-def _panels(w: jax.Array, width: int) -> jax.Array:
-    """`[..., rows, cols]` -> `[..., ceil(cols / width), rows, width]`, the last zero-padded."""
-    *lead, rows, n_cols = w.shape
-    blocks = -(-n_cols // width)
-    w = jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, blocks * width - n_cols)])
-    return jnp.swapaxes(w.reshape(*lead, rows, blocks, width), -3, -2)
-
-
-def _unpanels(panels: jax.Array, n_cols: int) -> jax.Array:
-    *lead, blocks, rows, width = panels.shape
-    return jnp.swapaxes(panels, -3, -2).reshape(*lead, rows, blocks * width)[..., :n_cols]
-
-
-def to_panels(p: dict[str, Any]) -> dict[str, Any]:
-    """A quantized projection with its `[..., rows, out]` weights as `[..., ceil(out / PANEL),
-    rows, PANEL]` panels (the module docstring); anything else as it is. Traceable.
-
-    int4 goes further, when `out` is a multiple of PANEL (else it stays as it is: the native
-    kernel takes only such): its bytes in `INT4_PANEL_ORDER`, and its scales and minimums beside
-    each other in panels too, `scales_mins_panels` `[..., out / PANEL, in / g, 2, PANEL]`, so a
-    panel's group parameters are one contiguous read (strided rows of `[in / g, out]` left the
-    int4 kernel waiting on memory: 33 -> 42 G weights/s on one core here)."""
-    if "qweight4" in p:
-        if p["scales"].shape[-1] % PANEL:
-            return p
-        scales_mins = jnp.stack(
-            [_panels(jnp.asarray(p["scales"]), PANEL), _panels(jnp.asarray(p["mins"]), PANEL)], -2
-        )
-        rest = {k: v for k, v in p.items() if k not in ("qweight4", "scales", "mins")}
-        return {
-            "qweight4_panels": _panels(jnp.asarray(p["qweight4"]), PANEL)[..., INT4_PANEL_ORDER],
-            "scales_mins_panels": scales_mins,
-            **rest,
-        }
-    for key, per_column in _PANEL_KEYS.items():
-        if key in p:
-            rest = {k: v for k, v in p.items() if k != key}
-            return {f"{key}_panels": _panels(jnp.asarray(p[key]), PANEL * per_column), **rest}
-    return p
-
-
-def from_panels(p: dict[str, Any]) -> dict[str, Any]:
-    """Inverse of `to_panels` (traceable): the `[..., rows, out]` weights, padding dropped."""
-    if "qweight4_panels" in p:
-        sm = p["scales_mins_panels"]
-        n_out = sm.shape[-4] * PANEL
-        rest = {k: v for k, v in p.items() if k not in ("qweight4_panels", "scales_mins_panels")}
-        return {
-            "qweight4": _unpanels(p["qweight4_panels"][..., np.argsort(INT4_PANEL_ORDER)], n_out),
-            "scales": _unpanels(sm[..., 0, :], n_out),
-            "mins": _unpanels(sm[..., 1, :], n_out),
-            **rest,
-        }
-    for key, per_column in _PANEL_KEYS.items():
-        panels = p.get(f"{key}_panels")
-        if panels is not None:
-            rest = {k: v for k, v in p.items() if k != f"{key}_panels"}
-            return {key: _unpanels(panels, p["scales"].shape[-1] * per_column), **rest}
-    return p
-
-
-def output_size(p: dict[str, Any]) -> int:
-    """The `out` of a quantized projection, in either layout."""
-    if "scales_mins_panels" in p:
-        return p["scales_mins_panels"].shape[-4] * PANEL
-    return p["scales"].shape[-1]
+def from_panels(w: QuantizedWeight) -> QuantizedWeight:
+    """Inverse of `to_panels` (traceable): `w` in the plain layout, padding dropped."""
+    if w.layout == "plain":
+        return w
+    if isinstance(w, Int4Weight):
+        return Int4Weight(*quantized_matmul.int4_unpanels(w.q, w.scales_mins))
+    if isinstance(w, W8A8Weight):
+        return W8A8Weight(w8a8_matmul.from_panels(w.q, w.n_out), w.scales)
+    return Int8Weight(quantized_matmul.unpanels(w.q, w.n_out), w.scales)
 
 
 def serving_layout(params: dict[str, Any]) -> dict[str, Any]:
     """Per-layer params (`unstack_layers`) with every quantized projection and a quantized head
     laid out as panels (`to_panels`)."""
 
-    def layer(lp: dict[str, Any]) -> dict[str, Any]:
-        return {name: to_panels(v) if is_quantized(v) else v for name, v in lp.items()}
+    def projection(p: Any) -> Any:
+        if isinstance(p, dict) and is_quantized(p.get("kernel")):
+            return {**p, "kernel": to_panels(p["kernel"])}
+        return p
 
-    out = {**params, "layers": tuple(map(layer, params["layers"]))}
+    layers = tuple({name: projection(v) for name, v in lp.items()} for lp in params["layers"])
+    out = {**params, "layers": layers}
     for name in ("lm_head", "embed_tokens"):
         if is_quantized(out.get(name)):
             out[name] = to_panels(out[name])
     return out
 
 
-def is_quantized(p: Any) -> bool:
-    return isinstance(p, dict) and any(key.startswith("qweight") for key in p)
-
-
-def dequantize(p: dict[str, jax.Array], dtype: Any = jnp.float32) -> jax.Array:
-    """The `[in, out]` kernel a quantized projection stands for (pure JAX, traceable; w8a8's
-    with `in` padded to a multiple of 4 by zero rows)."""
-    p = from_panels(p)
-    if "qweight_a8" in p:
-        return (unpack_vnni(p["qweight_a8"]).astype(jnp.float32) * p["scales"]).astype(dtype)
-    if "qweight" in p:
-        return (p["qweight"].astype(jnp.float32) * p["scales"]).astype(dtype)
-    q = unpack_int4(p["qweight4"]).astype(jnp.float32)
-    groups, n_out = p["scales"].shape
-    w = q.reshape(groups, -1, n_out) * p["scales"][:, None] + p["mins"][:, None]
-    return w.reshape(-1, n_out).astype(dtype)
+def dequantize(w: QuantizedWeight, dtype: Any = jnp.float32) -> jax.Array:
+    """The `[in, out]` kernel a quantized weight stands for (pure JAX, traceable; w8a8's with
+    `in` padded to a multiple of 4 by zero rows)."""
+    w = from_panels(w)
+    if isinstance(w, W8A8Weight):
+        return (unpack_vnni(w.q).astype(jnp.float32) * w.scales).astype(dtype)
+    if isinstance(w, Int8Weight):
+        return (w.q.astype(jnp.float32) * w.scales).astype(dtype)
+    q = unpack_int4(w.q).astype(jnp.float32)
+    groups, _, n_out = w.scales_mins.shape
+    scales, mins = w.scales_mins[:, 0], w.scales_mins[:, 1]
+    return (
+        (q.reshape(groups, -1, n_out) * scales[:, None] + mins[:, None])
+        .reshape(-1, n_out)
+        .astype(dtype)
+    )
 
 
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -252,60 +270,48 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.clip(jnp.round(x * (1 / s)), -127, 127).astype(jnp.int8), s
 
 
-def w8a8_matmul_reference(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+def w8a8_matmul_reference(x: jax.Array, w: W8A8Weight) -> jax.Array:
     """`x @ W` the w8a8 way: rows of `x` quantized (`quantize_rows`), an exact int8 x int8 -> int32
     dot against the packed weights, then `(float(acc) * s_row) * s_column`."""
-    p = from_panels(p)
-    in4, n4 = p["qweight_a8"].shape
+    w = from_panels(w)
+    in4, n4 = w.q.shape
     n_in, n_out = x.shape[-1], n4 // 4
     q, s = quantize_rows(x.reshape(-1, n_in))
     q = jnp.pad(q, ((0, 0), (0, 4 * in4 - n_in))).reshape(-1, in4, 4)
     acc = jax.lax.dot_general(
         q,
-        p["qweight_a8"].reshape(in4, n_out, 4),
+        w.q.reshape(in4, n_out, 4),
         (((1, 2), (0, 2)), ((), ())),
         preferred_element_type=jnp.int32,
     )
-    y = acc.astype(jnp.float32) * s * p["scales"]
+    y = acc.astype(jnp.float32) * s * w.scales
     return y.reshape(*x.shape[:-1], n_out).astype(x.dtype)
 
 
-def quantized_matmul_reference(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
-    """`x @ W` for a quantized projection `p`: the contract every quantized matmul keeps (weight-only
-    schemes: `x @ dequantize(p)`; w8a8: `w8a8_matmul_reference`). A float projection is `x @ kernel`."""
-    if not is_quantized(p):
-        return x @ p["kernel"]
-    if "qweight_a8" in p or "qweight_a8_panels" in p:
-        return w8a8_matmul_reference(x, p)
-    return x @ dequantize(p, x.dtype)
+def quantized_matmul_reference(x: jax.Array, w: Any) -> jax.Array:
+    """`x @ W` for a weight `w`: the contract every matmul keeps (a float `[in, out]` array:
+    `x @ w`; weight-only schemes: `x @ dequantize(w)`; w8a8: `w8a8_matmul_reference`)."""
+    if isinstance(w, W8A8Weight):
+        return w8a8_matmul_reference(x, w)
+    if is_quantized(w):
+        return x @ dequantize(w, x.dtype)
+    return x @ w
 
 
-def _native_matmul(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
-    # these load a shared library
-    from minivllm_jax.kernels.float_matmul import float_matmul_native
-    from minivllm_jax.kernels.quantized_matmul import quantized_matmul_native
-    from minivllm_jax.kernels.w8a8_matmul import w8a8_matmul_native
-
-    if not is_quantized(p):
-        return float_matmul_native(x, p["kernel"])
-    w8a8 = "qweight_a8" in p or "qweight_a8_panels" in p
-    return w8a8_matmul_native(x, p) if w8a8 else quantized_matmul_native(x, p)
-
-
-# Implementations by name: a static argument of the step (`models.llama.forward(matmul=...)`).
-MATMUL = {"reference": quantized_matmul_reference, "native": _native_matmul}
+def quantize_weight(kernel: Any, scheme: str, group_size: int = 32) -> QuantizedWeight:
+    """A float `[..., in, out]` kernel as `scheme`'s weight."""
+    if scheme == "int8":
+        return quantize_int8(kernel)
+    if scheme == "int4":
+        return quantize_int4(kernel, group_size)
+    if scheme == "w8a8":
+        return quantize_w8a8(kernel)
+    raise ValueError(f"unknown quantization {scheme!r}; use one of {QUANTIZATIONS} or None")
 
 
 def quantize_projection(p: dict[str, Any], scheme: str, group_size: int = 32) -> dict[str, Any]:
-    """One projection (`{"kernel", "bias"?}`) with its kernel replaced by `scheme`'s arrays."""
-    rest = {k: v for k, v in p.items() if k != "kernel"}
-    if scheme == "int8":
-        return {**quantize_int8(p["kernel"]), **rest}
-    if scheme == "int4":
-        return {**quantize_int4(p["kernel"], group_size), **rest}
-    if scheme == "w8a8":
-        return {**quantize_w8a8(p["kernel"]), **rest}
-    raise ValueError(f"unknown quantization {scheme!r}; use one of {QUANTIZATIONS} or None")
+    """One projection (`{"kernel", "bias"?}`) with its kernel replaced by `scheme`'s weight."""
+    return {**p, "kernel": quantize_weight(p["kernel"], scheme, group_size)}
 
 
 def quantize_head(params: dict[str, Any]) -> dict[str, Any]:
@@ -322,24 +328,22 @@ def quantize_head(params: dict[str, Any]) -> dict[str, Any]:
 def lookup_embedding(table: Any, tokens: jax.Array, dtype: Any) -> jax.Array:
     """Rows of the embedding for `tokens`: a float `[vocab, hidden]` table, or a tied embedding
     quantized as the head (`quantize_head`), whose columns are the tokens' rows."""
-    if not isinstance(table, dict):
+    if not isinstance(table, Int8Weight):
         return table[tokens]
-    if (
-        "qweight_panels" in table
-    ):  # the serving layout: token t is lane t % PANEL of panel t // PANEL
-        q = table["qweight_panels"][tokens // PANEL, :, tokens % PANEL]
+    if table.layout == "panels":  # token t is lane t % PANEL of panel t // PANEL
+        q = table.q[tokens // PANEL, :, tokens % PANEL]
     else:
-        q = table["qweight"][:, tokens].T
-    return (q.astype(jnp.float32) * table["scales"][tokens][:, None]).astype(dtype)
+        q = table.q[:, tokens].T
+    return (q.astype(jnp.float32) * table.scales[tokens][:, None]).astype(dtype)
 
 
 def quantize_params(
     params: dict[str, Any], scheme: str | None, group_size: int = 32
 ) -> dict[str, Any]:
     """Params with every layer's projections quantized (the module's policy), stacked (as
-    stored: `[L, in, out]` kernels) or in the serving layout (`unstack_layers`): the schemes
-    work per output column and per group of input rows, so both give the same numbers.
-    `scheme=None` returns them as they are. The full-precision kernels are not kept."""
+    stored: `[L, in, out]` kernels) or per layer: the schemes work per output column and per
+    group of input rows, so both give the same numbers. `scheme=None` returns them as they are.
+    The full-precision kernels are not kept."""
     if scheme is None:
         return params
     if scheme not in QUANTIZATIONS:
@@ -370,54 +374,42 @@ def quantized_shapes(
     int4 = scheme in ("int4", "gguf")
     group = 32 if scheme == "gguf" else group_size
 
-    def projection(p: dict[str, Any]) -> dict[str, Any]:
-        *lead, n_in, n_out = p["kernel"].shape
+    def weight(kernel: jax.ShapeDtypeStruct) -> QuantizedWeight:
+        *lead, n_in, n_out = kernel.shape
         sds = lambda dtype, *shape: jax.ShapeDtypeStruct((*lead, *shape), dtype)  # noqa: E731
-        rest = {k: v for k, v in p.items() if k != "kernel"}
         if scheme == "w8a8":
-            return {
-                "qweight_a8": sds(jnp.int8, -(-n_in // 4), 4 * n_out),
-                "scales": sds(jnp.float32, n_out),
-                **rest,
-            }
+            return W8A8Weight(sds(jnp.int8, -(-n_in // 4), 4 * n_out), sds(jnp.float32, n_out))
         if not int4:
-            return {
-                "qweight": sds(jnp.int8, n_in, n_out),
-                "scales": sds(jnp.float32, n_out),
-                **rest,
-            }
-        return {
-            "qweight4": sds(jnp.uint8, n_in // 2, n_out),
-            "scales": sds(jnp.float32, n_in // group, n_out),
-            "mins": sds(jnp.float32, n_in // group, n_out),
-            **rest,
-        }
+            return Int8Weight(sds(jnp.int8, n_in, n_out), sds(jnp.float32, n_out))
+        return Int4Weight(
+            sds(jnp.uint8, n_in // 2, n_out), sds(jnp.float32, n_in // group, 2, n_out)
+        )
 
     layers = {
-        name: projection(v) if isinstance(v, dict) and "kernel" in v else v
+        name: {**v, "kernel": weight(v["kernel"])} if isinstance(v, dict) and "kernel" in v else v
         for name, v in params_shapes["layers"].items()
     }
     head_name = "lm_head" if "lm_head" in params_shapes else "embed_tokens"
     n_vocab = params_shapes[head_name].shape[-1 if head_name == "lm_head" else 0]
     n_hidden = params_shapes["norm"].shape[0]
-    head = {
-        "qweight": jax.ShapeDtypeStruct((n_hidden, n_vocab), jnp.int8),
-        "scales": jax.ShapeDtypeStruct((n_vocab,), jnp.float32),
-    }
+    head = Int8Weight(
+        jax.ShapeDtypeStruct((n_hidden, n_vocab), jnp.int8),
+        jax.ShapeDtypeStruct((n_vocab,), jnp.float32),
+    )
     return {**params_shapes, "layers": layers, head_name: head}
 
 
 def with_int4_projections(
-    params: dict[str, Any], projections: dict[str, dict[str, Any]]
+    params: dict[str, Any], projections: dict[str, Int4Weight]
 ) -> dict[str, Any]:
-    """Stacked params (before `unstack_layers`) with each named projection's float kernel
-    replaced by given int4 arrays stacked over layers (`minivllm_jax.loading.gguf_source.read_int4_projections`:
-    a GGUF's own 4-bit blocks, so nothing is quantized twice). Every projection must be given,
+    """Stacked params with each named projection's float kernel replaced by the given int4
+    weight stacked over layers (`minivllm_jax.loading.gguf_source.read_int4_projections`: a
+    GGUF's own 4-bit blocks, so nothing is quantized twice). Every projection must be given,
     with the shapes its kernel implies."""
     layers = params["layers"]
     if not isinstance(layers, dict):
         raise ValueError(
-            "with_int4_projections takes stacked params (before models.llama.unstack_layers)"
+            "with_int4_projections takes stacked params (as stored, one array a weight)"
         )
     new_layers = dict(layers)
     for name, proj in layers.items():
@@ -427,17 +419,15 @@ def with_int4_projections(
             raise ValueError(f"no int4 weights given for {name}")
         n_layers, n_in, n_out = proj["kernel"].shape
         given = projections[name]
-        if given["qweight4"].shape != (n_layers, n_in // 2, n_out) or given["scales"].shape[
-            ::2
-        ] != (n_layers, n_out):
+        if given.q.shape != (n_layers, n_in // 2, n_out) or given.scales_mins.shape[::3] != (
+            n_layers,
+            n_out,
+        ):
             raise ValueError(
-                f"int4 weights of {name} have shape {given['qweight4'].shape}, want "
+                f"int4 weights of {name} have shape {given.q.shape}, want "
                 f"{(n_layers, n_in // 2, n_out)}"
             )
-        new_layers[name] = {
-            **{k: jnp.asarray(v) for k, v in given.items()},
-            **{k: v for k, v in proj.items() if k != "kernel"},
-        }
+        new_layers[name] = {**proj, "kernel": jax.tree.map(jnp.asarray, given)}
     return {**params, "layers": new_layers}
 
 

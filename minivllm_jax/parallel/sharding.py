@@ -1,7 +1,7 @@
 """Tensor parallelism on JAX's own SPMD runtime: a `Mesh` with one axis, the same params
 pytree sharded Megatron-style, the KV cache split by KV head, the model under `shard_map`.
 
-Per device of a `tp`-way mesh (`TP_AXIS`), in the serving layout (`unstack_layers`):
+Per device of a `tp`-way mesh (`TP_AXIS`), of the serving params (`models.params.ServingParams`):
 - `qkv_proj` by output columns: the device's query heads, then its K and V heads (the merged
   columns are reordered once, at load, so that each device's slice is contiguous);
   `gate_up_proj` likewise: its slice of gate, then of up.
@@ -36,12 +36,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from minivllm_jax.config import ModelConfig
+from minivllm_jax.models.params import Params, ServingParams
 from minivllm_jax.ops.kv_cache import KVCache
 from minivllm_jax.ops.quantization import is_quantized
 
 TP_AXIS = "tp"
-
-Params = dict[str, Any]
 
 
 def make_mesh(tensor_parallel_size: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -139,8 +138,8 @@ def _reorder_layer(lp: Params, cfg: ModelConfig, tp: int) -> Params:
     return out
 
 
-def param_specs(params: Params, tp: int) -> Params:
-    """The `PartitionSpec` of every leaf of serving-layout params (see the module docstring)."""
+def param_specs(params: ServingParams, tp: int) -> ServingParams:
+    """The `PartitionSpec` of every leaf of serving params (see the module docstring)."""
 
     def layer(lp: Params) -> Params:
         specs = {name: P() for name in lp if not isinstance(lp[name], dict)}
@@ -156,31 +155,34 @@ def param_specs(params: Params, tp: int) -> Params:
             )
         return specs
 
-    vocab = params["embed_tokens"].shape[0]
-    split_vocab = vocab % tp == 0
-    specs: Params = {
-        "embed_tokens": P(TP_AXIS, None) if split_vocab else P(),
-        "norm": P(),
-        "layers": tuple(layer(lp) for lp in params["layers"]),
-    }
-    if "lm_head" in params:
-        specs["lm_head"] = P(None, TP_AXIS) if params["lm_head"].shape[1] % tp == 0 else P()
-    return specs
+    split_vocab = params.embed_tokens.shape[0] % tp == 0
+    head = params.lm_head
+    return ServingParams(
+        embed_tokens=P(TP_AXIS, None) if split_vocab else P(),
+        layers=tuple(layer(lp) for lp in params.layers),
+        norm=P(),
+        lm_head=None if head is None else P(None, TP_AXIS) if head.shape[1] % tp == 0 else P(),
+    )
 
 
-def shard_params(params: Params, cfg: ModelConfig, mesh: Mesh) -> Params:
-    """Serving-layout params (`unstack_layers`) reordered and placed on `mesh`, each device
-    holding only its slices. `cfg` is the model's own config (not yet `stored_config`)."""
+def shard_params(params: ServingParams, cfg: ModelConfig, mesh: Mesh) -> ServingParams:
+    """Serving params reordered and placed on `mesh`, each device holding only its slices.
+    `cfg` is the model's own config (not yet `stored_config`)."""
     tp = mesh.shape[TP_AXIS]
     check_tensor_parallel(cfg, tp)
     if any(
-        is_quantized(p) for lp in params["layers"] for p in lp.values() if isinstance(p, dict)
-    ) or any(isinstance(params.get(name), dict) for name in ("embed_tokens", "lm_head")):
+        is_quantized(p.get("kernel"))
+        for lp in params.layers
+        for p in lp.values()
+        if isinstance(p, dict)
+    ) or any(is_quantized(head) for head in (params.embed_tokens, params.lm_head)):
         raise ValueError(
             "quantized weights cannot be split over devices yet: use tensor_parallel_size=1 "
             "with quantization, or quantization=None with tensor parallelism"
         )
-    params = {**params, "layers": tuple(_reorder_layer(lp, cfg, tp) for lp in params["layers"])}
+    params = dataclasses.replace(
+        params, layers=tuple(_reorder_layer(lp, cfg, tp) for lp in params.layers)
+    )
     specs = param_specs(params, tp)
     # From host memory: with several processes each one places only its own devices' shards.
     return jax.tree.map(
@@ -213,7 +215,7 @@ def sharded(
     returned logits are whole on every device, the returned cache split as it came."""
     tp = mesh.shape[TP_AXIS]
 
-    def run(params: Params, cache: KVCache, batch: Any) -> tuple[jax.Array, KVCache]:
+    def run(params: ServingParams, cache: KVCache, batch: Any) -> tuple[jax.Array, KVCache]:
         in_specs = (param_specs(params, tp), cache_specs(cache), P())
         body = lambda p, c, b: model(p, c, b, TP_AXIS)  # noqa: E731
         # check_vma=False: the model's loops start from constants (replicated) and carry values

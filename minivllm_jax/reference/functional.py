@@ -24,7 +24,8 @@ from jax import lax
 
 from minivllm_jax import kernels
 from minivllm_jax.config import ModelConfig
-from minivllm_jax.models.llama import Params, forward, model_dtype, unstack_layers
+from minivllm_jax.engine.step import StepSpec, model_forward
+from minivllm_jax.models.params import ServingParams, model_dtype
 from minivllm_jax.ops.attention import resolve_attention
 from minivllm_jax.ops.batch import StepBatch
 from minivllm_jax.ops.kv_cache import KVCache, init_kv_cache
@@ -57,18 +58,16 @@ class _Loop(NamedTuple):
 
 
 def generate_tokens(
-    params: Params,
+    params: ServingParams,
     prompt_tokens: jax.Array,
     prompt_lens: jax.Array,
     max_tokens: jax.Array,
     stop_ids: jax.Array,
     sampling: SamplingArrays,
     *,
-    cfg: ModelConfig,
+    spec: StepSpec,
     max_new_tokens: int,
     page_size: int = 16,
-    attention: str = "reference",
-    matmul: str = "reference",
     kv_cache_dtype: str = "auto",
 ) -> Generated:
     """The jitted core. `prompt_tokens` `i32[T]`: the prompts back to back, row r's being the
@@ -81,8 +80,10 @@ def generate_tokens(
     `ceil((prompt_lens[r] + max_new_tokens) / page_size)` pages in a row, which all fit in
     `T / page_size + B * (max_new_tokens / page_size + 1)` pages, plus scratch page 0), every
     call starts it empty and nothing outlives the call, so there is nothing for a caller to
-    allocate, donate or keep; XLA updates it in place inside the loop.
+    allocate, donate or keep; XLA updates it in place inside the loop. `spec`: the model config
+    and implementations (`minivllm_jax.engine.step.StepSpec`; its mesh must be None).
     """
+    cfg = spec.cfg
     (T,), (B,) = prompt_tokens.shape, prompt_lens.shape
     M, ps = max_new_tokens, page_size
     num_pages = 1 + -(-T // ps) + B * (-(-M // ps) + 1)
@@ -143,10 +144,10 @@ def generate_tokens(
         batch = StepBatch(
             last, pos, slot(rows, pos), rows, jnp.ones_like(rows), pos, page_start, page_ids
         )
-        logits, cache = forward(params, s.cache, batch, cfg, attention, False, matmul)
+        logits, cache = model_forward(params, s.cache, batch, spec)
         return emit(s._replace(cache=cache), logits)
 
-    logits, cache = forward(params, cache, prefill, cfg, attention, False, matmul)
+    logits, cache = model_forward(params, cache, prefill, spec)
     seen = jnp.zeros((B, cfg.vocab_size), jnp.bool_).at[seq, prompt_tokens].max(in_prompt)
     state = _Loop(
         cache,
@@ -162,8 +163,7 @@ def generate_tokens(
 
 
 generate_tokens_jit = jax.jit(
-    generate_tokens,
-    static_argnames=("cfg", "max_new_tokens", "page_size", "attention", "matmul", "kv_cache_dtype"),
+    generate_tokens, static_argnames=("spec", "max_new_tokens", "page_size", "kv_cache_dtype")
 )
 
 
@@ -179,7 +179,7 @@ def bucket(n: int, least: int = 1) -> int:
 
 
 def generate(
-    params: Params,
+    params: ServingParams,
     cfg: ModelConfig,
     prompt_ids: Sequence[Sequence[int]] | Sequence[int],
     max_new_tokens: int,
@@ -260,17 +260,19 @@ def generate(
         [(sp, seed, 0, 0) for sp, seed in zip(params_list, seeds)], B, cfg.vocab_size
     )
     out = generate_tokens_jit(
-        unstack_layers(params),
+        params,
         tokens,
         lens,
         limits,
         stop_ids,
         arrays,
-        cfg=cfg,
+        spec=StepSpec(
+            cfg,
+            resolve_attention(attention, cfg, model_dtype(params), kv_cache_dtype),
+            matmul="auto" if kernels.native_available() else "reference",
+        ),
         max_new_tokens=M,
         page_size=page_size,
-        attention=resolve_attention(attention, cfg),
-        matmul="native" if kernels.native_available() else "reference",
         kv_cache_dtype=kv_cache_dtype,
     )
     out = jax.device_get(out)

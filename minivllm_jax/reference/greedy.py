@@ -12,34 +12,34 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from minivllm_jax.config import ModelConfig
-from minivllm_jax.engine.step import forward_jit
-from minivllm_jax.models.llama import Params, model_dtype, unstack_layers
+from minivllm_jax.engine.step import StepSpec, forward_jit
+from minivllm_jax.models.params import ServingParams, model_dtype
 from minivllm_jax.ops.batch import single_sequence_batch
 from minivllm_jax.ops.kv_cache import init_kv_cache
 
 
 def greedy_stream(
-    params: Params,
+    params: ServingParams,
     cfg: ModelConfig,
     prompt_ids: Sequence[int],
     max_new_tokens: int,
     stop_ids: Sequence[int] = (),
     page_size: int = 16,
 ) -> Iterator[int]:
-    """Yield greedy tokens one by one until `max_new_tokens` or a token in `stop_ids`. Pass
-    `unstack_layers(params)` when calling this often: stacked params are unstacked per call."""
+    """Yield greedy tokens one by one until `max_new_tokens` or a token in `stop_ids`. `params`:
+    serving params (`models.params.unstack_layers` of the loaded ones)."""
     if not prompt_ids:
         raise ValueError("prompt_ids must not be empty")
-    params = unstack_layers(params)
     total = len(prompt_ids) + max_new_tokens
     num_seq_pages = -(-total // page_size)
     pages = list(range(1, num_seq_pages + 1))
     dtype = model_dtype(params)
     cache = init_kv_cache(cfg, num_seq_pages + 1, page_size, dtype)
 
+    spec = StepSpec(cfg)  # the reference attention and matmuls, one device
     batch = single_sequence_batch(np.asarray(prompt_ids), 0, pages, page_size)
     for step in range(max_new_tokens):
-        logits, cache = forward_jit(params, cache, batch, cfg)
+        logits, cache = forward_jit(params, cache, batch, spec)
         token = int(np.argmax(np.asarray(logits[0])))  # host argmax: XLA's is slow on CPU
         yield token
         if token in stop_ids:
@@ -48,7 +48,7 @@ def greedy_stream(
 
 
 def greedy_generate(
-    params: Params,
+    params: ServingParams,
     cfg: ModelConfig,
     prompt_ids: Sequence[int],
     max_new_tokens: int,
