@@ -16,7 +16,7 @@ Method notes:
     Contiguous is emulated with one page of max_model_len per sequence; both report how many
     sequences ran at once (peak_running).
   - Scheduler knobs (num_pages, max_num_seqs, max_num_batched_tokens, prefix caching) are
-    applied to a fresh scheduler and block manager on an already compiled engine, never above
+    applied to a fresh scheduler and page manager on an already compiled engine, never above
     its compiled buckets, so no ablation pays extra compiles (`compiles_during_run` shows 0).
 
 Adding an ablation is one `Ablation(name, description, fn)` line in `registry()`.
@@ -52,7 +52,7 @@ from benchmarks.common import (  # noqa: E402
     save_plot,
     write_result,
 )
-from minivllm_jax.engine.kv.block_manager import BlockManager  # noqa: E402
+from minivllm_jax.engine.kv.pages import PageManager  # noqa: E402
 
 Batches = list[tuple[list[list[int]], list[int]]]  # requests run together, one group after another
 
@@ -206,7 +206,7 @@ class Bench:
     def execute(
         self, batches: Batches, llm=None, contiguous: bool = False, **knobs: Any
     ) -> tuple[dict[str, Any], list]:
-        """Run groups of requests one after another on fresh host state (scheduler, block manager
+        """Run groups of requests one after another on fresh host state (scheduler, page manager
         and prefix cache), with scheduler knobs applied; all requests count as arriving at the
         start. Returns the metrics and the generated token ids."""
         llm = llm or self.llm()
@@ -238,7 +238,7 @@ class Bench:
             "peak_running": peak,
             "preemptions": engine.stats().preemptions,
             "compiles_during_run": engine.num_compiles - compiles,
-            "scheduler": dataclasses.asdict(_scheduler_config(engine, **knobs)),
+            "scheduler": _scheduler_config(engine, **knobs).knobs(),
         }
         return metrics, run.token_ids
 
@@ -315,27 +315,27 @@ def _scheduler_config(engine, **knobs: Any):
     for name, value in knobs.items():
         if name not in SCHEDULER_KNOBS:
             raise ValueError(f"{name} is not a scheduler knob ({', '.join(SCHEDULER_KNOBS)})")
-        if name in COMPILED_LIMITS and value > getattr(base, name):
-            raise ValueError(f"{name}={value} exceeds the compiled engine's {getattr(base, name)}")
-    return dataclasses.replace(base, **knobs)
+        if name in COMPILED_LIMITS and value > base.knobs()[name]:
+            raise ValueError(f"{name}={value} exceeds the compiled engine's {base.knobs()[name]}")
+    return base.replace(**knobs)
 
 
-class NoReserveBlockManager(BlockManager):
+class NoReservePageManager(PageManager):
     """Admission without the per-running-sequence growth page (contiguous pages never grow)."""
 
-    def can_allocate(self, seq, reserve: int = 0) -> bool:
-        return super().can_allocate(seq, 0)
+    def allocate_slots(self, seq, lookahead: int = 0, reserve: int = 0):
+        return super().allocate_slots(seq, lookahead, 0)
 
 
 def fresh_host_state(engine, contiguous: bool = False, **knobs: Any) -> None:
-    """Give the engine a new scheduler and block manager (empty prefix cache) with `knobs`.
+    """Give the engine a new scheduler and page manager (empty prefix cache) with `knobs`.
 
     Contiguous: a page holds a whole sequence and never grows, so admission must not reserve
     a growth page per running sequence (the engine's scheduler does, for paged growth).
     """
     cfg = _scheduler_config(engine, **knobs)
-    bm = (NoReserveBlockManager if contiguous else BlockManager)(
-        cfg.num_pages, cfg.page_size, cfg.enable_prefix_caching
+    bm = (NoReservePageManager if contiguous else PageManager)(
+        cfg.cache.num_pages, cfg.cache.page_size, cfg.cache.enable_prefix_caching
     )
     engine.reset_host_state(cfg, bm)
 

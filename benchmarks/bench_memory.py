@@ -8,7 +8,7 @@ Reports, for one engine configuration and one seeded workload:
   - device memory stats from `jax.devices()[0].memory_stats()` (GPUs; "not available" on CPU);
   - a timeline sampled after every engine step: KV pages used, sequences running and waiting;
   - fragmentation: token slots allocated vs used. The configured page size is measured from the
-    block manager; the `--page-sizes` sweep and the contiguous cache (every running sequence
+    page manager; the `--page-sizes` sweep and the contiguous cache (every running sequence
     reserves max_model_len slots, as a non-paged engine must) are computed from the same
     timeline's sequence lengths, i.e. what each allocator would hold for the same sequences.
 
@@ -281,7 +281,7 @@ def measure_ours(args: argparse.Namespace) -> dict[str, Any]:
     """Build the engine, run the workload sampling the timeline, and collect the memory facts."""
     import jax
 
-    from minivllm_jax.models.llama import model_dtype
+    from minivllm_jax.models.params import model_dtype
     from minivllm_jax.ops.kv_cache import kv_bytes_per_page
 
     rss_start = rss_bytes()
@@ -296,25 +296,31 @@ def measure_ours(args: argparse.Namespace) -> dict[str, Any]:
         )
     timeline = Timeline()
     run = run_requests(engine, wl.prompts, greedy_params(wl.output_lens), on_step=timeline)
-    per_page = kv_bytes_per_page(mcfg, cfg.page_size, dtype, cfg.kv_cache_dtype)
+    per_page = kv_bytes_per_page(mcfg, cfg.cache.page_size, dtype, cfg.cache.kv_cache_dtype)
     measured_pool = sum(
         x.nbytes for x in jax.tree.leaves(engine.kv_cache)
     )  # int8 pages: with their scales
-    assert measured_pool == cfg.num_pages * per_page, (measured_pool, cfg.num_pages, per_page)
+    assert measured_pool == cfg.cache.num_pages * per_page, (
+        measured_pool,
+        cfg.cache.num_pages,
+        per_page,
+    )
     pages = [s["pages_used"] for s in timeline.samples]
     tiers = engine.tier_stats()
-    frag = fragmentation(timeline.samples, [cfg.page_size, *args.page_sizes], cfg.max_model_len)
-    for row in frag:  # the configured page size is also counted from the block manager itself
-        if row["allocator"] == f"paged-{cfg.page_size}":
-            row["measured_allocated_slots_step_sum"] = sum(pages) * cfg.page_size
+    frag = fragmentation(
+        timeline.samples, [cfg.cache.page_size, *args.page_sizes], cfg.max_model_len
+    )
+    for row in frag:  # the configured page size is also counted from the page manager itself
+        if row["allocator"] == f"paged-{cfg.cache.page_size}":
+            row["measured_allocated_slots_step_sum"] = sum(pages) * cfg.cache.page_size
     return {
         "workload": wl.describe(),
         "engine": {
-            "max_num_seqs": cfg.max_num_seqs,
+            "max_num_seqs": cfg.scheduler.max_num_seqs,
             "max_model_len": cfg.max_model_len,
-            "page_size": cfg.page_size,
-            "num_pages": cfg.num_pages,
-            "max_num_batched_tokens": cfg.max_num_batched_tokens,
+            "page_size": cfg.cache.page_size,
+            "num_pages": cfg.cache.num_pages,
+            "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
             "dtype": str(dtype),
         },
         "params": {
@@ -322,13 +328,13 @@ def measure_ours(args: argparse.Namespace) -> dict[str, Any]:
             "bytes": sum(x.nbytes for x in jax.tree.leaves(engine.params)),
         },
         "kv_pool": {
-            "num_pages": cfg.num_pages,
-            "usable_pages": cfg.num_pages - 1,  # page 0 is the scratch page
+            "num_pages": cfg.cache.num_pages,
+            "usable_pages": cfg.cache.num_pages - 1,  # page 0 is the scratch page
             "bytes_per_page": per_page,
             "bytes": measured_pool,
-            "token_capacity": (cfg.num_pages - 1) * cfg.page_size,
-            "max_len_seqs_that_fit_contiguous": (cfg.num_pages - 1)
-            * cfg.page_size
+            "token_capacity": (cfg.cache.num_pages - 1) * cfg.cache.page_size,
+            "max_len_seqs_that_fit_contiguous": (cfg.cache.num_pages - 1)
+            * cfg.cache.page_size
             // cfg.max_model_len,
             "peak_pages_used": max(pages, default=0),
             "peak_running": max((s["running"] for s in timeline.samples), default=0),
@@ -337,8 +343,8 @@ def measure_ours(args: argparse.Namespace) -> dict[str, Any]:
             "memory_pages_peak": max(pages, default=0),
             "swap_pages_peak": max((s["swap_pages"] for s in timeline.samples), default=0),
             "disk_pages_end": tiers.get("disk_pages", 0),
-            "preemption_mode": cfg.preemption_mode,
-            "kv_disk_dir": cfg.kv_disk_dir,
+            "preemption_mode": cfg.scheduler.preemption_mode,
+            "kv_disk_dir": cfg.cache.kv_disk_dir,
             **{k: v for k, v in tiers.items() if k != "swap_pages"},
         },
         "host_rss": {

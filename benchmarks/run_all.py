@@ -29,68 +29,35 @@ from benchmarks.lib import readme  # noqa: E402
 from benchmarks.lib.readme import Results  # noqa: E402
 from benchmarks.lib.report import RESULTS  # noqa: E402
 
-# name -> script arguments. Sizes are chosen so the whole suite fits in about 70 minutes here.
-SUITE: dict[str, list[str]] = {
-    "throughput": ["bench_throughput.py", "--preset", "mixed", "--hf-batch", "8"],
-    "throughput_bf16": [
-        "bench_throughput.py",
-        "--preset",
-        "chat",
-        "--num-prompts",
-        "16",
-        "--dtype",
-        "bfloat16",
-        "--hf-batch",
-        "8",
-        "--out",
-        str(RESULTS / "throughput_bf16.json"),
-    ],
-    "decode": ["bench_decode.py", "--tokens", "128", "--reps", "3"],
-    "roofline": ["bench_roofline.py"],
-    "latency": [
-        "bench_latency.py",
-        "--preset",
-        "chat",
-        "--num-prompts",
-        "16",
-        "--concurrency",
-        "1",
-        "2",
-        "4",
-        "8",
-        "16",
-        "32",
-    ],
-    "serving": [
-        "load_test.py",
-        "--launch",
-        "--preset",
-        "chat",
-        "--requests",
-        "48",
-        "--concurrency-sweep",
-        "1",
-        "2",
-        "4",
-        "8",
-        "16",
-        "32",
-        "--server-args",
-        "--max-num-seqs 16",
-        "--out",
-        str(RESULTS / "serving.json"),
-    ],
-    "memory": ["bench_memory.py", "--preset", "mixed", "--num-prompts", "32"],
-    "ablations": ["bench_ablations.py", "--preset", "mixed", "--num-prompts", "24"],
-    "interference": ["bench_interference.py"],
-    "startup": ["bench_startup.py"],
-    "quant": ["bench_quant.py"],
-    "scaling": ["bench_scaling.py"],
-    "decoding": ["bench_decoding.py"],
-    "kv_tiers": ["bench_kv_tiers.py"],
-    "resilience": ["bench_resilience.py"],
-    "family_parity": ["family_parity.py"],
+# name -> script and arguments (`{results}`: the results folder). Sizes are chosen so the whole
+# suite fits in an hour or two on 2 cores.
+SUITE: dict[str, str] = {
+    "throughput": "engine/bench_throughput.py --preset mixed --hf-batch 8",
+    "throughput_bf16": "engine/bench_throughput.py --preset chat --num-prompts 16 --dtype bfloat16 "
+    "--hf-batch 8 --out {results}/throughput_bf16.json",
+    "decode": "engine/bench_decode.py --tokens 128 --reps 3",
+    "roofline": "micro/bench_roofline.py",
+    "latency": "engine/bench_latency.py --preset chat --num-prompts 16 --concurrency 1 2 4 8 16 32",
+    "serving": "serving/load_test.py --launch --preset chat --requests 48 "
+    "--concurrency-sweep 1 2 4 8 16 32 --server-args '--max-num-seqs 16' "
+    "--out {results}/serving.json",
+    "memory": "engine/bench_memory.py --preset mixed --num-prompts 32",
+    "ablations": "engine/bench_ablations.py --preset mixed --num-prompts 24",
+    "interference": "engine/bench_interference.py",
+    "startup": "serving/bench_startup.py",
+    "quant": "quality/bench_quant.py",
+    "scaling": "engine/bench_scaling.py",
+    "decoding": "engine/bench_decoding.py",
+    "kv_tiers": "engine/bench_kv_tiers.py",
+    "resilience": "serving/bench_resilience.py",
+    "family_parity": "quality/family_parity.py",
 }
+
+
+def command(name: str) -> list[str]:
+    """The command line of one entry of SUITE."""
+    script, *args = shlex.split(SUITE[name].format(results=shlex.quote(str(RESULTS))))
+    return [sys.executable, str(HERE / script), *args]
 
 
 def write_reports(results: Results) -> str:
@@ -118,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     failed = []
     for name in [] if args.readme else (args.only or list(SUITE)):
-        cmd = [sys.executable, str(HERE / SUITE[name][0]), *SUITE[name][1:]]
+        cmd = command(name)
         print(f"\n=== {name}: {shlex.join(cmd[1:])}", flush=True)
         start = time.perf_counter()
         rc = subprocess.call(cmd)

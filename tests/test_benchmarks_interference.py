@@ -14,7 +14,7 @@ def _isolated_conversions(tmp_path, monkeypatch):
 
 
 def test_interference_quick(tiny_model_with_tokenizer, tmp_path):
-    from benchmarks import bench_interference
+    from benchmarks.engine import bench_interference
 
     out = tmp_path / "interference.json"
     assert (

@@ -38,7 +38,7 @@ def tiny_model(tiny_model_with_tokenizer) -> Path:
 
 def _run(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    cmd = [sys.executable, str(ROOT / "benchmarks" / script), *args]
+    cmd = [sys.executable, str(ROOT / "benchmarks" / script), *args]  # script: "<folder>/<name>.py"
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, (
         f"{script} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -57,7 +57,7 @@ def _check_level(level: dict, requests: int) -> None:
 def test_bench_latency_quick(tiny_model, tmp_path):
     out = tmp_path / "latency.json"
     proc = _run(
-        "bench_latency.py",
+        "engine/bench_latency.py",
         "--quick",
         "--model",
         str(tiny_model),
@@ -89,7 +89,7 @@ def test_bench_latency_quick(tiny_model, tmp_path):
 def test_load_test_launch_quick(tiny_model, tmp_path):
     out = tmp_path / "load.json"
     _run(
-        "load_test.py",
+        "serving/load_test.py",
         "--launch",
         "--quick",
         "--model",
@@ -120,7 +120,7 @@ def test_bench_startup_quick(tiny_model, tmp_path):
     through the server's start-up path too)."""
     out = tmp_path / "startup.json"
     _run(
-        "bench_startup.py",
+        "serving/bench_startup.py",
         "--quick",
         "--model",
         str(tiny_model),
@@ -143,7 +143,7 @@ def test_load_test_rejects_non_loopback():
     proc = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "load_test.py"),
+            str(ROOT / "benchmarks" / "serving" / "load_test.py"),
             "--url",
             "http://10.0.0.1:8000",
         ],

@@ -63,7 +63,7 @@ def test_memory_quick(tiny_model, tmp_path):
     )
     allocators = {f["allocator"]: f for f in r["fragmentation"]}
     assert any(a.startswith("contiguous-") for a in allocators)
-    # The page-16 row is computed from the timeline; it must equal the block manager's real count.
+    # The page-16 row is computed from the timeline; it must equal the page manager's real count.
     paged = allocators["paged-16"]
     assert paged["allocated_slots_step_sum"] == paged["measured_allocated_slots_step_sum"]
 

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from benchmarks import bench_quant, quant_quality
+from benchmarks.quality import bench_quant, quant_quality
 
 
 @pytest.fixture(scope="module")

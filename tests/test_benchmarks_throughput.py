@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from benchmarks import bench_decode, bench_roofline, bench_throughput, energy
+from benchmarks.engine import bench_decode, bench_throughput
+from benchmarks.micro import bench_roofline, energy
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +104,9 @@ def test_roofline_quick(tiny_model, tmp_path):
     assert len(r["points"]) == 3 and all(
         _positive(p["fraction_of_bound"]) for p in r["points"].values()
     )
-    assert r["engine_matches_greedy_stream"] in (True, False)
+    # Both are greedy decodes of the same prompt: the engine's batched step and the bare model
+    # loop must pick the same tokens.
+    assert r["engine_matches_greedy_stream"] is True
     assert out.with_suffix(".png").stat().st_size > 0
 
 
@@ -152,12 +155,13 @@ def test_rapl_reading_handles_wraparound(tmp_path):
     assert e["j_per_output_token"] == pytest.approx(50e-6)
 
 
-def test_energy_not_available_says_why(tmp_path):
+def test_energy_not_available_says_why(tmp_path, monkeypatch):
+    monkeypatch.setattr(energy.shutil, "which", lambda name: None)  # as if no nvidia-smi here
     meter = energy.EnergyMeter(root=tmp_path / "missing")
     with meter:
         pass
-    if meter.source is None:  # a machine with nvidia-smi would measure the GPU instead
-        assert meter.result().startswith("not available (") and "RAPL" in meter.result()
+    assert meter.source is None
+    assert meter.result().startswith("not available (") and "RAPL" in meter.result()
 
 
 def test_summary_table_reads_results_and_dates_them(tmp_path):

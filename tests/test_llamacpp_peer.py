@@ -9,14 +9,12 @@ import sys
 import numpy as np
 import pytest
 
-from benchmarks import llamacpp_peer
+from benchmarks.lib import peers
 from minivllm_jax.loading.reader import read_checkpoint
 from tests.conftest import make_tiny_llama, requires_smollm2
 from tests.test_convert import write_tiny_gguf
 
-has_llama_cpp = pytest.mark.skipif(
-    not llamacpp_peer.available()[0], reason=llamacpp_peer.INSTALL_HINT
-)
+has_llama_cpp = pytest.mark.skipif(not peers.available()[0], reason=peers.INSTALL_HINT)
 
 
 def _leaves(params) -> dict:
@@ -29,8 +27,8 @@ def _leaves(params) -> dict:
 def test_f32_gguf_loads_to_the_same_params_as_q4_1(tmp_path):
     import gguf
 
-    src = llamacpp_peer.source_gguf("smollm2-135m")
-    dst = llamacpp_peer.write_dequantized_gguf(src, tmp_path / "m-F32.gguf", "f32")
+    src = peers.source_gguf("smollm2-135m")
+    dst = peers.write_dequantized_gguf(src, tmp_path / "m-F32.gguf", "f32")
     reader, copy = gguf.GGUFReader(str(src)), gguf.GGUFReader(str(dst))
     assert {t.tensor_type.name for t in copy.tensors} == {"F32"}
     assert copy.fields["general.file_type"].contents() == gguf.LlamaFileType.ALL_F32
@@ -54,7 +52,7 @@ def test_f16_gguf_keeps_norms_f32(tmp_path):
     import gguf
 
     src = write_tiny_gguf(make_tiny_llama(tmp_path / "hf", seed=5), tmp_path / "tiny.gguf")
-    dst = llamacpp_peer.write_dequantized_gguf(src, tmp_path / "tiny-F16.gguf", "f16")
+    dst = peers.write_dequantized_gguf(src, tmp_path / "tiny-F16.gguf", "f16")
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(dst)).tensors}
     assert types["blk.0.attn_norm.weight"] == "F32" and types["blk.0.attn_q.weight"] == "F16"
     want, got = (
@@ -64,39 +62,39 @@ def test_f16_gguf_keeps_norms_f32(tmp_path):
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-3, atol=1e-4, err_msg=name)
     with pytest.raises(ValueError, match="f16 or f32"):
-        llamacpp_peer.write_dequantized_gguf(src, tmp_path / "x.gguf", "q8_0")
+        peers.write_dequantized_gguf(src, tmp_path / "x.gguf", "q8_0")
 
 
 def test_dequantized_gguf_is_cached(tmp_path):
     src = write_tiny_gguf(make_tiny_llama(tmp_path / "hf", seed=6), tmp_path / "tiny.gguf")
-    first = llamacpp_peer.dequantized_gguf(src, "f32", cache_dir=tmp_path / "cache")
+    first = peers.dequantized_gguf(src, "f32", cache_dir=tmp_path / "cache")
     mtime = first.stat().st_mtime_ns
-    assert llamacpp_peer.dequantized_gguf(src, "f32", cache_dir=tmp_path / "cache") == first
+    assert peers.dequantized_gguf(src, "f32", cache_dir=tmp_path / "cache") == first
     assert first.stat().st_mtime_ns == mtime and first.name.endswith("-F32.gguf")
 
 
 def _peer_args(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--model")
-    llamacpp_peer.add_peer_args(p)
+    peers.add_peer_args(p)
     return p.parse_args(argv)
 
 
 def test_peer_skip_reasons(tmp_path, monkeypatch):
-    assert llamacpp_peer.peer_models(_peer_args("--model", "x", "--no-llamacpp")) == (
+    assert peers.peer_models(_peer_args("--model", "x", "--no-llamacpp")) == (
         {},
         "--no-llamacpp",
     )
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as if not installed
-    paths, why = llamacpp_peer.peer_models(_peer_args("--model", str(tmp_path)))
+    paths, why = peers.peer_models(_peer_args("--model", str(tmp_path)))
     assert paths == {} and "pip install -e '.[peer]' or make bench" in why
     with pytest.raises(RuntimeError, match=r"pip install -e '\.\[peer\]' or make bench"):
-        llamacpp_peer.LlamaCppPeer(tmp_path / "m.gguf")
+        peers.LlamaCppPeer(tmp_path / "m.gguf")
 
 
 @has_llama_cpp
 def test_peer_skips_non_gguf_models(tmp_path):
-    paths, why = llamacpp_peer.peer_models(_peer_args("--model", str(tmp_path)))
+    paths, why = peers.peer_models(_peer_args("--model", str(tmp_path)))
     assert paths == {} and "is not a GGUF model" in why
 
 
@@ -107,7 +105,7 @@ def test_batched_run_gives_exact_lengths_and_batch1_tokens():
     prompts = [rng.integers(100, 10000, size=n).tolist() for n in (5, 40, 12)]
     lens = [6, 3, 9]
     # One thread: ggml's spinning thread barrier crawls when the test shares the cores.
-    with llamacpp_peer.LlamaCppPeer(llamacpp_peer.source_gguf("smollm2-135m"), threads=1) as peer:
+    with peers.LlamaCppPeer(peers.source_gguf("smollm2-135m"), threads=1) as peer:
         batched = peer.run(prompts, lens, n_parallel=2)
         single = [peer.run([p], [n], n_parallel=1).token_ids[0] for p, n in zip(prompts, lens)]
     assert [len(t) for t in batched.token_ids] == lens and [
@@ -115,4 +113,4 @@ def test_batched_run_gives_exact_lengths_and_batch1_tokens():
     ] == lens
     # Batched and single runs take different matmul paths; greedy tokens still start the same.
     assert [t[0] for t in batched.token_ids] == [t[0] for t in single]
-    assert all(llamacpp_peer.common_prefix(a, b) >= 2 for a, b in zip(batched.token_ids, single))
+    assert all(peers.common_prefix(a, b) >= 2 for a, b in zip(batched.token_ids, single))

@@ -72,101 +72,98 @@ def _ratio(a: float | None, b: float | None) -> str:
 # ------------------------------------------------------------------ the results table
 
 
+def dig(d: dict, path: str):
+    """`d["a"]["b"]...` along the dotted `path`; None where a step is missing."""
+    for key in path.split("."):
+        d = d.get(key) if isinstance(d, dict) else None
+    return d
+
+
 def summary(r: Results) -> str:
     """The main table (ours vs PyTorch, and llama.cpp where it ran), from whatever results exist."""
-    tp, bf, dec, lat = r("throughput"), r("throughput_bf16"), r("decode"), r("latency")
-    mem, roof, inter, start = r("memory"), r("roofline"), r("interference"), r("startup")
-    dcd, kv, res = r("decoding"), r("kv_tiers"), r("resilience")
-    ours, hf = tp.get("ours", {}), tp.get("hf", {})
+    g = lambda name, path: dig(r(name), path)  # one value of one result
+    gib = lambda b: None if b is None else b / 2**30
 
-    def peer(result: dict, value: Callable[[dict], float | None], mine: float | None) -> list:
+    def llamacpp(name: str, key: str, ours: float | None) -> list[str]:
         """The llama.cpp column ("F32 / Q4_1") and ours / llama.cpp F32; blank without a peer."""
-        sides = result.get("llamacpp") or {}
-        if not sides:
+        if not r(name).get("llamacpp"):
             return ["", ""]
-        f32, q4 = (value(sides[v]) if v in sides else None for v in ("f32", "q4_1"))
-        return [f"{fmt(f32)} / {fmt(q4)}", f"{mine / f32:.2f}x" if mine and f32 else ""]
+        f32, q4 = g(name, f"llamacpp.f32.{key}"), g(name, f"llamacpp.q4_1.{key}")
+        return [f"{fmt(f32)} / {fmt(q4)}", f"{ours / f32:.2f}x" if ours and f32 else ""]
 
     def ttft8(side: dict | None) -> str:
-        levels = (side or {}).get("levels", [])
-        t = next((lv["ttft_s"] for lv in levels if lv["concurrency"] == 8), {})
+        t = next(
+            (lv["ttft_s"] for lv in (side or {}).get("levels", []) if lv["concurrency"] == 8), {}
+        )
         return f"{fmt(_ms(t.get('p50')), 0)} / {fmt(_ms(t.get('p99')), 0)}"
 
-    gib = lambda b: None if b is None else b / 2**30
-    out_tok, dec_tok = ours.get("output_tok_s"), dec.get("ours", {}).get("decode_tok_s")
-    peer8 = "; ".join(
-        f"{v.upper()}: {ttft8(s)}" for v, s in sorted(lat.get("llamacpp", {}).items())
+    out, total = g("throughput", "ours.output_tok_s"), g("throughput", "ours.total_tok_s")
+    decode = g("decode", "ours.decode_tok_s")
+    lat_peers = sorted((r("latency").get("llamacpp") or {}).items())
+    frac = g("roofline", "points.decode b=1 (LLM engine).fraction_of_bound")
+    gap, gap_ratio = (
+        g("interference", "median.worst_gap_s"),
+        g("interference", "median.ratio_worst_gap_to_itl_p50"),
     )
-    frac = ((roof.get("points") or {}).get("decode b=1 (LLM engine)") or {}).get(
-        "fraction_of_bound"
+    beam, spec = (
+        g("decoding", "beam_search.batch_1") or {},
+        g("decoding", "speculative.grounded_batch_1") or {},
     )
-    med = inter.get("median") or {}
-    gap = (
-        med
-        and f"{fmt(_ms(med['worst_gap_s']), 0)} ({fmt(med['ratio_worst_gap_to_itl_p50'])}x ITL p50)"
-    )
-    beam = (dcd.get("beam_search") or {}).get("batch_1") or {}
-    spec = (dcd.get("speculative") or {}).get("grounded_batch_1") or {}
-    modes = {x["mode"]: x["elapsed_s"] for x in (kv.get("preemption") or {}).get("rows", [])}
-    tiers = {x["tier"]: x["ttft_s"]["p50"] for x in (kv.get("restart") or {}).get("rows", [])}
+    modes = {x["mode"]: x["elapsed_s"] for x in g("kv_tiers", "preemption.rows") or []}
+    tiers = {x["tier"]: x["ttft_s"]["p50"] for x in g("kv_tiers", "restart.rows") or []}
     rows = [
         [
             "offline throughput, output tok/s (mixed, fp32)",
-            fmt(out_tok),
-            fmt(hf.get("output_tok_s")),
-            _times(tp.get("speedup")),
-            *peer(tp, lambda c: c.get("output_tok_s"), out_tok),
+            fmt(out),
+            fmt(g("throughput", "hf.output_tok_s")),
+            _times(g("throughput", "speedup")),
+            *llamacpp("throughput", "output_tok_s", out),
         ],
         [
             "offline throughput, total tok/s",
-            fmt(ours.get("total_tok_s")),
-            fmt(hf.get("total_tok_s")),
+            fmt(total),
+            fmt(g("throughput", "hf.total_tok_s")),
             "",
-            *peer(tp, lambda c: c.get("total_tok_s"), ours.get("total_tok_s")),
+            *llamacpp("throughput", "total_tok_s", total),
         ],
         [
             "offline throughput, output tok/s (chat, bf16)",
-            fmt(bf.get("ours", {}).get("output_tok_s")),
-            fmt(bf.get("hf", {}).get("output_tok_s")),
-            _times(bf.get("speedup")),
+            fmt(g("throughput_bf16", "ours.output_tok_s")),
+            fmt(g("throughput_bf16", "hf.output_tok_s")),
+            _times(g("throughput_bf16", "speedup")),
         ],
         [
             "batch-1 greedy decode, tok/s",
-            fmt(dec_tok),
-            fmt(dec.get("hf", {}).get("decode_tok_s")),
-            _times(dec.get("speedup")),
-            *peer(dec, lambda c: c.get("decode_tok_s"), dec_tok),
+            fmt(decode),
+            fmt(g("decode", "hf.decode_tok_s")),
+            _times(g("decode", "speedup")),
+            *llamacpp("decode", "decode_tok_s", decode),
         ],
         [
             "TTFT p50 / p99 at concurrency 8, ms (chat)",
-            ttft8(lat.get("ours")),
-            ttft8(lat.get("hf")),
+            ttft8(g("latency", "ours")),
+            ttft8(g("latency", "hf")),
             "",
-            peer8,
+            "; ".join(f"{v.upper()}: {ttft8(side)}" for v, side in lat_peers),
             "",
         ],
         [
             "params + KV pool, GiB",
-            fmt(gib((mem.get("params") or {}).get("bytes")), 2)
-            + " + "
-            + fmt(gib((mem.get("kv_pool") or {}).get("bytes")), 2),
+            f"{fmt(gib(g('memory', 'params.bytes')), 2)} + {fmt(gib(g('memory', 'kv_pool.bytes')), 2)}",
         ],
         [
             "peak host RSS, GiB",
-            fmt(gib((mem.get("host_rss") or {}).get("peak_rss_bytes")), 2),
-            fmt(gib((mem.get("hf") or {}).get("peak_rss_bytes")), 2),
+            fmt(gib(g("memory", "host_rss.peak_rss_bytes")), 2),
+            fmt(gib(g("memory", "hf.peak_rss_bytes")), 2),
         ],
-        [
-            "batch-1 engine decode, share of the bandwidth bound",
-            fmt(None if frac is None else 100 * frac, 0) + "%",
-        ],
+        ["batch-1 engine decode, share of the bandwidth bound", fmt(frac and 100 * frac, 0) + "%"],
         [
             "worst stream gap while a 1,500-token prompt prefills, ms (target <= 2x ITL p50)",
-            gap or "n/a",
+            f"{fmt(_ms(gap), 0)} ({fmt(gap_ratio)}x ITL p50)" if gap else "n/a",
         ],
         [
             "server start-up to /health 200, cold / warm caches, s (targets <= 60 / 15)",
-            f"{fmt(start.get('cold_s'))} / {fmt(start.get('warm_s'))}",
+            f"{fmt(g('startup', 'cold_s'))} / {fmt(g('startup', 'warm_s'))}",
         ],
         [
             "beam search (k = 4), batch 1, tok/s",
@@ -176,7 +173,7 @@ def summary(r: Results) -> str:
         ],
         [
             "n-gram speculation, batch-1 decode, input-grounded, tok/s with / without",
-            f"{fmt(spec.get('ngram', {}).get('decode_tok_s'))} / {fmt(spec.get('off', {}).get('decode_tok_s'))}",
+            f"{fmt(dig(spec, 'ngram.decode_tok_s'))} / {fmt(dig(spec, 'off.decode_tok_s'))}",
             "",
             _times(spec.get("decode_speedup")),
         ],
@@ -192,25 +189,31 @@ def summary(r: Results) -> str:
             "",
             _ratio(tiers.get("none"), tiers.get("disk")),
         ],
-        *_resilience_rows(res),
+        *_resilience_rows(r("resilience")),
     ]
     head = ["metric", "minivllm-jax (XLA)", "HF transformers (PyTorch)", "ratio"]
     if any(any(x[4:6]) for x in rows):
         head += ["llama.cpp F32 / Q4_1 GGUF", "ours / llama.cpp F32"]
     table = md_table(head, [(x + [""] * 6)[: len(head)] for x in rows])
-    machine = tp.get("machine") or dec.get("machine") or {}
-    results = (tp, bf, dec, lat, mem, roof, inter, start, dcd, kv, res)
-    stamps = sorted(x["timestamp"] for x in results if x.get("timestamp"))
+    names = "throughput throughput_bf16 decode latency memory roofline interference startup"
+    stamps = sorted(
+        r(n)["timestamp"]
+        for n in (names + " decoding kv_tiers resilience").split()
+        if r(n).get("timestamp")
+    )
     when = (
         "not run yet"
         if not stamps
         else stamps[0]
         if stamps[0] == stamps[-1]
-        else f"from {stamps[0]} to {stamps[-1]} (rows rerun with `--only` keep their own timestamps)"
+        else (
+            f"from {stamps[0]} to {stamps[-1]} (rows rerun with `--only` keep their own timestamps)"
+        )
     )
+    m = r("throughput").get("machine") or r("decode").get("machine") or {}
     return (
-        f"{table}\nMeasured {when} on {machine.get('cpu', '?')}, {machine.get('cpu_count', '?')} "
-        f"cores, {machine.get('mem_gib', '?')} GiB (`python benchmarks/run_all.py`).\n"
+        f"{table}\nMeasured {when} on {m.get('cpu', '?')}, {m.get('cpu_count', '?')} cores, "
+        f"{m.get('mem_gib', '?')} GiB (`python benchmarks/run_all.py`).\n"
     )
 
 
@@ -274,11 +277,91 @@ def scheduling(r: Results) -> str:
     )
 
 
-def quant(r: Results) -> str:
-    from benchmarks.bench_quant import markdown_table
+# ------------------------------------------------------------------ the quantization table
 
+REFERENCE = "fp32"  # bench_quant's base mode with the model-dtype KV cache: the quality reference
+
+
+def _f(x: float | None, digits: int = 1, scale: float = 1.0) -> str:
+    return "n/a" if x is None else f"{x * scale:,.{digits}f}"
+
+
+def _kl(x: float | None) -> str:
+    return "n/a" if x is None else "0" if x == 0 else f"{x:.1e}" if x < 1e-3 else f"{x:.4f}"
+
+
+def quant_table(result: dict) -> str:
+    """bench_quant's table: one row per mode that ran, then the skipped ones with their reasons."""
+    modes = result.get("modes") or {}
+    budget = next((m["kv_budget"] for m in modes.values() if m.get("status") == "ok"), {})
+    ref_tok_s = ((modes.get(REFERENCE) or {}).get("decode_b1") or {}).get("decode_tok_s")
+    bandwidth = (result.get("bandwidth") or {}).get("best_gb_s")
+    max_batch = (
+        f"max batch ({_f(budget.get('budget_mib'), 0)} MiB KV, {budget.get('context', '?')} tok)"
+    )
+    head = ["mode", "params MB", "KV B/token", max_batch, "peak RSS MB", "b1 decode tok/s"]
+    head += [f"b1 x {REFERENCE}", "b1 % of bound", "offline out tok/s", "TTFT p50 ms"]
+    head += ["perplexity", "mean KL", "top-1 agree %", "greedy agree %", "top-5 rule %"]
+    rows, not_run = [], {}  # not_run: "skipped: reason" -> modes
+    for name, m in modes.items():
+        if m.get("status") != "ok":
+            not_run.setdefault(f"{m.get('status')}: {m.get('reason')}", []).append(f"`{name}`")
+            continue
+        q, g = m.get("quality") or {}, m.get("greedy") or {}
+        tok_s, read = m["decode_b1"]["decode_tok_s"], m.get("decode_bytes_per_token")
+        share = tok_s * read / (bandwidth * 1e9) if bandwidth and read else None
+        rows.append(
+            [
+                f"`{name}`",
+                _f(m["param_bytes"], 1, 1e-6),
+                _f(m["kv_bytes_per_token"], 0),
+                str(m["kv_budget"]["max_batch"]),
+                _f(m["peak_rss_bytes"], 1, 1e-6),
+                _f(tok_s),
+                _f(tok_s / ref_tok_s if ref_tok_s else None, 2),
+                _f(share, 0, 100),
+                _f(m["offline"]["output_tok_s"]),
+                _f(m["ttft"]["p50"], 0, 1e3),
+                _f(q.get("perplexity"), 3),
+                _kl(q.get("mean_kl")),
+                _f(q.get("top1_agreement"), 1, 100),
+                _f(g.get("position_agreement"), 1, 100),
+                _f(g.get("top5_rule_pass_share"), 0, 100),
+            ]
+        )
+    text = result.get("text") or {}
+    files = ", ".join(
+        f"{s['package']} {s['version']} {Path(s['file']).name}"
+        if "package" in s
+        else Path(s["file"]).name
+        for s in text.get("sources", [])
+    )
+    machine = result.get("machine") or {}
+    lines = [
+        md_table(head, rows),
+        f"Quality against `{REFERENCE}` on {text.get('scored_tokens', 0):,} tokens of text ({files}; "
+        f"{text.get('windows', '?')} windows of {text.get('window', '?')}, fed {text.get('chunk', '?')} "
+        f"at a time through the KV cache) and {result.get('greedy_prompts', '?')} prompts x "
+        f"{result.get('gen_tokens', '?')} greedy tokens. Measured {result.get('timestamp', 'not yet')} "
+        f"on {machine.get('cpu', '?')}, {machine.get('cpu_count', '?')} cores "
+        "(`python benchmarks/quality/bench_quant.py`). The bound of a batch-1 decode is the read "
+        f"bandwidth ({_f(bandwidth)} GB/s, the best probe of the run) over the weight bytes a step reads.",
+    ]
+    peer = result.get("llamacpp") or {}
+    if peer.get("status") == "ok":
+        lines.append(
+            f"\nllama.cpp on the same GGUF ({peer['gguf']}), same prompt and run: batch-1 decode "
+            f"{peer['decode_tok_s']:.1f} tok/s."
+        )
+    if not_run:
+        lines.append("\nNot measured:\n")
+        lines += [f"- {', '.join(names)}: {why}" for why, names in not_run.items()]
+    return "\n".join(lines) + "\n"
+
+
+def quant(r: Results) -> str:
     q = r("quant")
-    return "\n" + (markdown_table(q) if q else "not run yet\n")
+    return "\n" + (quant_table(q) if q else "not run yet\n")
 
 
 def quant_summary(r: Results) -> str:

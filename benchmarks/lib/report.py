@@ -1,4 +1,4 @@
-"""Results and how they are shown: percentiles and latency summaries, machine facts, the JSON
+"""Results and how they are shown: the options every script has, percentiles and latency summaries, machine facts, the JSON
 result files, markdown tables and headless matplotlib figures."""
 
 from __future__ import annotations
@@ -20,6 +20,31 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def script_parser(doc: str, out: str | None, model: str | None = DEFAULT_MODEL):
+    """The parser every benchmark starts from: its docstring as help, --model (unless None)
+    and --out (the JSON result, `results/<out>` by default; a PNG goes beside it)."""
+    p = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    if model is not None:
+        p.add_argument("--model", default=model, help="alias, converted dir, HF folder or .gguf")
+    p.add_argument(
+        "--out",
+        default=None if out is None else str(RESULTS / out),
+        help="JSON result path; the PNG goes beside it",
+    )
+    return p
+
+
+def add_options(p: argparse.ArgumentParser, rows: Sequence[tuple[str, Any, str]]) -> None:
+    """Options from `(flag, default, help)` rows: the type is the default's, or the default
+    itself when it is a type (`int`: no default, None)."""
+    for flag, default, help in rows:
+        kind = default if isinstance(default, type) else type(default)
+        p.add_argument(flag, type=kind, default=None if default is kind else default, help=help)
 
 
 def fmt(x: float | None, digits: int = 1) -> str:
@@ -38,7 +63,7 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
     if not values:
         return {"p50": None, "p90": None, "p99": None, "mean": None, "count": 0}
     xs = sorted(values)
-    q = lambda p: xs[min(len(xs) - 1, max(0, int(np.ceil(p / 100 * len(xs))) - 1))]
+    q = lambda p: nearest_rank(xs, p)
     return {
         "p50": q(50),
         "p90": q(90),
@@ -46,6 +71,12 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
         "mean": statistics.fmean(xs),
         "count": len(xs),
     }
+
+
+def nearest_rank(sorted_values: list[float], p: float) -> float | None:
+    """The nearest-rank `p`th percentile of already sorted values; None when there are none."""
+    n = len(sorted_values)
+    return sorted_values[min(n - 1, max(0, int(np.ceil(p / 100 * n)) - 1))] if n else None
 
 
 # ------------------------------------------------------------------ latency under load
@@ -241,3 +272,50 @@ def style_axes(axes, titles: Sequence[str], xlabel: str, xticks: Sequence[int] |
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.0f}"
+
+
+def print_levels(sides: dict[str, list[dict]]) -> None:
+    """Latency levels (`latency_summary` dicts with their concurrency) side by side, one row per
+    side and concurrency, the first side's levels first (ms; tok/s; goodput req/s)."""
+    by_c = {name: {lv["concurrency"]: lv for lv in levels} for name, levels in sides.items()}
+    cols = ["TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p99", "out tok/s", "goodput/s"]
+    print(f"{'C':>4} {'':15}" + "".join(f"{c:>11}" for c in cols))
+    for c in [lv["concurrency"] for lv in next(iter(sides.values()))]:
+        for name, levels in by_c.items():
+            if (row := levels.get(c)) is None:
+                continue
+            vals = [_ms(row[k][q]) for k, q in [("ttft_s", "p50"), ("ttft_s", "p99")]]
+            vals += [
+                _ms(row[k][q]) for k, q in [("tpot_s", "p50"), ("tpot_s", "p99"), ("itl_s", "p99")]
+            ]
+            vals += [
+                f"{row['output_tokens_per_s'] or 0:.1f}",
+                f"{row['goodput']['requests_per_s'] or 0:.2f}",
+            ]
+            print(f"{c:>4} {name:15}" + "".join(f"{v:>11}" for v in vals))
+
+
+def plot_levels(series: list[tuple[str, list[dict]]], title: str, out: str | Path) -> Path:
+    """TTFT p50/p99, TPOT p50/p99 and output tok/s against concurrency, one color per series."""
+    fig, axes = new_figure(3, width=4.5)
+    for k, (name, levels) in enumerate(series):
+        cs = [lv["concurrency"] for lv in levels]
+        ms = lambda key, q: [(lv[key][q] or 0) * 1000 for lv in levels]
+        for ax, key in ((axes[0, 0], "ttft_s"), (axes[0, 1], "tpot_s")):
+            ax.plot(cs, ms(key, "p50"), "o-", color=f"C{k}", label=f"{name} p50")
+            ax.plot(cs, ms(key, "p99"), "s--", color=f"C{k}", label=f"{name} p99")
+        tok_s = [lv["output_tokens_per_s"] or 0 for lv in levels]
+        axes[0, 2].plot(cs, tok_s, "o-", color=f"C{k}", label=name)
+    xticks = sorted({lv["concurrency"] for _, levels in series for lv in levels})
+    style_axes(
+        axes[0],
+        ["TTFT (ms)", "TPOT (ms)", "output tok/s"],
+        "concurrency (requests in flight)",
+        xticks,
+    )
+    fig.suptitle(title)
+    return save_plot(fig, out)

@@ -5,7 +5,7 @@ Reports compile times, time to first token, and decode tokens/s (tokens after th
 medians over repetitions) for each, on the same prompt and thread count, and how many of
 llama.cpp's greedy tokens agree with ours.
 
-    python benchmarks/bench_decode.py [--tokens 128] [--reps 3] [--quick] [--no-llamacpp]
+    python benchmarks/engine/bench_decode.py [--tokens 128] [--reps 3] [--quick] [--no-llamacpp]
 """
 
 from __future__ import annotations
@@ -17,17 +17,15 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks import llamacpp_peer  # noqa: E402
-from benchmarks.common import RESULTS, load_hf_model, write_result  # noqa: E402
+from benchmarks.lib import peers  # noqa: E402
+from benchmarks.lib.harness import decode_rate  # noqa: E402
+from benchmarks.lib.report import script_parser, write_result  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--model", default="smollm2-135m")
+    p = script_parser(__doc__, "decode.json")
     p.add_argument("--prompt", default="Write a short story about a robot learning to paint.")
     p.add_argument("--tokens", type=int, default=128, help="new tokens per run")
     p.add_argument("--reps", type=int, default=3)
@@ -38,10 +36,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="torch and llama.cpp threads (XLA uses the same cores)",
     )
     p.add_argument("--no-hf", action="store_true", help="skip the PyTorch peer")
-    llamacpp_peer.add_peer_args(p)
+    peers.add_peer_args(p)
     p.add_argument("--quick", action="store_true", help="16 tokens, 1 rep")
-    p.add_argument("--out", default=str(RESULTS / "decode.json"))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.tokens, args.reps = 16, 1
+    return args
 
 
 def bench_ours(model: str, prompt_ids: list[int], tokens: int, reps: int) -> dict:
@@ -50,9 +50,9 @@ def bench_ours(model: str, prompt_ids: list[int], tokens: int, reps: int) -> dic
     import numpy as np
 
     from convert import resolve_model
-    from minivllm_jax.engine.step import forward_jit
+    from minivllm_jax.engine.step import StepSpec, forward_jit
     from minivllm_jax.loading.checkpoint import load_converted
-    from minivllm_jax.models.llama import unstack_layers
+    from minivllm_jax.models.params import unstack_layers
     from minivllm_jax.ops.batch import single_sequence_batch
     from minivllm_jax.ops.kv_cache import init_kv_cache
     from minivllm_jax.reference.greedy import greedy_stream
@@ -68,7 +68,7 @@ def bench_ours(model: str, prompt_ids: list[int], tokens: int, reps: int) -> dic
         ("decode", single_sequence_batch(np.array([1]), len(prompt_ids), pages, 16)),
     ]:
         start = time.perf_counter()
-        forward_jit.lower(params, cache, batch, cfg).compile()
+        forward_jit.lower(params, cache, batch, StepSpec(cfg)).compile()
         compile_s[name] = time.perf_counter() - start
     del cache
 
@@ -79,12 +79,7 @@ def bench_ours(model: str, prompt_ids: list[int], tokens: int, reps: int) -> dic
         for tok in greedy_stream(params, cfg, prompt_ids, tokens):
             stamps.append(time.perf_counter())
             ids.append(tok)
-        runs.append(
-            {
-                "ttft_s": stamps[0] - start,
-                "decode_tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
-            }
-        )
+        runs.append({"ttft_s": stamps[0] - start, "decode_tok_s": decode_rate(stamps)})
     jax.clear_caches()
     return {"compile_s": compile_s, **_medians(runs), "token_ids": ids}
 
@@ -99,23 +94,17 @@ def _medians(runs: list[dict]) -> dict:
 
 
 def bench_hf(model: str, prompt_ids: list[int], tokens: int, reps: int, threads: int) -> dict:
-    import torch
-
-    hf = load_hf_model(model, "float32", threads)
-    ids = torch.tensor([prompt_ids])
+    hf = peers.load_hf_model(model, "float32", threads)
+    peers.hf_generate(hf, [prompt_ids], 4)  # warm-up
     runs = []
-    with torch.no_grad():
-        hf.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm-up
-        for _ in range(reps):
-            start = time.perf_counter()
-            hf.generate(ids, max_new_tokens=1, do_sample=False, eos_token_id=None, pad_token_id=0)
-            ttft = time.perf_counter() - start
-            start = time.perf_counter()
-            hf.generate(
-                ids, max_new_tokens=tokens, do_sample=False, eos_token_id=None, pad_token_id=0
-            )
-            total = time.perf_counter() - start
-            runs.append({"ttft_s": ttft, "decode_tok_s": (tokens - 1) / max(total - ttft, 1e-9)})
+    for _ in range(reps):
+        start = time.perf_counter()
+        peers.hf_generate(hf, [prompt_ids], 1)
+        ttft = time.perf_counter() - start
+        start = time.perf_counter()
+        peers.hf_generate(hf, [prompt_ids], tokens)
+        total = time.perf_counter() - start
+        runs.append({"ttft_s": ttft, "decode_tok_s": (tokens - 1) / max(total - ttft, 1e-9)})
     return _medians(runs)
 
 
@@ -125,7 +114,7 @@ def bench_llamacpp(
     """llama.cpp's batch-1 greedy decode of exactly `tokens` tokens on GGUF `path`, measured as
     ours is (TTFT; tokens after the first over their time), and how many agree with ours."""
     runs = []
-    with llamacpp_peer.LlamaCppPeer(path, threads) as peer:
+    with peers.LlamaCppPeer(path, threads) as peer:
         for _ in range(reps):
             r = peer.run([prompt_ids], [tokens], 1)
             t, ids = r.token_times[0], r.token_ids[0]
@@ -140,15 +129,13 @@ def bench_llamacpp(
         "gguf": path.name,
         **medians,
         "ours_speedup": ours["decode_tok_s"] / medians["decode_tok_s"],
-        "tokens_agreeing_with_ours": llamacpp_peer.common_prefix(ids, ours["token_ids"]),
+        "tokens_agreeing_with_ours": peers.common_prefix(ids, ours["token_ids"]),
         "token_ids": ids,
     }
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.quick:
-        args.tokens, args.reps = 16, 1
     from transformers import AutoTokenizer
 
     from convert import resolve_model
@@ -167,7 +154,7 @@ def main(argv=None) -> int:
     if not args.no_hf:
         result["hf"] = bench_hf(args.model, prompt_ids, args.tokens, args.reps, args.threads)
         result["speedup"] = result["ours"]["decode_tok_s"] / result["hf"]["decode_tok_s"]
-    llamacpp_peer.run_variants(
+    peers.run_variants(
         args,
         result,
         lambda _, path: bench_llamacpp(

@@ -1,7 +1,7 @@
 """Resilience: does good traffic keep its latency while abusive clients hit the same server?
 
 One loopback server (`python -m server`, started here) serves good streaming completions at
-`--concurrency` 16 (load_test.py's client and prompts) in each phase, beside one kind of abuse:
+`--concurrency` 16 (the shared client and text prompts of benchmarks/lib) in each phase, beside one kind of abuse:
 
   a. alone             good traffic only (the baseline)
   b. slow readers      SSE clients that never read (socket receive buffer shrunk), arriving
@@ -27,9 +27,10 @@ TPOT <= --slo-tpot-ms), TTFT p50/p95, lost good requests (an error or no answer;
 phase g the requests in flight at the SIGKILL die with the process and are counted apart), the
 abusive requests' answers, and /health's worst latency (polled every 50 ms through the phase).
 
-    python benchmarks/bench_resilience.py                       # every phase, 48 good requests each
-    python benchmarks/bench_resilience.py --phases alone tool_bombs --requests 16
-    python benchmarks/bench_resilience.py --duration 20         # 20 s of good traffic per phase
+    python benchmarks/serving/bench_resilience.py                       # every phase, 48 good requests each
+    python benchmarks/serving/bench_resilience.py --phases alone tool_bombs --requests 16
+    python benchmarks/serving/bench_resilience.py --duration 20         # 20 s of good traffic per phase
+    python benchmarks/serving/bench_resilience.py --quick --model PATH --phases alone tool_bombs
 """
 
 from __future__ import annotations
@@ -52,32 +53,28 @@ from types import SimpleNamespace
 from typing import Any
 from urllib.parse import urlparse
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np  # noqa: E402
 
-from benchmarks.bench_interference import git_state  # noqa: E402
-from benchmarks.common import (  # noqa: E402
-    RESULTS,
+from benchmarks.lib.report import (  # noqa: E402
+    ROOT,
+    add_options,
     add_slo_args,
+    git_state,
     meets_slo,
+    nearest_rank,
     new_figure,
     percentiles,
     save_plot,
+    script_parser,
     write_result,
 )
-from benchmarks.load_test import PROMPTS, launched_process, launched_server, one_request  # noqa: E402
+from benchmarks.lib.serving import launched_server, metric, one_request  # noqa: E402
+from benchmarks.lib.workloads import TEXT_PROMPTS  # noqa: E402
 
-PHASES = [
-    "alone",
-    "slow_readers",
-    "oversized_bodies",
-    "tool_bombs",
-    "overflow_values",
-    "disconnect_storm",
-    "sigkill_restart",
-]
+PHASES = "alone slow_readers oversized_bodies tool_bombs overflow_values disconnect_storm".split()
+PHASES.append("sigkill_restart")
 DEFAULT_SERVER_ARGS = "--max-num-seqs 16 --max-model-len 512 --max-queue 32"
 SLO_TTFT_MS, SLO_TPOT_MS = 2000.0, 100.0  # the issue's goodput SLO (looser TTFT than load_test's)
 MAX_BODY_BYTES = 1 << 20  # the server's default --max-body-bytes
@@ -104,56 +101,37 @@ OVERFLOW_FIELDS: list[dict[str, Any]] = [
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument(
-        "--model", default="smollm2-135m", help="alias, converted dir, HF folder or .gguf"
-    )
+    p = script_parser(__doc__, "resilience.json")
     p.add_argument(
         "--phases", nargs="+", choices=PHASES, default=PHASES, help="which phases to run (in order)"
     )
-    p.add_argument(
-        "--requests", type=int, default=48, help="good requests per phase (unless --duration)"
+    add_options(
+        p,
+        [
+            ("--requests", 48, "good requests per phase (unless --duration)"),
+            ("--duration", float, "seconds of good traffic per phase instead"),
+            ("--concurrency", 16, "good requests in flight"),
+            ("--max-tokens", 32, "output tokens per good request (EOS ignored)"),
+            ("--abusers", 4, "abusive client threads per looping phase"),
+            ("--slow-readers", 48, "most slow readers opened in phase b"),
+            ("--slow-reader-interval", 0.5, "seconds between slow readers"),
+            (
+                "--settle",
+                120.0,
+                "after phases b and f: most seconds the abusers' requests may take",
+            ),
+            ("--server-args", DEFAULT_SERVER_ARGS, "flags for `python -m server`"),
+            ("--launch-timeout", 900.0, "seconds to wait for a server to be ready"),
+            ("--request-timeout", 120.0, "seconds per good request"),
+        ],
     )
-    p.add_argument(
-        "--duration", type=float, default=None, help="seconds of good traffic per phase instead"
-    )
-    p.add_argument("--concurrency", type=int, default=16, help="good requests in flight")
-    p.add_argument(
-        "--max-tokens", type=int, default=32, help="output tokens per good request (EOS ignored)"
-    )
-    p.add_argument(
-        "--abusers", type=int, default=4, help="abusive client threads per looping phase"
-    )
-    p.add_argument(
-        "--slow-readers", type=int, default=48, help="most slow readers opened in phase b"
-    )
-    p.add_argument(
-        "--slow-reader-interval", type=float, default=0.5, help="seconds between slow readers"
-    )
-    p.add_argument(
-        "--settle",
-        type=float,
-        default=120.0,
-        help="after phases b and f: most seconds to wait for the engine to finish the abusers' requests",
-    )
-    p.add_argument(
-        "--server-args", default=DEFAULT_SERVER_ARGS, help="flags for `python -m server`"
-    )
-    p.add_argument(
-        "--launch-timeout",
-        type=float,
-        default=900.0,
-        help="seconds to wait for a server to be ready",
-    )
-    p.add_argument("--request-timeout", type=float, default=120.0, help="seconds per good request")
     add_slo_args(p)
     p.set_defaults(slo_ttft_ms=SLO_TTFT_MS, slo_tpot_ms=SLO_TPOT_MS)
-    p.add_argument(
-        "--out", default=str(RESULTS / "resilience.json"), help="JSON path; the PNG goes beside it"
-    )
+    p.add_argument("--quick", action="store_true", help="smoke test: few, short requests")
     args = p.parse_args(argv)
+    if args.quick:
+        args.requests, args.concurrency, args.max_tokens, args.abusers = 4, 2, 4, 1
+        args.slow_readers, args.slow_reader_interval, args.settle = 2, 0.2, 30.0
     if min(args.requests, args.concurrency, args.max_tokens, args.abusers) < 1:
         p.error("--requests, --concurrency, --max-tokens and --abusers must be >= 1")
     return args
@@ -164,7 +142,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def good_body(i: int, max_tokens: int, prefix: str = "") -> dict[str, Any]:
     return {
-        "prompt": prefix + PROMPTS[i % len(PROMPTS)],
+        "prompt": prefix + TEXT_PROMPTS[i % len(TEXT_PROMPTS)],
         "max_tokens": max_tokens,
         "temperature": 0.8,
         "seed": i,
@@ -231,14 +209,6 @@ def summarize(results: list[dict], wall_s: float, args: argparse.Namespace) -> d
         "ttft_s": {**percentiles(ttft), "p95": nearest_rank(ttft, 95)},
         "tpot_s": percentiles([r["tpot"] for r in ok if r["tpot"] is not None]),
     }
-
-
-def nearest_rank(sorted_values: list[float], p: float) -> float | None:
-    if not sorted_values:
-        return None
-    return sorted_values[
-        min(len(sorted_values) - 1, max(0, int(np.ceil(p / 100 * len(sorted_values))) - 1))
-    ]
 
 
 # ------------------------------------------------------------------ abusive clients
@@ -352,7 +322,7 @@ class SlowReaders:
 
     def _open(self) -> None:
         body = {
-            "prompt": PROMPTS[0],
+            "prompt": TEXT_PROMPTS[0],
             "max_tokens": 64,
             "logprobs": 20,
             "ignore_eos": True,
@@ -418,16 +388,6 @@ class HealthPoller:
             "p50_s": percentiles(self.latencies)["p50"],
             "not_200": dict(self.not_ok),
         }
-
-
-def metric(url: str, name: str) -> float | None:
-    """One unlabelled (or exactly labelled) sample of /metrics, or None when absent."""
-    import httpx
-
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    return None
 
 
 # ------------------------------------------------------------------ phases
@@ -520,7 +480,7 @@ def sigkill_restart(args: argparse.Namespace) -> dict:
     """Phase g: clean run (pages written), SIGKILL mid-run, tear two page files, restart, serve."""
     disk_dir = Path(tempfile.mkdtemp(prefix="minivllm-resilience-kv-"))
     server_args = f"{args.server_args} --kv-disk-dir {disk_dir}"
-    with launched_server(args.model, server_args, args.launch_timeout, None) as url:
+    with launched_server(args.model, server_args, args.launch_timeout) as (url, _):
         asyncio.run(
             good_traffic(url, args, prefix=SHARED_PREFIX)
         )  # cached, then written to disk at SIGTERM
@@ -529,7 +489,7 @@ def sigkill_restart(args: argparse.Namespace) -> dict:
     two_waves = argparse.Namespace(
         **{**vars(args), "requests": max(args.requests, 2 * args.concurrency), "duration": None}
     )
-    with launched_process(args.model, server_args, args.launch_timeout, None) as (url, proc):
+    with launched_server(args.model, server_args, args.launch_timeout) as (url, proc):
 
         def sigkill() -> None:
             if proc.poll() is None:
@@ -553,7 +513,7 @@ def sigkill_restart(args: argparse.Namespace) -> dict:
     torn = tear_pages(disk_dir)
     start = time.perf_counter()
     with (
-        launched_process(args.model, server_args, args.launch_timeout, None) as (url, proc),
+        launched_server(args.model, server_args, args.launch_timeout) as (url, proc),
         HealthPoller(url) as health,
     ):
         ready_s = time.perf_counter() - start
@@ -645,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     in_server = [p for p in args.phases if p != "sigkill_restart"]
     if in_server:
-        with launched_server(args.model, args.server_args, args.launch_timeout, None) as url:
+        with launched_server(args.model, args.server_args, args.launch_timeout) as (url, _):
             asyncio.run(
                 good_traffic(
                     url,

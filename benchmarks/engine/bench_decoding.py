@@ -13,7 +13,7 @@
 Every timing is the median of --reps runs after a warm-up run of the same work (which also
 compiles what it needs). JSON and PNG go to benchmarks/results/decoding.*.
 
-    python benchmarks/bench_decoding.py [--quick] [--reps 3]
+    python benchmarks/engine/bench_decoding.py [--quick] [--reps 3]
 """
 
 from __future__ import annotations
@@ -21,20 +21,28 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.bench_quant import decode_bytes_per_token  # noqa: E402
-from benchmarks.bench_roofline import measure_bandwidth  # noqa: E402
-from benchmarks.common import PRESETS, RESULTS, load_hf_model, new_figure, save_plot, write_result  # noqa: E402
+from benchmarks.lib import peers  # noqa: E402
+from benchmarks.lib.harness import (  # noqa: E402
+    build_llm,
+    decode_bytes_per_token,
+    decode_rate,
+    greedy,
+    measure_bandwidth,
+    stream_one,
+    timed,
+)
+from benchmarks.lib.report import new_figure, save_plot, script_parser, write_result  # noqa: E402
+from benchmarks.lib.workloads import PRESETS, random_prompts  # noqa: E402
+from minivllm_jax.loading.checkpoint import load_converted  # noqa: E402
+from minivllm_jax.loading.resolve import resolve_model  # noqa: E402
 
 # 7 draft tokens: 1 + 7 = 8 rows, a step bucket, which the native matmuls read the weights once
-# for. Measured here on the grounded workload, batch-1 decode with / without: gamma 3 (min 1 or
-# 2) 1.7x, gamma 5 1.7x, gamma 7 min 2 1.8x, gamma 7 min 1 2.0x (lookup max 3, 4 or 6: the same).
+# for; it was the best of the draft lengths and lookup sizes tried (docs/perf-notes.md).
 SPECULATIVE = {
     "method": "ngram",
     "num_speculative_tokens": 7,
@@ -77,22 +85,16 @@ def grounded_prompts(llm) -> list[list[int]]:
 
 
 def chat_prompts(n: int, seed: int = 0) -> list[list[int]]:
-    """The chat preset's prompts (seeded random ids, as `benchmarks.common.make_workload`)."""
+    """The chat preset's prompts (seeded random ids; lengths drawn from the same generator)."""
     import numpy as np
 
-    preset = PRESETS["chat"]
     rng = np.random.default_rng(seed)
-    return [
-        rng.integers(100, 10000, size=int(k)).tolist()
-        for k in rng.integers(*preset.input_len, size=n)
-    ]
+    lengths = rng.integers(*PRESETS["chat"].input_len, size=n)
+    return [rng.integers(100, 10000, size=int(k)).tolist() for k in lengths]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--model", default="smollm2-135m")
+    p = script_parser(__doc__, "decoding.json")
     p.add_argument(
         "--tokens", type=int, default=64, help="new tokens per request (sections 1, 2, 4)"
     )
@@ -107,37 +109,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--quick", action="store_true", help="few tokens, 1 rep, batch 8 only where it is cheap"
     )
-    p.add_argument("--out", default=str(RESULTS / "decoding.json"))
     args = p.parse_args(argv)
     if args.quick:
         args.tokens, args.spec_tokens, args.reps = 8, 24, 1
     return args
 
 
-def timed(fn: Callable[[], Any], reps: int, warmups: int = 2) -> tuple[float, Any]:
-    """Median seconds of `fn()` over `reps` runs after `warmups` runs, and the last result. Two
-    warm-ups: the second run of a prompt hits the prefix cache and so has its own step shapes."""
-    for _ in range(warmups):
-        out = fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times), out
+# Two warm-ups before each timing: the second run of a prompt hits the prefix cache and so has
+# its own step shapes.
+WARMUPS = 2
 
 
-def decode_rate(outs: list[Any]) -> float:
+def output_decode_rate(outs: list[Any]) -> float:
     """Tokens after each request's first over the time from its first token to its last, summed:
     the decode speed a stream sees (prefill, which speculation does not change, left out)."""
     tokens = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
     return tokens / sum(o.metrics.last_token_time - o.metrics.first_token_time for o in outs)
-
-
-def greedy(max_tokens: int, ignore_eos: bool = True):
-    from minivllm_jax import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
 
 
 # ---------------------------------------------------------------------------------------- sections
@@ -145,36 +132,19 @@ def greedy(max_tokens: int, ignore_eos: bool = True):
 
 def bench_generate(args, llm, hf, prompts: list[list[int]]) -> dict[str, Any]:
     """Functional generate vs engine vs HF at batch 1 and 8 (same prompts, greedy, forced length)."""
-    import torch
-
-    from minivllm_jax import SamplingParams, generate
+    from minivllm_jax import generate
 
     out: dict[str, Any] = {}
     n = args.tokens
     for batch in (1, 8):
         ps = prompts[:batch]
-        t_fn, fn_out = timed(
-            lambda: generate(
-                llm.params,
-                llm.model_config,
-                ps,
-                n,
-                SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
-            ),
-            args.reps,
-        )
-        t_engine, engine_out = timed(lambda: llm.generate(ps, greedy(n), use_tqdm=False), args.reps)
-        ids = torch.tensor(ps)  # same-length prompts: no padding, so HF's tokens are comparable
-        run_hf = lambda: hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=n,
-            min_new_tokens=n,  # noqa: E731
-            do_sample=False,
-            pad_token_id=0,
-        )
-        with torch.no_grad():
-            t_hf, hf_out = timed(run_hf, args.reps)
+        run_fn = lambda: generate(llm.params, llm.model_config, ps, n, greedy(n))
+        t_fn, fn_out = timed(run_fn, args.reps, WARMUPS)
+        run_engine = lambda: llm.generate(ps, greedy(n), use_tqdm=False)
+        t_engine, engine_out = timed(run_engine, args.reps, WARMUPS)
+        # Same-length prompts: no padding, so HF's tokens are comparable.
+        run_hf = lambda: peers.hf_generate(hf, ps, n, min_new_tokens=n)
+        t_hf, hf_out = timed(run_hf, args.reps, WARMUPS)
         engine_ids = [o.outputs[0].token_ids for o in engine_out]
         out[f"batch_{batch}"] = {
             "functional_tok_s": batch * n / t_fn,
@@ -193,31 +163,22 @@ def bench_multi_step(
     args, prompt: list[int], bytes_per_token: int, bandwidth_gb_s: float
 ) -> dict[str, Any]:
     """Batch-1 engine decode rate (tokens after the first, per second of their arrival) per k."""
-    from minivllm_jax import LLM
-
     bound = bandwidth_gb_s * 1e9 / bytes_per_token
     out: dict[str, Any] = {"bound_tok_s": bound}
     tokens = 2 * args.tokens
     for k in (1, 4, 8):
-        llm = LLM(
+        llm = build_llm(
             args.model,
             max_num_seqs=1,
             max_model_len=len(prompt) + tokens + 8,
             max_num_batched_tokens=64,
             num_scheduler_steps=k,
-            use_tqdm=False,
             warmup=False,
         )
 
         def run(engine=llm.engine) -> tuple[float, list[int]]:
-            engine.add_request(prompt, greedy(tokens))
-            stamps, ids = [], []
-            while engine.has_unfinished():
-                for o in engine.step():
-                    new = o.outputs[0].token_ids[len(ids) :]
-                    stamps += [time.perf_counter()] * len(new)
-                    ids += new
-            return (len(stamps) - 1) / (stamps[-1] - stamps[0]), ids
+            stamps, ids = stream_one(engine, prompt, greedy(tokens))
+            return decode_rate(stamps), ids
 
         # Compile what this k uses (the second run hits the prefix cache: other shapes).
         run()
@@ -245,8 +206,6 @@ def bench_speculative(args, workloads: dict[str, list[list[int]]]) -> dict[str, 
     """Each workload with and without speculation: float32 at batch 1 (the prompts one after
     another) and batch 8 (also with `disable_by_batch_size`), and int8 weights (the native
     quantized matmul, whose cost barely grows from 1 to 4 rows) at batch 1."""
-    from minivllm_jax import LLM
-
     limited = {**SPECULATIVE, "disable_by_batch_size": BATCH_LIMIT}
     variants = {
         "fp32": (None, {1: ("off", "ngram"), 8: ("off", "ngram", "ngram_limited")}),
@@ -256,13 +215,12 @@ def bench_speculative(args, workloads: dict[str, list[list[int]]]) -> dict[str, 
     out: dict[str, Any] = {}
     for variant, (quantization, batches) in variants.items():
         engines = {
-            name: LLM(
+            name: build_llm(
                 args.model,
                 max_num_seqs=8,
                 max_model_len=1024,
                 speculative_config=configs[name],
                 quantization=quantization,
-                use_tqdm=False,
                 warmup=False,
             )
             for name in ("off", "ngram", "ngram_limited")
@@ -280,8 +238,8 @@ def bench_speculative(args, workloads: dict[str, list[list[int]]]) -> dict[str, 
                         for o in llm.generate(g, greedy(args.spec_tokens, False), use_tqdm=False)
                     ]  # noqa: E731
                     drafts, accepted = e.num_draft_tokens, e.num_accepted_tokens
-                    seconds, outs = timed(run, args.reps)
-                    runs = args.reps + 2  # timed()'s warm-ups count too
+                    seconds, outs = timed(run, args.reps, WARMUPS)
+                    runs = args.reps + WARMUPS  # the warm-ups' drafts count too
                     generated = sum(len(o.outputs[0].token_ids) for o in outs)
                     tokens[name] = [o.outputs[0].token_ids for o in outs]
                     d, a = (
@@ -290,7 +248,7 @@ def bench_speculative(args, workloads: dict[str, list[list[int]]]) -> dict[str, 
                     )
                     row[name] = {
                         "tok_s": generated / seconds,
-                        "decode_tok_s": decode_rate(outs),
+                        "decode_tok_s": output_decode_rate(outs),
                         "output_tokens": generated,
                         "draft_tokens_per_run": d,
                         "acceptance_rate": a / d if d else None,
@@ -317,34 +275,16 @@ def bench_speculative(args, workloads: dict[str, list[list[int]]]) -> dict[str, 
 
 
 def bench_beam(args, llm, hf, prompts: list[list[int]]) -> dict[str, Any]:
-    import torch
-
     from minivllm_jax import BeamSearchParams
 
     out: dict[str, Any] = {}
     n, k = args.tokens, 4
+    params = BeamSearchParams(beam_width=k, max_tokens=n, ignore_eos=True)
     for batch in (1, 4):
         ps = prompts[:batch]
-        t_ours, ours = timed(
-            lambda: llm.beam_search(
-                ps, BeamSearchParams(beam_width=k, max_tokens=n, ignore_eos=True)
-            ),
-            args.reps,
-        )
-        ids = torch.tensor(ps)
-        with torch.no_grad():
-            t_hf, hf_out = timed(
-                lambda: hf.generate(
-                    ids,
-                    attention_mask=torch.ones_like(ids),
-                    max_new_tokens=n,
-                    min_new_tokens=n,
-                    num_beams=k,
-                    do_sample=False,
-                    pad_token_id=0,
-                ),
-                args.reps,
-            )
+        t_ours, ours = timed(lambda: llm.beam_search(ps, params), args.reps, WARMUPS)
+        run_hf = lambda: peers.hf_generate(hf, ps, n, min_new_tokens=n, num_beams=k)
+        t_hf, hf_out = timed(run_hf, args.reps, WARMUPS)
         same = sum(o.sequences[0].tokens == h.tolist() for o, h in zip(ours, hf_out))
         out[f"batch_{batch}"] = {
             "ours_tok_s": batch * n / t_ours,
@@ -393,14 +333,9 @@ def plot(result: dict[str, Any], out: str | Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    import numpy as np
-
-    from minivllm_jax import LLM
-
-    llm = LLM(args.model, max_num_seqs=16, max_model_len=1024, use_tqdm=False, warmup=False)
-    hf = load_hf_model(args.model, threads=args.threads)
-    rng = np.random.default_rng(0)
-    same_len = [rng.integers(100, 10000, size=32).tolist() for _ in range(8)]
+    llm = build_llm(args.model, max_num_seqs=16, max_model_len=1024, warmup=False)
+    hf = peers.load_hf_model(args.model, threads=args.threads)
+    same_len = random_prompts([32] * 8, 0)
     bandwidth = measure_bandwidth(64 if args.quick else 512, args.reps)
     result: dict[str, Any] = {
         "model": args.model,
@@ -415,9 +350,6 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth_after = measure_bandwidth(64 if args.quick else 512, args.reps)
     best = max(*bandwidth.values(), *bandwidth_after.values())
     result["bandwidth"] = {"before": bandwidth, "after": bandwidth_after, "best_gb_s": best}
-    from convert import resolve_model
-    from minivllm_jax.loading.checkpoint import load_converted
-
     bytes_per_token = decode_bytes_per_token(load_converted(resolve_model(args.model))[2])
     result["multi_step"] = bench_multi_step(args, same_len[0], bytes_per_token, best)
     result["multi_step"]["weight_bytes_per_token"] = bytes_per_token

@@ -8,8 +8,8 @@ For each batch size, the same chat prompts are run twice on one warmed-up engine
 Output tok/s of each (medians of `--repeats` alternated runs) and their ratio; the host time spent filling token masks (per constrained
 token); the grammar compile time of each distinct schema (cold, then cached).
 
-    python benchmarks/bench_structured.py              # SmolLM2, a few minutes
-    python benchmarks/bench_structured.py --quick      # batch sizes 1 and 4, fewer prompts
+    python benchmarks/engine/bench_structured.py              # SmolLM2, a few minutes
+    python benchmarks/engine/bench_structured.py --quick      # batch sizes 1 and 4, fewer prompts
 """
 
 from __future__ import annotations
@@ -23,16 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.common import (
-    RESULTS,
-    machine_info,
-    new_figure,
-    run_requests,
-    save_plot,
-    write_result,
-)  # noqa: E402
+from benchmarks.lib.harness import build_llm, run_requests  # noqa: E402
+from benchmarks.lib.report import new_figure, save_plot, script_parser, write_result  # noqa: E402
 
 SCHEMAS = [
     {
@@ -95,10 +89,7 @@ CITIES = ["Paris", "London", "Tokyo", "Lima", "Oslo", "Cairo", "Quito", "Delhi"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--model", default="smollm2-135m")
+    p = script_parser(__doc__, "structured.json")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument(
         "--prompts", type=int, default=32, help="requests per batch size (at least one round of it)"
@@ -108,7 +99,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--repeats", type=int, default=3, help="timed runs of each kind per batch size (medians)"
     )
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", default=str(RESULTS / "structured.json"))
     args = p.parse_args(argv)
     if args.quick:
         args.batch_sizes, args.prompts, args.max_tokens, args.repeats = [1, 4], 4, 120, 1
@@ -119,10 +109,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     import jsonschema
 
-    from minivllm_jax import LLM, SamplingParams, StructuredOutputsParams
+    from minivllm_jax import SamplingParams, StructuredOutputsParams
     from minivllm_jax.engine.decoding.structured_output import Grammar
 
-    llm = LLM(args.model, max_num_seqs=max(args.batch_sizes), max_model_len=512, use_tqdm=False)
+    llm = build_llm(args.model, max_num_seqs=max(args.batch_sizes), max_model_len=512)
     engine = llm.engine
     compiler = engine.grammar_compiler
     t0 = time.perf_counter()
@@ -226,32 +216,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("example:", json.dumps(example, indent=1))
     result = {
         "benchmark": "structured",
-        "machine": machine_info(),
         "model": args.model,
         "rows": rows,
         "tokenizer_view_ms": tokenizer_ms,
         "compile": compile_ms,
         "example": example,
         "compiles_after_warmup": engine.num_compiles - warm_compiles,
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     out = write_result(result, args.out)
     fig, axes = new_figure()
     ax = axes[0, 0]
     xs = [str(r["batch_size"]) for r in rows]
-    width = 0.4
-    ax.bar(
-        [i - width / 2 for i in range(len(xs))],
-        [r["unconstrained_tok_s"] for r in rows],
-        width,
-        label="unconstrained",
-    )
-    ax.bar(
-        [i + width / 2 for i in range(len(xs))],
-        [r["constrained_tok_s"] for r in rows],
-        width,
-        label="JSON schema",
-    )
+    for j, (key, label) in enumerate(
+        [("unconstrained", "unconstrained"), ("constrained", "JSON schema")]
+    ):
+        ax.bar(
+            [i + (j - 0.5) * 0.4 for i in range(len(xs))],
+            [r[f"{key}_tok_s"] for r in rows],
+            0.4,
+            label=label,
+        )
     ax.set_xticks(range(len(xs)), xs)
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("output tok/s")

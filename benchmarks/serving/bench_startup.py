@@ -9,8 +9,8 @@ The converted checkpoint is reused by all of them (conversion happens once per m
 the first start, and is not timed). The program counts (compiled, of which loaded) come from
 the server's /metrics.
 
-    python benchmarks/bench_startup.py                  # SmolLM2, server defaults
-    python benchmarks/bench_startup.py --quick          # smoke test on a tiny model
+    python benchmarks/serving/bench_startup.py                  # SmolLM2, server defaults
+    python benchmarks/serving/bench_startup.py --quick          # smoke test on a tiny model
 """
 
 from __future__ import annotations
@@ -23,11 +23,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.common import RESULTS, machine_info, write_result  # noqa: E402
-from benchmarks.load_test import launched_server  # noqa: E402
+from benchmarks.lib.report import script_parser, write_result  # noqa: E402
+from benchmarks.lib.serving import launched_server, metric  # noqa: E402
 
 COLD_TARGET_S, WARM_TARGET_S = 60.0, 15.0
 
@@ -35,43 +34,24 @@ COLD_TARGET_S, WARM_TARGET_S = 60.0, 15.0
 def timed_start(model: str, server_args: str, cache_dir: Path, timeout: float) -> dict:
     """Launch the server with this compile cache; the seconds until /health said 200 and the
     program counts its /metrics reports."""
-    import httpx
-
     start = time.perf_counter()
-    with launched_server(
-        model,
-        server_args,
-        timeout,
-        None,
-        env={"MINIVLLM_COMPILE_CACHE": str(cache_dir)},
-        poll_s=0.05,
-    ) as url:
+    env = {"MINIVLLM_COMPILE_CACHE": str(cache_dir)}
+    with launched_server(model, server_args, timeout, env=env, poll_s=0.05) as (url, _):
         ready_s = time.perf_counter() - start
-        metrics = httpx.get(f"{url}/metrics", timeout=10).text
-    return {"ready_s": ready_s, **_program_counts(metrics)}
-
-
-def _program_counts(metrics: str) -> dict:
-    counts = {}
-    for line in metrics.splitlines():
-        for name in ("minivllm_compiles_total", "minivllm_programs_loaded_total"):
-            if line.startswith(name + " "):
-                counts[name.removeprefix("minivllm_")] = int(float(line.split()[1]))
-    return counts
+        counts = {
+            k: metric(url, f"minivllm_{k}") for k in ("compiles_total", "programs_loaded_total")
+        }
+    return {"ready_s": ready_s, **{k: int(v) for k, v in counts.items() if v is not None}}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--model", default="smollm2-135m")
+    p = script_parser(__doc__, "startup.json")
     p.add_argument("--server-args", default="", help='extra server flags, e.g. "--max-num-seqs 32"')
     p.add_argument("--repeats", type=int, default=3, help="warm starts (median reported)")
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument(
         "--quick", action="store_true", help="smoke test: a tiny model (--model), 1 repeat"
     )
-    p.add_argument("--out", default=str(RESULTS / "startup.json"))
     args = p.parse_args(argv)
     if args.quick:
         args.repeats = 1
@@ -93,7 +73,6 @@ def run(args: argparse.Namespace) -> dict:
         "benchmark": "startup",
         "model": args.model,
         "server_args": args.server_args,
-        "machine": machine_info(),
         "cold": cold,
         "warm": warm,
         "cold_s": cold["ready_s"],

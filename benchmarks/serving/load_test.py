@@ -17,10 +17,10 @@ Load shape: `--concurrency C` requests in flight; or `--request-rate R` Poisson 
 runs, then stops it with SIGTERM, so one command reproduces the serving numbers.
 
     python -m server --port 8000 &        # or minivllm-serve
-    python benchmarks/load_test.py --requests 100 --concurrency 16
-    python benchmarks/load_test.py --launch --server-args "--max-num-seqs 32" \\
+    python benchmarks/serving/load_test.py --requests 100 --concurrency 16
+    python benchmarks/serving/load_test.py --launch --server-args "--max-num-seqs 32" \\
         --preset chat --concurrency-sweep 1 2 4 8 16 32
-    python benchmarks/load_test.py --launch --preset chat --request-rate 4
+    python benchmarks/serving/load_test.py --launch --preset chat --request-rate 4
 """
 
 from __future__ import annotations
@@ -28,101 +28,81 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import math
 import os
-import shlex
-import shutil
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np  # noqa: E402
 
-from benchmarks.common import (  # noqa: E402
-    RESULTS,
+from benchmarks.lib.report import (  # noqa: E402
+    add_options,
     add_slo_args,
-    add_workload_args,
     latency_summary,
-    local_model_dir,
-    make_workload,
-    model_vocab_size,
     new_figure,
+    plot_levels,
+    print_levels,
     save_plot,
+    script_parser,
     write_result,
 )
+from benchmarks.lib.serving import launched_server, one_request  # noqa: E402
+from benchmarks.lib.workloads import (  # noqa: E402
+    TEXT_PROMPTS,
+    add_workload_args,
+    local_model_dir,
+    make_workload,
+    vocab_hi,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
-PROMPTS = [
-    "The capital of France is",
-    "Write a haiku about the sea.",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village by the sea, there lived",
-    "List three colors of the rainbow:",
-    "Q: What is 2 + 2?\nA:",
-    "The quick brown fox",
-    "Explain what a paged KV cache is in one sentence.",
-]
 DEFAULT_REQUESTS, DEFAULT_CONCURRENCY = 100, 16
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = script_parser(__doc__, "load_test.json", model=None)
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (loopback only)")
     p.add_argument(
         "--api-key", default=os.environ.get("MINIVLLM_API_KEY"), help="default: $MINIVLLM_API_KEY"
     )
     p.add_argument(
-        "--model",
-        default=None,
-        help="default: the first model /v1/models lists (with --launch: smollm2-135m)",
+        "--model", help="default: the first model /v1/models lists (with --launch: smollm2-135m)"
     )
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    p.add_argument(
-        "--requests",
-        type=int,
-        default=None,
-        help=f"requests per run (default {DEFAULT_REQUESTS}, or the preset's count)",
-    )
-    p.add_argument(
-        "--concurrency",
-        type=int,
-        default=None,
-        help=f"requests in flight (default {DEFAULT_CONCURRENCY}; with --request-rate: a cap)",
-    )
-    p.add_argument(
-        "--request-rate",
-        type=float,
-        default=None,
-        help="Poisson arrivals at R requests/s (seeded by --seed); inf sends all at once",
+    add_options(
+        p,
+        [
+            ("--requests", int, f"requests per run (default {DEFAULT_REQUESTS}, or the preset's)"),
+            (
+                "--concurrency",
+                int,
+                f"in flight (default {DEFAULT_CONCURRENCY}; with a rate: a cap)",
+            ),
+            (
+                "--request-rate",
+                float,
+                "Poisson arrivals at R requests/s (--seed); inf: all at once",
+            ),
+            ("--max-tokens", 64, "output tokens per fixed-prompt request (EOS ignored)"),
+            ("--temperature", 0.8, "sampling temperature"),
+            ("--warmup-requests", 1, "untimed short requests sent first"),
+            ("--request-timeout", 300.0, "seconds per request"),
+            ("--deadline", 1800.0, "seconds for each run"),
+            ("--launch-timeout", 900.0, "seconds to wait for the launched server"),
+        ],
     )
     p.add_argument(
         "--concurrency-sweep",
         type=int,
         nargs="+",
-        default=None,
         metavar="C",
         help="one run per concurrency level (e.g. 1 2 4 8 16 32), plus a PNG",
     )
-    p.add_argument(
-        "--max-tokens",
-        type=int,
-        default=64,
-        help="output tokens per fixed-prompt request (EOS ignored)",
-    )
-    p.add_argument("--temperature", type=float, default=0.8)
     add_workload_args(p, default_preset=None)
     p.add_argument(
         "--prompt-format",
@@ -131,32 +111,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="random prompts as token-id lists or decoded text (chat always uses text)",
     )
     add_slo_args(p)
-    p.add_argument(
-        "--warmup-requests", type=int, default=1, help="untimed short requests sent first"
-    )
-    p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
-    p.add_argument("--deadline", type=float, default=1800.0, help="seconds for each run")
-    p.add_argument(
-        "--launch",
-        action="store_true",
-        help="start `python -m server` on a free loopback port for the run",
-    )
-    p.add_argument(
-        "--server-args",
-        default="",
-        help='extra server flags for --launch, e.g. "--max-num-seqs 32"',
-    )
-    p.add_argument(
-        "--launch-timeout",
-        type=float,
-        default=900.0,
-        help="seconds to wait for the launched server",
-    )
+    p.add_argument("--launch", action="store_true", help="start `python -m server` for the run")
+    p.add_argument("--server-args", default="", help='flags for --launch: "--max-num-seqs 32"')
     p.add_argument(
         "--quick", action="store_true", help="smoke test: tiny preset, 8 requests, concurrency 4"
-    )
-    p.add_argument(
-        "--out", default=str(RESULTS / "load_test.json"), help="JSON path; the PNG goes beside it"
     )
     args = p.parse_args(argv)
     if urlparse(args.url).hostname not in LOOPBACK:
@@ -183,100 +141,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-# ------------------------------------------------------------------ server
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def launched_server(
-    model: str,
-    server_args: str,
-    timeout: float,
-    api_key: str | None,
-    env: dict[str, str] | None = None,
-    poll_s: float = 0.5,
-) -> Iterator[str]:
-    """Run `python -m server` on a free loopback port until the block ends (then SIGTERM);
-    yields its URL once /health says 200 (polled every `poll_s`). `env` adds to the server's
-    environment. The server log goes to a temp file, shown on failure."""
-    with launched_process(model, server_args, timeout, api_key, env, poll_s) as (url, _):
-        yield url
-
-
-@contextlib.contextmanager
-def launched_process(
-    model: str,
-    server_args: str,
-    timeout: float,
-    api_key: str | None,
-    env: dict[str, str] | None = None,
-    poll_s: float = 0.5,
-) -> Iterator[tuple[str, subprocess.Popen]]:
-    """`launched_server` that yields the process too (for a caller that kills it); a server the
-    caller ended is not warned about."""
-    import httpx
-
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = Path(tempfile.mkdtemp(prefix="minivllm-load-test-")) / "server.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "server",
-        "--model",
-        model,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-        *shlex.split(server_args),
-    ]
-    env = {**os.environ, **(env or {}), **({"MINIVLLM_API_KEY": api_key} if api_key else {})}
-    print(f"launching: {shlex.join(cmd)} (log: {log})", flush=True)
-    start = time.perf_counter()
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(
-                    f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
-                )
-            if time.perf_counter() - start > timeout:
-                raise SystemExit(
-                    f"server not ready after {timeout:.0f} s:\n{log.read_text()[-3000:]}"
-                )
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            time.sleep(poll_s)
-        print(f"server ready after {time.perf_counter() - start:.1f} s", flush=True)
-        yield url, proc
-    finally:
-        ended_by_caller = proc.poll() is not None
-        if not ended_by_caller:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(30)
-    if proc.returncode != 0 and not ended_by_caller:
-        print(
-            f"warning: the server exited with {proc.returncode} after SIGTERM (log: {log})",
-            file=sys.stderr,
-        )
-    else:
-        shutil.rmtree(log.parent, ignore_errors=True)
-
-
 # ------------------------------------------------------------------ requests
 
 
@@ -290,17 +154,16 @@ def build_requests(args: argparse.Namespace) -> tuple[list[dict], dict[str, Any]
     }
     if not args.random:
         n = args.requests or DEFAULT_REQUESTS
-        texts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+        texts = [TEXT_PROMPTS[i % len(TEXT_PROMPTS)] for i in range(n)]
         bodies = [
             _with_prompt(args, {**base, "max_tokens": args.max_tokens, "seed": i}, t)
             for i, t in enumerate(texts)
         ]
         return bodies, {"kind": "fixed prompts", "num_prompts": n, "max_tokens": args.max_tokens}
     args.num_prompts = args.requests or args.num_prompts
-    vocab = model_vocab_size(args.model) if args.model else None
-    if vocab is None:
+    if args.model is None or local_model_dir(args.model) is None:
         print("note: model not found locally; random token ids drawn below 10000", file=sys.stderr)
-    work = make_workload(args, vocab_hi=min(10_000, vocab or 10_000))
+    work = make_workload(args, vocab_hi=vocab_hi(args.model) if args.model else 10_000)
     fmt = "text" if args.endpoint == "chat" else args.prompt_format
     prompts: list[Any] = work.prompts
     if fmt == "text":
@@ -324,46 +187,6 @@ def _with_prompt(args: argparse.Namespace, body: dict, prompt: str | list[int]) 
     if args.endpoint == "chat":
         return {**body, "messages": [{"role": "user", "content": prompt}]}
     return {**body, "prompt": prompt}
-
-
-async def one_request(client: Any, args: argparse.Namespace, body: dict) -> dict:
-    """Stream one request; returns its timings (TTFT from when it was sent) or its error."""
-    path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
-    body = {"model": args.model, **body}
-    start = time.perf_counter()
-    chunk_times: list[float] = []
-    tokens, done = None, False
-    try:
-        async with client.stream("POST", path, json=body, timeout=args.request_timeout) as r:
-            if r.status_code != 200:
-                return {"error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: ") :]
-                if data == "[DONE]":
-                    done = True
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    return {"error": f"stream error: {chunk['error']}"}
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-                for c in chunk["choices"]:
-                    if c.get("text") or (c.get("delta") or {}).get("content"):
-                        chunk_times.append(time.perf_counter())
-    except Exception as e:  # connection errors, timeouts
-        return {"error": f"{type(e).__name__}: {e}"}
-    end = time.perf_counter()
-    if not done or not chunk_times or tokens is None:
-        return {"error": "stream ended without content, usage or [DONE]"}
-    return {
-        "ttft": chunk_times[0] - start,
-        "itl": [b - a for a, b in zip(chunk_times, chunk_times[1:])],
-        "tpot": (chunk_times[-1] - chunk_times[0]) / (tokens - 1) if tokens > 1 else None,
-        "e2e": end - start,
-        "tokens": tokens,
-    }
 
 
 def arrival_offsets(n: int, rate: float | None, seed: int) -> list[float]:
@@ -479,35 +302,6 @@ def _print_run(r: dict) -> None:
         print(f"  error: {e}", file=sys.stderr)
 
 
-def plot_sweep(report: dict, out: str) -> Path:
-    """TTFT p50/p99, TPOT p50 and output tok/s vs concurrency."""
-    fig, axes = new_figure(3, width=4.5)
-    levels = report["levels"]
-    cs = [lv["concurrency"] for lv in levels]
-    ms = lambda key, q: [(lv[key][q] or 0) * 1000 for lv in levels]  # noqa: E731
-    axes[0, 0].plot(cs, ms("ttft_s", "p50"), "o-", label="p50")
-    axes[0, 0].plot(cs, ms("ttft_s", "p99"), "s--", label="p99")
-    axes[0, 1].plot(cs, ms("tpot_s", "p50"), "o-", label="p50")
-    axes[0, 1].plot(cs, ms("tpot_s", "p99"), "s--", label="p99")
-    axes[0, 2].plot(
-        cs, [lv["output_tokens_per_s"] or 0 for lv in levels], "o-", label="output tok/s"
-    )
-    axes[0, 2].plot(
-        cs, [lv["goodput"]["requests_per_s"] or 0 for lv in levels], "s--", label="goodput req/s"
-    )
-    for ax, title in zip(axes[0], ["TTFT (ms)", "TPOT (ms)", "throughput"]):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(cs, [str(c) for c in cs])
-        ax.set_xlabel("concurrency (requests in flight)")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(
-        f"HTTP serving: {report['model']}, {report['workload']['num_prompts']} requests per level"
-    )
-    return save_plot(fig, out)
-
-
 def plot_run(report: dict, out: str) -> Path:
     """CDFs of per-request TTFT and TPOT for a single run."""
     fig, axes = new_figure(2, width=4.5)
@@ -530,20 +324,14 @@ def main(argv: list[str] | None = None) -> int:
             server = launched_server(
                 args.model, args.server_args, args.launch_timeout, args.api_key
             )
-            args.url = stack.enter_context(server)
+            args.url, _ = stack.enter_context(server)
         report = asyncio.run(run(args))
     write_result(report, args.out)
     if args.concurrency_sweep:
-        print(
-            f"{'C':>4}{'TTFT p50':>11}{'TTFT p99':>11}{'TPOT p50':>11}{'ITL p99':>11}{'tok/s':>9}{'goodput':>9}"
-        )
-        for lv in report["levels"]:
-            print(
-                f"{lv['concurrency']:>4}{_ms(lv['ttft_s']['p50']):>11}{_ms(lv['ttft_s']['p99']):>11}"
-                f"{_ms(lv['tpot_s']['p50']):>11}{_ms(lv['itl_s']['p99']):>11}"
-                f"{lv['output_tokens_per_s'] or 0:>9.1f}{lv['goodput']['requests_per_s'] or 0:>9.2f}"
-            )
-        plot_sweep(report, args.out)
+        print_levels({"server": report["levels"]})
+        w = report["workload"]
+        title = f"HTTP serving: {report['model']}, {w['num_prompts']} requests per level"
+        plot_levels([("server", report["levels"])], title, args.out)
     elif report["completed"]:
         plot_run(report, args.out)
     return 0 if report["errors"] == 0 else 1

@@ -16,92 +16,52 @@ runs `--repeats` times with fresh ids (no prefix-cache hits); medians are report
 compiles every bucket first and `num_compiles` must not change; pages are sized so nothing is
 preempted (both checked).
 
-    python benchmarks/bench_interference.py              # SmolLM2, 8 streams, 1,500-token prompt
-    python benchmarks/bench_interference.py --quick      # smoke test: 4 streams, 300 tokens, 1 repeat
+    python benchmarks/engine/bench_interference.py              # SmolLM2, 8 streams, 1,500-token prompt
+    python benchmarks/engine/bench_interference.py --quick      # smoke test: 4 streams, 300 tokens, 1 repeat
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np  # noqa: E402
 
-from benchmarks.common import RESULTS, model_vocab_size, percentiles, save_plot, write_result  # noqa: E402
+from benchmarks.lib.harness import add_engine_args, greedy, llm_from_args  # noqa: E402
+from benchmarks.lib.report import git_state, percentiles, save_plot, script_parser, write_result  # noqa: E402
+from benchmarks.lib.workloads import vocab_hi  # noqa: E402
 
 STREAM_PROMPT_TOKENS, LONG_MAX_TOKENS, TARGET_RATIO = 64, 8, 2.0
+# Sizes with a default and a smaller --quick default: (option, full, quick, help).
+SIZES = [
+    ("--streams", 8, 4, "decoding streams"),
+    ("--long-prompt-tokens", 1500, 300, "the long prompt"),
+    ("--max-num-batched-tokens", 512, 128, "step token budget"),
+    ("--max-num-seqs", 16, 8, "sequences (the server's default)"),
+    ("--max-model-len", 2048, 512, "tokens per sequence"),
+    ("--warm-steps", 40, 8, "phase-1 decode steps"),
+    ("--repeats", 3, 1, "phase-2 measurements"),
+]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument(
-        "--model", default="smollm2-135m", help="alias, converted dir, HF folder or .gguf"
-    )
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument(
-        "--streams", type=int, default=None, help="decoding streams (default 8; --quick 4)"
-    )
-    p.add_argument(
-        "--long-prompt-tokens",
-        type=int,
-        default=None,
-        help="the long prompt (default 1500; --quick 300)",
-    )
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="step token budget (default 512; --quick 128)",
-    )
-    p.add_argument(
-        "--target-tpot-ms",
-        type=float,
-        default=None,
-        help="the engine's TPOT target (default: auto)",
-    )
-    p.add_argument(
-        "--max-num-seqs", type=int, default=None, help="default 16 (the server's); --quick 8"
-    )
-    p.add_argument("--max-model-len", type=int, default=None, help="default 2048; --quick 512")
-    p.add_argument(
-        "--warm-steps", type=int, default=None, help="phase-1 decode steps (default 40; --quick 8)"
-    )
-    p.add_argument(
-        "--tail-steps",
-        type=int,
-        default=4,
-        help="steps recorded after the long prompt's first token",
-    )
-    p.add_argument(
-        "--repeats", type=int, default=None, help="phase-2 measurements (default 3; --quick 1)"
-    )
+    p = script_parser(__doc__, "interference.json", model=None)
+    # The sizes below set three engine knobs (with --quick defaults); num_pages fits every stream.
+    engine_sizes = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_pages")
+    add_engine_args(p, exclude=("seed", *engine_sizes))
+    for flag, full, quick, help in SIZES:
+        p.add_argument(flag, type=int, help=f"{help} (default {full}; --quick {quick})")
+    p.add_argument("--tail-steps", type=int, default=4, help="steps recorded past the first token")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="smoke test: small shapes, one repeat")
-    p.add_argument(
-        "--out",
-        default=str(RESULTS / "interference.json"),
-        help="JSON path; the PNG goes beside it",
-    )
     args = p.parse_args(argv)
-    defaults = dict(
-        streams=(8, 4),
-        long_prompt_tokens=(1500, 300),
-        max_num_batched_tokens=(512, 128),
-        max_num_seqs=(16, 8),
-        max_model_len=(2048, 512),
-        warm_steps=(40, 8),
-        repeats=(3, 1),
-    )
-    for name, (full, quick) in defaults.items():
+    for flag, full, quick, _ in SIZES:
+        name = flag[2:].replace("-", "_")
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
     if args.streams + 1 > args.max_num_seqs:
@@ -145,15 +105,6 @@ class Recorder:
 def gaps_within(stamps: list[float], lo: float, hi: float) -> list[float]:
     """Gaps between consecutive tokens of one stream that overlap [lo, hi]."""
     return [b - a for a, b in zip(stamps, stamps[1:]) if b > lo and a < hi]
-
-
-def git_state() -> dict:
-    """The commit measured and the engine files that differ from it (a baseline says what it measured)."""
-    run = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout  # noqa: E731
-    return {
-        "commit": run("rev-parse", "HEAD").strip() or None,
-        "dirty": run("status", "--porcelain", "minivllm_jax").rstrip().splitlines(),
-    }
 
 
 def ms(x: float | None) -> str:
@@ -201,37 +152,29 @@ def long_prompt(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from minivllm_jax import LLM, SamplingParams
-
     args = parse_args(argv)
     rng = np.random.default_rng(args.seed)
-    vocab_hi = min(10_000, model_vocab_size(args.model) or 10_000)
-    num_pages = (args.streams + 1) * -(
-        -args.max_model_len // 16
-    ) + 1  # every sequence at full length fits
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
+    hi = vocab_hi(args.model)
+    # Every sequence at full length fits.
+    num_pages = (args.streams + 1) * -(-args.max_model_len // 16) + 1
+    llm = llm_from_args(
+        args,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_pages=num_pages,
         use_tqdm=sys.stderr.isatty(),
-        target_tpot_ms=args.target_tpot_ms,
     )
     engine, cfg = llm.engine, llm.engine.config
-    greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)  # noqa: E731
     streams = [
         engine.add_request(
-            rng.integers(100, vocab_hi, STREAM_PROMPT_TOKENS).tolist(),
+            rng.integers(100, hi, STREAM_PROMPT_TOKENS).tolist(),
             greedy(cfg.max_model_len - STREAM_PROMPT_TOKENS),
         )
         for _ in range(args.streams)
     ]
     rec = Recorder(engine)
-    while (
-        min(len(rec.tokens.get(s, [])) for s in streams) < 4
-    ):  # prefilled, then a few untimed decodes
+    while min(len(rec.tokens.get(s, [])) for s in streams) < 4:  # prefilled, a few decodes
         rec.step()
     compiles_before = engine.num_compiles
 
@@ -253,15 +196,13 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
-    repeats, spans = (
-        [],
-        [],
-    )  # phase 2: a long prompt arrives (fresh ids each time: no prefix-cache hit)
+    # Phase 2: a long prompt arrives (fresh ids each time: no prefix-cache hit).
+    repeats, spans = [], []
     for r in range(args.repeats):
         rep = long_prompt(
             rec,
             streams,
-            rng.integers(100, vocab_hi, args.long_prompt_tokens).tolist(),
+            rng.integers(100, hi, args.long_prompt_tokens).tolist(),
             greedy(LONG_MAX_TOKENS),
             args.tail_steps,
         )
@@ -306,12 +247,12 @@ def main(argv: list[str] | None = None) -> int:
             "sampling": "greedy, ignore_eos",
         },
         "engine": {
-            "max_num_seqs": cfg.max_num_seqs,
+            "max_num_seqs": cfg.scheduler.max_num_seqs,
             "max_model_len": cfg.max_model_len,
-            "page_size": cfg.page_size,
-            "num_pages": cfg.num_pages,
-            "max_num_batched_tokens": cfg.max_num_batched_tokens,
-            "target_tpot_ms": cfg.target_tpot_ms,
+            "page_size": cfg.cache.page_size,
+            "num_pages": cfg.cache.num_pages,
+            "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
+            "target_tpot_ms": cfg.scheduler.target_tpot_ms,
         },
         "git": git_state(),
         "warmup_s": llm.warmup_seconds,

@@ -12,7 +12,7 @@ Nothing is ever estimated from TDPs or guessed.
 Used by bench_throughput.py (`EnergyMeter`, `cost_fields`); as a script it reports what is
 readable here and the energy of a short numpy load:
 
-    python benchmarks/energy.py [--seconds 5] [--quick] [--out benchmarks/results/energy.json]
+    python benchmarks/micro/energy.py [--seconds 5] [--quick] [--out benchmarks/results/energy.json]
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.common import RESULTS, write_result  # noqa: E402
+from benchmarks.lib.report import script_parser, write_result  # noqa: E402
 
 # An assumption, not a quote: roughly what a 2-vCPU general-purpose cloud VM rents for on demand.
 DEFAULT_USD_PER_HOUR = 0.10
@@ -234,13 +234,10 @@ def cost_fields(
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = script_parser(__doc__, "energy.json", model=None)
     p.add_argument("--seconds", type=float, default=5.0, help="length of the numpy load to measure")
     p.add_argument("--quick", action="store_true", help="a 0.5 s load")
     add_cost_args(p)
-    p.add_argument("--out", default=str(RESULTS / "energy.json"))
     return p.parse_args(argv)
 
 

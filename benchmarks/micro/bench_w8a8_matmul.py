@@ -10,7 +10,7 @@ other for each shape: GOP/s (2 * rows * in * out / seconds, medians of --reps) o
   w8a8      the native kernel (`kernels/w8a8_matmul.cc`) on the served layout (panels), row
             quantization included
 
-    python benchmarks/bench_w8a8_matmul.py [--rows 1 16 64 512] [--shapes 576x960 1536x576] [--out FILE]
+    python benchmarks/micro/bench_w8a8_matmul.py [--rows 1 16 64 512] [--shapes 576x960 1536x576] [--out FILE]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 SHAPES = ["576x960", "576x3072", "1536x576", "576x49152"]
 
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
 
     from minivllm_jax import kernels
-    from minivllm_jax.kernels.w8a8_matmul import w8a8_matmul_native
+    from minivllm_jax.kernels.w8a8_matmul import w8a8_matmul
     from minivllm_jax.ops.quantization import quantize_w8a8, to_panels, w8a8_matmul_reference
 
     if not kernels.native_available():
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         ),
         "w8a8 ref": jax.jit(lambda x, w, xq, wq, p: w8a8_matmul_reference(x, p["stored"])),
-        "w8a8": jax.jit(lambda x, w, xq, wq, p: w8a8_matmul_native(x, p["served"])),
+        "w8a8": jax.jit(lambda x, w, xq, wq, p: w8a8_matmul(x, p["served"].q, p["served"].scales)),
     }
     rng = np.random.default_rng(0)
     rows_out = []
@@ -95,8 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             times: dict[str, list[float]] = {name: [] for name in impls}
             for name, f in impls.items():
                 # One implementation at a time, each warmed up: interleaved, one's threads could
-                # still be spinning when the other starts (with OpenMP kernels, XLA's matmul got
-                # half of its speed here).
+                # still be spinning when the other starts (docs/perf-notes.md, 2026-12-05).
                 for _ in range(2):
                     f(*call).block_until_ready()
                 for _ in range(args.reps):
@@ -114,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                 + f"   {gops['w8a8'] / gops['fp32']:.2f}x"
             )
     if args.out:
-        from benchmarks.common import write_result
+        from benchmarks.lib.report import write_result
 
         write_result({"benchmark": "w8a8_matmul", "unit": "GOP/s", "results": rows_out}, args.out)
     return 0

@@ -10,11 +10,11 @@ produce exactly the same useful tokens. HF runs its batches in input order and d
 batch to its longest request; only requested tokens count. `--hf-batch-sweep 1 4 8 16` first
 times each batch size on a prefix of the workload and runs the whole workload at the best.
 Cost per 1M output tokens comes from --usd-per-hour; energy from RAPL / nvidia-smi when
-readable (see energy.py), else the JSON says why not.
+readable (see micro/energy.py), else the JSON says why not.
 
-    python benchmarks/bench_throughput.py [--preset mixed] [--dtype float32 bfloat16] [--hf-batch 8]
-    python benchmarks/bench_throughput.py --no-llamacpp            # ours and HF only
-    python benchmarks/bench_throughput.py --quick --model PATH_TO_TINY_HF_DIR
+    python benchmarks/engine/bench_throughput.py [--preset mixed] [--dtype float32 bfloat16] [--hf-batch 8]
+    python benchmarks/engine/bench_throughput.py --no-llamacpp            # ours and HF only
+    python benchmarks/engine/bench_throughput.py --quick --model PATH_TO_TINY_HF_DIR
 """
 
 from __future__ import annotations
@@ -26,31 +26,26 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks import llamacpp_peer  # noqa: E402
-from benchmarks.common import (  # noqa: E402
-    RESULTS,
-    Workload,
-    add_workload_args,
-    load_hf_model,
-    make_workload,
-    model_vocab_size,
+from benchmarks.lib import peers  # noqa: E402
+from benchmarks.lib.harness import add_engine_args, llm_from_args  # noqa: E402
+from benchmarks.lib.report import (  # noqa: E402
+    add_options,
     new_figure,
     save_plot,
+    script_parser,
     write_result,
 )
-from benchmarks.energy import EnergyMeter, add_cost_args, cost_fields  # noqa: E402
+from benchmarks.lib.workloads import Workload, add_workload_args, make_workload, vocab_hi  # noqa: E402
+from benchmarks.micro.energy import EnergyMeter, add_cost_args, cost_fields  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument(
-        "--model", default="smollm2-135m", help="alias, converted dir, HF folder or .gguf"
-    )
+    p = script_parser(__doc__, "throughput.json", model=None)
     add_workload_args(p, default_preset="mixed")
+    # The workload decides max_model_len; --seed is the workload's; --dtype takes a list here.
+    add_engine_args(p, exclude=("dtype", "seed", "max_model_len"))
     p.add_argument(
         "--dtype",
         nargs="+",
@@ -58,11 +53,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["float32", "bfloat16"],
         help="one or both; each is measured for both engines in this run",
     )
-    p.add_argument("--temperature", type=float, default=0.6, help="0 = greedy on both sides")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument(
-        "--hf-batch", type=int, default=8, help="HF generate batch size (0 skips the PyTorch peer)"
+    add_options(
+        p,
+        [
+            ("--temperature", 0.6, "0 = greedy on both sides"),
+            ("--hf-batch", 8, "HF generate batch size (0 skips the PyTorch peer)"),
+            ("--hf-sweep-prompts", int, "prefix length for the sweep (default: the largest batch)"),
+            ("--threads", 2, "torch and llama.cpp threads (XLA uses the same cores)"),
+            ("--llamacpp-parallel", 16, "llama.cpp sequences in flight (see docs/perf-notes.md)"),
+        ],
     )
     p.add_argument(
         "--hf-batch-sweep",
@@ -73,29 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="candidate HF batch sizes; the best on a workload prefix is used "
         "(overrides --hf-batch)",
     )
-    p.add_argument(
-        "--hf-sweep-prompts",
-        type=int,
-        default=None,
-        help="prefix length for the sweep (default: the largest candidate batch)",
-    )
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=2,
-        help="torch and llama.cpp threads (XLA uses the same cores)",
-    )
-    llamacpp_peer.add_peer_args(p)
-    p.add_argument(
-        "--llamacpp-parallel",
-        type=int,
-        default=16,
-        help="llama.cpp sequences in flight (n_parallel); on the mixed workload here 8 and 16 "
-        "tie and 32 is about 25%% slower",
-    )
+    peers.add_peer_args(p)
     add_cost_args(p)
     p.add_argument("--quick", action="store_true", help="preset tiny, small engine: a smoke test")
-    p.add_argument("--out", default=str(RESULTS / "throughput.json"))
     args = p.parse_args(argv)
     if args.quick:
         args.preset, args.max_num_seqs, args.max_num_batched_tokens = "tiny", 8, 64
@@ -104,17 +83,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_ours(args: argparse.Namespace, dtype: str, wl: Workload) -> dict[str, Any]:
     """Our engine on the whole workload at once (continuous batching), after a full warm-up."""
-    from minivllm_jax import LLM, SamplingParams
+    from minivllm_jax import SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(
-        args.model,
-        dtype=dtype,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=wl.max_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        use_tqdm=False,
-    )
+    llm = llm_from_args(args, dtype=dtype, max_model_len=wl.max_len)
     startup = time.perf_counter() - start
     params = [
         SamplingParams(temperature=args.temperature, max_tokens=o, ignore_eos=True, seed=i)
@@ -132,7 +104,7 @@ def run_ours(args: argparse.Namespace, dtype: str, wl: Workload) -> dict[str, An
         "compiled_programs": compiles,
         "compiles_during_run": llm.engine.num_compiles - compiles,
         "preemptions": llm.engine.stats().preemptions,
-        "num_pages": llm.engine.config.num_pages,
+        "num_pages": llm.engine.config.cache.num_pages,
         "elapsed_s": elapsed,
         "output_tok_s": produced / elapsed,
         "total_tok_s": (produced + wl.input_tokens) / elapsed,
@@ -143,31 +115,12 @@ def run_ours(args: argparse.Namespace, dtype: str, wl: Workload) -> dict[str, An
     return result
 
 
-def hf_generate(
+def hf_batches(
     model: Any, prompts: list[list[int]], out_lens: list[int], batch: int, temperature: float
 ) -> None:
-    """HF `generate` over the prompts in input order, `batch` at a time, left padded with id 0."""
-    import torch
-
-    sampling: dict[str, Any] = {"do_sample": False}
-    if (
-        temperature > 0
-    ):  # plain temperature sampling, as ours: no top-k/top-p from generation_config
-        sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-    with torch.no_grad():
-        for i in range(0, len(prompts), batch):
-            chunk, lens = prompts[i : i + batch], out_lens[i : i + batch]
-            width = max(map(len, chunk))
-            ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
-            model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=max(lens),
-                eos_token_id=None,
-                pad_token_id=0,
-                **sampling,
-            )
+    """HF `generate` over the prompts in input order, `batch` at a time, each batch to its longest."""
+    for i in range(0, len(prompts), batch):
+        peers.hf_generate(model, prompts[i : i + batch], max(out_lens[i : i + batch]), temperature)
 
 
 def run_hf(args: argparse.Namespace, dtype: str, wl: Workload) -> dict[str, Any]:
@@ -175,10 +128,10 @@ def run_hf(args: argparse.Namespace, dtype: str, wl: Workload) -> dict[str, Any]
     import torch
 
     start = time.perf_counter()
-    model = load_hf_model(args.model, dtype, args.threads)
+    model = peers.load_hf_model(args.model, dtype, args.threads)
     startup = time.perf_counter() - start
     torch.manual_seed(0)
-    hf_generate(model, wl.prompts[:2], [2, 2], 2, args.temperature)  # warm-up: first-call overheads
+    hf_batches(model, wl.prompts[:2], [2, 2], 2, args.temperature)  # warm-up: first-call overheads
 
     batch, sweep = args.hf_batch, None
     if args.hf_batch_sweep:
@@ -187,7 +140,7 @@ def run_hf(args: argparse.Namespace, dtype: str, wl: Workload) -> dict[str, Any]
         sweep = {}
         for b in args.hf_batch_sweep:
             t = time.perf_counter()
-            hf_generate(model, prompts, lens, b, args.temperature)
+            hf_batches(model, prompts, lens, b, args.temperature)
             sweep[str(b)] = sum(lens) / (time.perf_counter() - t)
             print(
                 f"  HF {dtype} batch {b}: {sweep[str(b)]:.1f} output tok/s on {len(prompts)} prompts"
@@ -195,7 +148,7 @@ def run_hf(args: argparse.Namespace, dtype: str, wl: Workload) -> dict[str, Any]
         batch = int(max(sweep, key=sweep.get))
 
     with EnergyMeter() as meter:
-        hf_generate(model, wl.prompts, wl.output_lens, batch, args.temperature)
+        hf_batches(model, wl.prompts, wl.output_lens, batch, args.temperature)
     elapsed = meter.elapsed_s
     del model
     gc.collect()
@@ -215,7 +168,7 @@ def run_hf(args: argparse.Namespace, dtype: str, wl: Workload) -> dict[str, Any]
 def run_llamacpp(args: argparse.Namespace, path: Path, wl: Workload) -> dict[str, Any]:
     """llama.cpp on the whole workload at once, --llamacpp-parallel sequences in flight, greedy."""
     start = time.perf_counter()
-    with llamacpp_peer.LlamaCppPeer(path, args.threads) as peer:
+    with peers.LlamaCppPeer(path, args.threads) as peer:
         startup = time.perf_counter() - start
         with EnergyMeter() as meter:  # includes llama.cpp's few-token warm-up on the new context
             run = peer.run(wl.prompts, wl.output_lens, args.llamacpp_parallel)
@@ -283,8 +236,7 @@ def plot(result: dict[str, Any], out: str | Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    vocab = model_vocab_size(args.model) or 10000
-    wl = make_workload(args, vocab_hi=min(10000, vocab))
+    wl = make_workload(args, vocab_hi=vocab_hi(args.model))
     desc = wl.describe()
     result: dict[str, Any] = {
         "benchmark": "offline_throughput",
@@ -322,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         result["by_dtype"][dtype] = r
     # The first dtype's sides at the top level too, as in the old single-dtype layout.
     result.update({k: v for k, v in result["by_dtype"][args.dtype[0]].items()})
-    for variant, c in llamacpp_peer.run_variants(
+    for variant, c in peers.run_variants(
         args, result, lambda _, path: run_llamacpp(args, path, wl)
     ).items():
         c["ours_speedup"] = result["ours"]["output_tok_s"] / c["output_tok_s"]

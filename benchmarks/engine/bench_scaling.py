@@ -11,7 +11,7 @@ point; tok/s is printed only to show it runs):
     (sequences x vocabulary x 4 bytes);
   - the same formulas for an 8B Llama (on paper) for docs/scaling.md.
 
-    python benchmarks/bench_scaling.py [--tp 3] [--devices 4] [--out FILE]
+    python benchmarks/engine/bench_scaling.py [--tp 3] [--devices 4] [--out FILE]
 """
 
 from __future__ import annotations
@@ -23,29 +23,24 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):"]
-ENGINE = dict(
-    max_num_seqs=4, max_num_batched_tokens=16, max_model_len=256, num_pages=64, use_tqdm=False
-)
-LLAMA_8B = dict(
-    layers=32, hidden=4096, vocab=128256, kv_heads=8, act_bytes=2
-)  # Llama-3-8B, bf16 activations
+# No JAX before main() sets XLA_FLAGS: these import numpy at most.
+from benchmarks.lib.report import script_parser, write_result  # noqa: E402
+from benchmarks.lib.workloads import TEXT_PROMPTS  # noqa: E402
+
+PROMPTS = TEXT_PROMPTS[:3]
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=256, num_pages=64)
+LLAMA_8B = dict(layers=32, hidden=4096, vocab=128256, kv_heads=8, act_bytes=2)  # Llama-3-8B, bf16
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--model", default="smollm2-135m")
+    p = script_parser(__doc__, "scaling.json")
     p.add_argument("--tp", type=int, default=3)
     p.add_argument(
         "--devices", type=int, default=4, help="virtual CPU devices (XLA_FLAGS), at least --tp"
     )
     p.add_argument("--tokens", type=int, default=32, help="greedy tokens a prompt")
-    p.add_argument("--out", default=str(HERE / "results" / "scaling.json"))
     return p.parse_args(argv)
 
 
@@ -103,17 +98,16 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
-    from benchmarks.common import write_result
-    from minivllm_jax import LLM, SamplingParams
+    from benchmarks.lib.harness import build_llm, greedy
 
-    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    params = greedy(args.tokens)
     runs = {}
     for tp in (1, args.tp):
-        llm = LLM(args.model, tensor_parallel_size=tp, **ENGINE)
+        llm = build_llm(args.model, tensor_parallel_size=tp, **ENGINE)
         start = time.perf_counter()
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
         seconds = time.perf_counter() - start
-        cfg, shapes = llm.engine.model_config, llm.engine.config.step_shapes()
+        cfg, shapes = llm.engine.model_config, llm.engine.config.scheduler.step_shapes()
         run = {
             "tokens": [o.outputs[0].token_ids for o in outs],
             "tok_s": len(PROMPTS) * args.tokens / seconds,

@@ -12,9 +12,9 @@ tokens and a fresh 64-token prompt chunk. For each shape it times (median of `--
 - `kv write`: the scatter of the step's new K/V into the cache alone (`kv_cache.write_kv`,
   part of `forward`), to see whether it is worth a kernel.
 
-    python benchmarks/profile_step.py                      # decode, prompt and mixed shapes
-    python benchmarks/profile_step.py --shapes 64:1:1500 --reps 5
-    python benchmarks/profile_step.py --quick              # tiny model, seconds (smoke test)
+    python benchmarks/micro/profile_step.py                      # decode, prompt and mixed shapes
+    python benchmarks/micro/profile_step.py --shapes 64:1:1500 --reps 5
+    python benchmarks/micro/profile_step.py --quick              # tiny model, seconds (smoke test)
 """
 
 from __future__ import annotations
@@ -25,21 +25,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(
-    0, str(Path(__file__).resolve().parents[1])
-)  # this checkout's package, as the other scripts
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout, as the others
 
-DEFAULT_SHAPES = [
-    "1:1:512",
-    "8:1:1500",
-    "64:1:64",
-    "64:1:375",
-    "64:1:1500",
-    "1:512:0",
-    "1:512:1024",
-    "8:1:1500+1:40:0",
-    "8:1:1500+1:120:1000",
-]
+DEFAULT_SHAPES = (
+    "1:1:512 8:1:1500 64:1:64 64:1:375 64:1:1500 1:512:0 1:512:1024 8:1:1500+1:40:0 "
+    "8:1:1500+1:120:1000"
+).split()
 QUICK_SHAPES = ["1:1:8", "4:1:8+1:6:0", "1:16:8"]
 
 
@@ -160,10 +151,12 @@ def main(argv=None) -> None:
     import numpy as np
 
     from minivllm_jax import kernels
-    from minivllm_jax.config import EngineConfig, bucket_for
+    from minivllm_jax.args import EngineArgs
+    from minivllm_jax.config import bucket_for
     from minivllm_jax.engine.runtime import keep_freed_memory
-    from minivllm_jax.engine.step import PenaltyRows, engine_step, init_penalty_state
-    from minivllm_jax.models.llama import forward, init_params, unstack_layers
+    from minivllm_jax.engine.step import PenaltyRows, StepSpec, engine_step, init_penalty_state
+    from minivllm_jax.models.decoder import forward
+    from minivllm_jax.models.params import init_params, unstack_layers
     from minivllm_jax.ops import attention
     from minivllm_jax.ops.batch import build_step_batch
     from minivllm_jax.ops.kv_cache import init_kv_cache, write_kv
@@ -176,14 +169,17 @@ def main(argv=None) -> None:
     shapes = args.shapes or (QUICK_SHAPES if args.quick else DEFAULT_SHAPES)
     groups = [parse_shape(s) for s in shapes]
     max_ctx = max(C + T for g in groups for _, T, C in g)
-    engine = EngineConfig(
-        max_num_seqs=args.max_num_seqs, max_model_len=max_ctx + 1, page_size=args.page_size
-    )
+    engine = EngineArgs(  # only its buckets are used: the cache is sized below
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=max_ctx + 1,
+        page_size=args.page_size,
+        num_pages=2,
+    ).create_engine_config()
     dtype = jnp.dtype(args.dtype)
     params = init_params(cfg, jax.random.PRNGKey(args.seed), dtype=dtype)
     params = unstack_layers(quantize_params(params, args.quantization))  # as the runner holds them
     matmul = (
-        ("native" if kernels.native_available() else "reference")
+        ("auto" if kernels.native_available() else "reference")
         if args.matmul == "auto"
         else args.matmul
     )
@@ -197,12 +193,10 @@ def main(argv=None) -> None:
     fed_back = jnp.zeros(args.max_num_seqs, jnp.int32)  # no placeholders in these batches
     rng = np.random.RandomState(args.seed)
     attention.ATTENTION["none"] = lambda q, k, v, cache, layer, batch: jnp.zeros_like(q)
-    impl = attention.resolve_attention(args.attention)
+    impl = attention.resolve_attention(args.attention, cfg, dtype, args.kv_cache_dtype)
 
     step_fn = jax.jit(
-        engine_step,
-        static_argnames=("cfg", "attention", "matmul"),
-        donate_argnames=("cache", "penalty_state"),
+        engine_step, static_argnames=("spec",), donate_argnames=("cache", "penalty_state")
     )
     fwd = jax.jit(
         forward,
@@ -222,8 +216,8 @@ def main(argv=None) -> None:
     for text, group in zip(shapes, groups):
         chunks = make_chunks(rng, group, args.page_size, num_pages)
         tokens = sum(len(c.token_ids) for c in chunks)
-        T = bucket_for(tokens, engine.token_buckets)
-        S = bucket_for(len(chunks), engine.seq_buckets(T))
+        T = bucket_for(tokens, engine.config.scheduler.token_buckets)
+        S = bucket_for(len(chunks), engine.config.scheduler.seq_buckets(T))
         batch = build_step_batch(chunks, args.page_size, T, S, engine.num_listed_pages(S))
         sampling = make_sampling_arrays(
             [(SamplingParams(temperature=0.8, top_p=0.9), 1, 0, 0)] * len(chunks), S, cfg.vocab_size
@@ -250,9 +244,7 @@ def main(argv=None) -> None:
             batch,
             sampling,
             rows,
-            cfg=cfg,
-            attention=impl,
-            matmul=matmul,
+            spec=StepSpec(cfg, impl, matmul),
         ).compile()
         compile_s = time.perf_counter() - t0
 

@@ -20,52 +20,49 @@ Prompts are seeded random token ids (fresh ids at each concurrency, same lengths
 prefix cache never hits across levels); outputs are forced to their drawn lengths
 (`ignore_eos`), greedy on both sides.
 
-    python benchmarks/bench_latency.py                          # chat preset, C = 1 2 4 8 16 32
-    python benchmarks/bench_latency.py --concurrency 1 8 --num-prompts 16 --no-hf --no-llamacpp
-    python benchmarks/bench_latency.py --quick                  # smoke test: tiny preset, C = 1 2 4
+    python benchmarks/engine/bench_latency.py                          # chat preset, C = 1 2 4 8 16 32
+    python benchmarks/engine/bench_latency.py --concurrency 1 8 --num-prompts 16 --no-hf --no-llamacpp
+    python benchmarks/engine/bench_latency.py --quick                  # smoke test: tiny preset, C = 1 2 4
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from collections import deque
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import numpy as np  # noqa: E402
-
-from benchmarks import llamacpp_peer  # noqa: E402
-from benchmarks.common import (  # noqa: E402
-    RESULTS,
-    Workload,
+from benchmarks.lib import peers  # noqa: E402
+from benchmarks.lib.harness import add_engine_args, greedy, llm_from_args  # noqa: E402
+from benchmarks.lib.report import (  # noqa: E402
     add_slo_args,
-    add_workload_args,
     latency_summary,
-    load_hf_model,
-    make_workload,
-    model_vocab_size,
-    new_figure,
+    plot_levels,
+    print_levels,
     request_timings,
-    save_plot,
+    script_parser,
     write_result,
+)
+from benchmarks.lib.workloads import (  # noqa: E402
+    Workload,
+    add_workload_args,
+    make_workload,
+    random_prompts,
+    vocab_hi,
 )
 
 DEFAULT_CONCURRENCY = [1, 2, 4, 8, 16, 32]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument(
-        "--model", default="smollm2-135m", help="alias, converted dir, HF folder or .gguf"
-    )
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p = script_parser(__doc__, "latency.json", model=None)
+    # max_num_seqs is the largest --concurrency; max_model_len None: the next power of two
+    # >= the longest request (at least 128); --seed is the workload's.
+    add_engine_args(p, exclude=("seed", "max_num_seqs"))
     add_workload_args(p, default_preset="chat")
     levels = " ".join(map(str, DEFAULT_CONCURRENCY))
     p.add_argument(
@@ -76,28 +73,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"requests kept in flight, one run each (default {levels})",
     )
     add_slo_args(p)
-    p.add_argument(
-        "--max-num-batched-tokens", type=int, default=512, help="our prefill token budget per step"
-    )
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="our max_model_len (default: next power of two >= longest request, min 128)",
-    )
-    p.add_argument(
-        "--num-pages", type=int, default=None, help="our KV pages (default: sized from free memory)"
-    )
-    p.add_argument(
-        "--threads", type=int, default=2, help="torch and llama.cpp threads for the peers"
-    )
+    p.add_argument("--threads", type=int, default=2, help="torch and llama.cpp threads")
     p.add_argument("--no-hf", action="store_true", help="skip the PyTorch peer")
-    llamacpp_peer.add_peer_args(p)
+    peers.add_peer_args(p)
     p.add_argument(
         "--quick", action="store_true", help="smoke test: tiny preset, concurrency 1 2 4"
-    )
-    p.add_argument(
-        "--out", default=str(RESULTS / "latency.json"), help="JSON path; the PNG goes beside it"
     )
     args = p.parse_args(argv)
     if args.quick:
@@ -112,8 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def fresh_prompts(work: Workload, seed: int, vocab_hi: int) -> list[list[int]]:
     """New random ids with the workload's prompt lengths: each level gets prompts the prefix
     cache has never seen, while lengths (and so the work) stay identical across levels."""
-    rng = np.random.default_rng(seed)
-    return [rng.integers(100, vocab_hi, size=len(p)).tolist() for p in work.prompts]
+    return random_prompts([len(p) for p in work.prompts], seed, vocab_hi)
 
 
 # ------------------------------------------------------------------ ours
@@ -124,8 +103,6 @@ def engine_closed_loop(
 ) -> tuple[list[dict], float]:
     """Keep `concurrency` requests in flight on `llm.engine` until all are done; returns
     per-request timings (see `request_timings`) and the wall time."""
-    from minivllm_jax import SamplingParams
-
     engine = llm.engine
     pending = deque(range(len(prompts)))
     arrival: dict[str, float] = {}
@@ -135,8 +112,7 @@ def engine_closed_loop(
     while pending or arrival:
         while pending and len(arrival) < concurrency:
             i = pending.popleft()
-            params = SamplingParams(temperature=0.0, max_tokens=output_lens[i], ignore_eos=True)
-            rid = engine.add_request(prompts[i], params)
+            rid = engine.add_request(prompts[i], greedy(output_lens[i]))
             arrival[rid], times[rid] = time.perf_counter(), []
         outputs = engine.step()
         now = time.perf_counter()
@@ -157,17 +133,12 @@ def run_ours(
     vocab_hi: int,
 ) -> dict:
     """Load and warm up our engine, then one closed-loop run per concurrency level."""
-    from minivllm_jax import LLM
-
     max_len = args.max_model_len or max(128, 1 << (work.max_len - 1).bit_length())
     start = time.perf_counter()
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
+    llm = llm_from_args(
+        args,
         max_num_seqs=max(args.concurrency),
         max_model_len=max_len,
-        num_pages=args.num_pages,
-        max_num_batched_tokens=args.max_num_batched_tokens,
         use_tqdm=sys.stderr.isatty(),
     )
     startup_s = time.perf_counter() - start
@@ -189,12 +160,12 @@ def run_ours(
     cfg = llm.engine.config
     return {
         "engine": {
-            "max_num_seqs": cfg.max_num_seqs,
+            "max_num_seqs": cfg.scheduler.max_num_seqs,
             "max_model_len": cfg.max_model_len,
-            "page_size": cfg.page_size,
-            "num_pages": cfg.num_pages,
-            "max_num_batched_tokens": cfg.max_num_batched_tokens,
-            "enable_prefix_caching": cfg.enable_prefix_caching,
+            "page_size": cfg.cache.page_size,
+            "num_pages": cfg.cache.num_pages,
+            "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
+            "enable_prefix_caching": cfg.cache.enable_prefix_caching,
         },
         "startup_s": startup_s,
         "warmup_s": llm.warmup_seconds,
@@ -207,36 +178,10 @@ def run_ours(
 # ------------------------------------------------------------------ PyTorch peer
 
 
-@dataclasses.dataclass
-class _Stamps:
-    """A `transformers` streamer that only notes when each generated step reached the host."""
-
-    times: list[float] = dataclasses.field(default_factory=list)
-    seen_prompt: bool = False
-
-    def put(self, value: Any) -> None:
-        if self.seen_prompt:  # generate's first put is the prompt itself
-            self.times.append(time.perf_counter())
-        self.seen_prompt = True
-
-    def end(self) -> None:
-        pass
-
-
-def hf_generate(hf: Any, prompts: list[list[int]], max_new: int, pad_id: int) -> list[float]:
+def hf_stamps(hf: Any, prompts: list[list[int]], max_new: int, pad_id: int) -> list[float]:
     """One left-padded greedy batch, EOS disabled; returns the host time of every generated step."""
-    import torch
-    import transformers
-
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    gen = transformers.GenerationConfig(
-        max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=pad_id
-    )
-    streamer = _Stamps()
-    with torch.inference_mode():
-        hf.generate(input_ids=ids, attention_mask=mask, generation_config=gen, streamer=streamer)
+    streamer = peers.TokenTimes()
+    peers.hf_generate(hf, prompts, max_new, pad_id=pad_id, streamer=streamer)
     if len(streamer.times) < max_new:
         raise RuntimeError(f"HF generate stopped after {len(streamer.times)} of {max_new} steps")
     return streamer.times
@@ -252,7 +197,7 @@ def hf_static_batches(
     user_free = [start] * concurrency  # when each user sent its next request
     for b in range(0, len(prompts), concurrency):
         batch = range(b, min(b + concurrency, len(prompts)))
-        stamps = hf_generate(
+        stamps = hf_stamps(
             hf, [prompts[i] for i in batch], max(output_lens[i] for i in batch), pad_id
         )
         for j, i in enumerate(batch):
@@ -267,10 +212,10 @@ def run_hf(
 ) -> dict:
     """The PyTorch peer at the same concurrency levels, on the same prompts."""
     start = time.perf_counter()
-    hf = load_hf_model(args.model, args.dtype, args.threads)
+    hf = peers.load_hf_model(args.model, args.dtype, args.threads)
     load_s = time.perf_counter() - start
     pad_id = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
-    hf_generate(hf, work.prompts[: max(args.concurrency)], 2, pad_id)  # warm-up, like ours
+    hf_stamps(hf, work.prompts[: max(args.concurrency)], 2, pad_id)  # warm-up, like ours
     levels = []
     for c in args.concurrency:
         records, wall = hf_static_batches(hf, level_prompts[c], work.output_lens, c, pad_id)
@@ -297,7 +242,7 @@ def run_llamacpp(
     """llama.cpp at the same concurrency levels, on the same prompts: C closed-loop users."""
     start = time.perf_counter()
     levels = []
-    with llamacpp_peer.LlamaCppPeer(path, args.threads) as peer:
+    with peers.LlamaCppPeer(path, args.threads) as peer:
         load_s = time.perf_counter() - start
         for c in args.concurrency:
             run = peer.run(level_prompts[c], work.output_lens, c, closed_loop=True)
@@ -333,66 +278,25 @@ def _print_level(name: str, lv: dict) -> None:
     )
 
 
-def print_table(sides: dict[str, list[dict]]) -> None:
-    """Each side's levels per concurrency, ours first (ms; tok/s; goodput req/s)."""
-    by_c = {name: {lv["concurrency"]: lv for lv in levels} for name, levels in sides.items()}
-    cols = ["TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p99", "out tok/s", "goodput/s"]
-    print(f"{'C':>4} {'':15}" + "".join(f"{c:>11}" for c in cols))
-    for lv in sides["ours"]:
-        for name in sides:
-            row = by_c[name].get(lv["concurrency"])
-            if row is None:
-                continue
-            vals = [
-                _ms(row["ttft_s"]["p50"]),
-                _ms(row["ttft_s"]["p99"]),
-                _ms(row["tpot_s"]["p50"]),
-                _ms(row["tpot_s"]["p99"]),
-                _ms(row["itl_s"]["p99"]),
-                f"{row['output_tokens_per_s']:.1f}",
-                f"{row['goodput']['requests_per_s']:.2f}",
-            ]
-            print(f"{lv['concurrency']:>4} {name:15}" + "".join(f"{v:>11}" for v in vals))
-
-
 def plot(result: dict, out: str) -> Path:
-    """TTFT p50/p99, TPOT p50 and output tok/s vs concurrency, ours vs HF and llama.cpp."""
-    fig, axes = new_figure(3, width=4.5)
-    series = [("ours", result["ours"]["levels"], "tab:blue")]
+    """TTFT, TPOT and output tok/s vs concurrency, ours vs HF and llama.cpp."""
+    series = [("ours", result["ours"]["levels"])]
     if result.get("hf"):
-        series.append(("HF generate", result["hf"]["levels"], "tab:orange"))
-    for k, (variant, side) in enumerate((result.get("llamacpp") or {}).items()):
-        series.append((f"llama.cpp {variant}", side["levels"], f"C{2 + k}"))
-    for name, levels, color in series:
-        cs = [lv["concurrency"] for lv in levels]
-        ms = lambda key, q: [(lv[key][q] or 0) * 1000 for lv in levels]  # noqa: E731
-        axes[0, 0].plot(cs, ms("ttft_s", "p50"), "o-", color=color, label=f"{name} p50")
-        axes[0, 0].plot(cs, ms("ttft_s", "p99"), "s--", color=color, label=f"{name} p99")
-        axes[0, 1].plot(cs, ms("tpot_s", "p50"), "o-", color=color, label=f"{name} p50")
-        axes[0, 2].plot(
-            cs, [lv["output_tokens_per_s"] for lv in levels], "o-", color=color, label=name
-        )
-    titles = ["TTFT (ms)", "TPOT (ms)", "output tok/s"]
-    for ax, title in zip(axes[0], titles):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(result["concurrency"], [str(c) for c in result["concurrency"]])
-        ax.set_xlabel("concurrency (requests in flight)")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        series.append(("HF generate", result["hf"]["levels"]))
+    series += [
+        (f"llama.cpp {v}", side["levels"]) for v, side in (result.get("llamacpp") or {}).items()
+    ]
     w = result["workload"]
-    fig.suptitle(
-        f"{result['model']} {result['dtype']}, {w['num_prompts']} requests ({w['preset']}) per level"
-    )
-    return save_plot(fig, out)
+    title = f"{result['model']} {result['dtype']}, {w['num_prompts']} requests ({w['preset']}) per level"
+    return plot_levels(series, title, out)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    vocab_hi = min(10_000, model_vocab_size(args.model) or 10_000)
-    work = make_workload(args, vocab_hi=vocab_hi)
-    level_prompts = {c: fresh_prompts(work, args.seed + c, vocab_hi) for c in args.concurrency}
-    ours = run_ours(args, work, level_prompts, vocab_hi)
+    hi = vocab_hi(args.model)
+    work = make_workload(args, vocab_hi=hi)
+    level_prompts = {c: fresh_prompts(work, args.seed + c, hi) for c in args.concurrency}
+    ours = run_ours(args, work, level_prompts, hi)
     hf = None if args.no_hf else run_hf(args, work, level_prompts)
     result = {
         "benchmark": "latency",
@@ -405,13 +309,13 @@ def main(argv: list[str] | None = None) -> int:
         "ours": ours,
         "hf": hf,
     }
-    peer = llamacpp_peer.run_variants(
+    peer = peers.run_variants(
         args,
         result,
         lambda v, path: run_llamacpp(args, work, level_prompts, f"llama.cpp {v}", path),
     )
     sides = {"ours": ours["levels"], **({"hf": hf["levels"]} if hf else {})}
-    print_table({**sides, **{f"llama.cpp {v}": side["levels"] for v, side in peer.items()}})
+    print_levels({**sides, **{f"llama.cpp {v}": side["levels"] for v, side in peer.items()}})
     write_result(result, args.out)
     plot(result, args.out)
     if ours["compiles_during_timed"]:

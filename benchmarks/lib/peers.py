@@ -1,12 +1,17 @@
-"""The llama.cpp peer (llama-cpp-python): one place that loads a GGUF and runs requests through
-llama.cpp's multi-sequence batch API (batch 1 is one sequence), the F32/F16 GGUF of the
-shipped Q4_1 weights that gives a like-for-like fp32 row, and the scripts' --no-llamacpp /
---llamacpp-variants options with their skip reasons. What each script measures from a run
-(decode tok/s, throughput, latency) stays in that script.
+"""The peers our engine is measured against, in the same process and run.
 
-Both sides get the same work: prompts as token ids, exactly the drawn number of output tokens
-(EOS ignored), greedy argmax on the logits, 2 threads. Batching is continuous, as in
-llama.cpp's `parallel` example: up to `n_parallel` sequences each in its own KV stream
+HF transformers (PyTorch): `load_hf_model` and `hf_generate`, one left-padded batch through
+`generate` with EOS disabled, so outputs have exactly the requested lengths.
+
+llama.cpp (llama-cpp-python): one place that loads a GGUF and runs requests through llama.cpp's
+multi-sequence batch API (batch 1 is one sequence), the F32/F16 GGUF of the shipped Q4_1 weights
+that gives a like-for-like fp32 row, and the scripts' --no-llamacpp / --llamacpp-variants
+options with their skip reasons. What each script measures from a run (decode tok/s,
+throughput, latency) stays in that script.
+
+Both llama.cpp and our engine get the same work: prompts as token ids, exactly the drawn number
+of output tokens (EOS ignored), greedy argmax on the logits, 2 threads. Batching is continuous,
+as in llama.cpp's `parallel` example: up to `n_parallel` sequences each in its own KV stream
 (`n_seq_max`), every step one `llama_decode` of each running sequence's next token plus prompt
 chunks under an `n_batch` token budget, and a finished sequence's slot is refilled at once.
 
@@ -26,6 +31,85 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from minivllm_jax.loading.aliases import MODEL_ALIASES, alias_source
+from minivllm_jax.loading.resolve import _cache_key, cache_root
+
+# ------------------------------------------------------------------ HF transformers (PyTorch)
+
+
+def load_hf_model(model: str, dtype: str = "float32", threads: int = 2):
+    """HF transformers' model for `model` (alias, HF folder or .gguf), eval mode, no EOS."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(threads)
+    torch_dtype = getattr(torch, dtype)
+    path = alias_source(model) if model in MODEL_ALIASES else Path(model)
+    if path.suffix == ".gguf":
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent),
+            gguf_file=path.name,
+            dtype=torch_dtype,
+            quantization_config=transformers.GgufConfig(dequantize=True),
+        )
+    else:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
+    # Benchmarks force output lengths; `generate` fills an unset eos_token_id from the model's
+    # generation_config, so EOS must be cleared there too or the peer may stop early.
+    hf.generation_config.eos_token_id = None
+    return hf.eval()
+
+
+def hf_generate(
+    model: Any,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    pad_id: int = 0,
+    **kwargs: Any,
+):
+    """One batch through HF `generate`, left padded with `pad_id`, EOS disabled; greedy, or
+    plain temperature sampling as ours does (no top-k/top-p from generation_config). `kwargs`
+    go to `generate` (a streamer, num_beams, ...). Returns its output ids."""
+    import torch
+
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    sampling: dict[str, Any] = {"do_sample": False}
+    if temperature > 0:
+        sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+    with torch.inference_mode():
+        return model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=None,
+            pad_token_id=pad_id,
+            **sampling,
+            **kwargs,
+        )
+
+
+@dataclasses.dataclass
+class TokenTimes:
+    """A `transformers` streamer that only notes when each generated step reached the host."""
+
+    times: list[float] = dataclasses.field(default_factory=list)
+    seen_prompt: bool = False
+
+    def put(self, value: Any) -> None:
+        if self.seen_prompt:  # generate's first put is the prompt itself
+            self.times.append(time.perf_counter())
+        self.seen_prompt = True
+
+    def end(self) -> None:
+        pass
+
+
+# ------------------------------------------------------------------ llama.cpp
+
 
 INSTALL_HINT = "llama-cpp-python is not installed: pip install -e '.[peer]' or make bench"
 VARIANTS = ("q4_1", "f16", "f32")  # q4_1: the shipped file; f16/f32: its weights dequantized
@@ -96,8 +180,6 @@ def run_variants(
 
 def source_gguf(model: str) -> Path | None:
     """The GGUF behind `model` (an alias of a shipped GGUF, or a .gguf path), else None."""
-    from minivllm_jax.loading.aliases import MODEL_ALIASES, alias_source
-
     path = alias_source(model) if model in MODEL_ALIASES else Path(model)
     return path if path.suffix == ".gguf" and path.is_file() else None
 
@@ -141,8 +223,6 @@ def write_dequantized_gguf(src: str | Path, dst: str | Path, variant: str = "f32
 
 def dequantized_gguf(src: Path, variant: str = "f32", cache_dir: str | Path | None = None) -> Path:
     """`src` dequantized to `variant`, written once into the model cache and reused."""
-    from minivllm_jax.loading.resolve import _cache_key, cache_root
-
     dst = cache_root(cache_dir) / "gguf" / f"{_cache_key(src)}-{variant.upper()}.gguf"
     if not dst.is_file():
         dst.parent.mkdir(parents=True, exist_ok=True)

@@ -1,55 +1,14 @@
-"""Quality against a reference, in one place (bench_quant.py): the fixed text, perplexity and
+"""Quality against a reference, in one place (bench_quant.py): perplexity and
 KL of the next-token distributions scored through an engine's own served params and KV cache,
 and the comparison of greedy outputs (agreement, vLLM's top-5 rule)."""
 
 from __future__ import annotations
 
-import hashlib
 import time
 from pathlib import Path
 from typing import Any
 
 TOP_K = 5  # vLLM's check_logprobs_close rule
-
-# Licence texts that ship with the project's own dependencies, concatenated in this order.
-DEFAULT_TEXTS = (("typing_extensions", "LICENSE"), ("transformers", "LICENSE"))
-
-
-def default_text_files() -> list[tuple[Path, dict[str, Any]]]:
-    """The licence files of DEFAULT_TEXTS' installed distributions (one file each, by name)."""
-    import importlib.metadata as md
-
-    found = []
-    for dist_name, file_name in DEFAULT_TEXTS:
-        dist = md.distribution(dist_name)
-        files = sorted(
-            (f for f in dist.files or [] if f.name == file_name and ".dist-info" in str(f)), key=str
-        )
-        if not files:
-            raise SystemExit(
-                f"{dist_name} {dist.version} has no {file_name} in its dist-info; pass --text FILE"
-            )
-        found.append(
-            (
-                Path(files[0].locate()),
-                {"package": dist_name, "version": dist.version, "file": str(files[0])},
-            )
-        )
-    return found
-
-
-def read_text(files: list[str] | None) -> tuple[str, list[dict[str, Any]]]:
-    """The text (`files`, or DEFAULT_TEXTS' licence files) joined by blank lines, and where each
-    part came from (with its sha256, so a result says exactly what was scored)."""
-    found = [(Path(f), {"file": str(f)}) for f in files] if files else default_text_files()
-    parts, sources = [], []
-    for path, info in found:
-        body = path.read_text(encoding="utf-8")
-        parts.append(body)
-        sources.append(
-            {**info, "chars": len(body), "sha256": hashlib.sha256(body.encode()).hexdigest()}
-        )
-    return "\n\n".join(parts), sources
 
 
 def score_text(
@@ -66,14 +25,8 @@ def score_text(
     from minivllm_jax.engine.step import forward_jit
     from minivllm_jax.ops.batch import single_sequence_batch
 
-    cfg, ps = runner.model_config, runner.config.page_size
+    ps = runner.config.cache.page_size
     pages = list(range(1, -(-window // ps) + 1))
-    static = {
-        "cfg": cfg,
-        "attention": runner.attention,
-        "matmul": runner.matmul,
-        "all_logits": True,
-    }
     log_softmax = jax.jit(lambda x: jax.nn.log_softmax(x.astype(jax.numpy.float32), axis=-1))
     nll, kl, agree = [], [], []
     start = time.perf_counter()
@@ -82,7 +35,7 @@ def score_text(
         rows, cache = [], runner.cache
         for c in range(0, window, chunk):
             batch = single_sequence_batch(toks[c : c + chunk], c, pages, ps)
-            logits, cache = forward_jit(runner.params, cache, batch, **static)
+            logits, cache = forward_jit(runner.params, cache, batch, runner.spec, all_logits=True)
             rows.append(np.asarray(log_softmax(logits)))
         runner.cache = cache  # donated: the engine keeps the returned one
         lp = np.concatenate(rows)  # [window, vocab]

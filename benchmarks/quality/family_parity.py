@@ -8,12 +8,11 @@ whether our 32 greedy tokens after an 11-token prompt are HF `generate`'s. Write
 results/family_parity.json and prints the table. About two minutes on 2 cores (compiles).
 tests/test_families.py checks the same models, and the engine's batched tokens too.
 
-    python benchmarks/family_parity.py [--families qwen3 gemma2 ...] [--quick] [--out PATH]
+    python benchmarks/quality/family_parity.py [--families qwen3 gemma2 ...] [--quick] [--out PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import tempfile
@@ -21,11 +20,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np  # noqa: E402
 
-from benchmarks.common import RESULTS, write_result  # noqa: E402
+from benchmarks.lib.report import script_parser, write_result  # noqa: E402
 
 PAGE_SIZE = 4
 PROMPT_LEN = 40  # longer than every window below, so windows change the answer
@@ -150,7 +149,7 @@ def our_logits(params, cfg, ids: np.ndarray) -> np.ndarray:
     """Our logits at every token of `ids`, one prefill over shuffled pages of `PAGE_SIZE`."""
     import jax.numpy as jnp
 
-    from minivllm_jax.engine.step import forward_jit
+    from minivllm_jax.engine.step import StepSpec, forward_jit
     from minivllm_jax.ops.batch import single_sequence_batch
     from minivllm_jax.ops.kv_cache import init_kv_cache
 
@@ -160,7 +159,11 @@ def our_logits(params, cfg, ids: np.ndarray) -> np.ndarray:
     )  # the block table decides
     cache = init_kv_cache(cfg, num_pages + 1, PAGE_SIZE, jnp.float32)
     logits, _ = forward_jit(
-        params, cache, single_sequence_batch(ids, 0, pages, PAGE_SIZE), cfg, all_logits=True
+        params,
+        cache,
+        single_sequence_batch(ids, 0, pages, PAGE_SIZE),
+        StepSpec(cfg),
+        all_logits=True,
     )
     return np.asarray(logits)
 
@@ -168,15 +171,15 @@ def our_logits(params, cfg, ids: np.ndarray) -> np.ndarray:
 def parity(name: str, workdir: str | Path) -> dict[str, Any]:
     """One row of the table: family `name` built, saved under `workdir`, converted and compared."""
     from convert import read_checkpoint
-    from minivllm_jax.config import ModelConfig
-    from minivllm_jax.models.llama import unstack_layers
+    from minivllm_jax.models.hf_config import config_from_hf
+    from minivllm_jax.models.params import unstack_layers
     from minivllm_jax.ops.attention import resolve_attention
     from minivllm_jax.reference.greedy import greedy_generate
 
     path = Path(workdir) / name
     model = make_tiny_family(name, path)
     hf_config, params = read_checkpoint(path, progress=False)
-    cfg = ModelConfig.from_hf(hf_config)
+    cfg = config_from_hf(hf_config)
     params = unstack_layers(params)
     rng = np.random.default_rng(1)
     ids = rng.integers(3, cfg.vocab_size, PROMPT_LEN)
@@ -202,12 +205,11 @@ def parity(name: str, workdir: str | Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = script_parser(__doc__, "family_parity.json", model=None)
     p.add_argument("--families", nargs="+", choices=sorted(FAMILIES), default=list(FAMILIES))
     p.add_argument(
         "--quick", action="store_true", help="Gemma 3 only (the family with the most extras)"
     )
-    p.add_argument("--out", default=str(RESULTS / "family_parity.json"))
     args = p.parse_args(argv)
     if args.quick:
         args.families = ["gemma3"]

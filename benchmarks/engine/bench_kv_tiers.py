@@ -8,71 +8,58 @@
    `--kv-disk-dir` gets concurrent first requests. TTFT p50 of those, with the disk tier and
    without it (the same two days, no `--kv-disk-dir`).
 3. Compression: perplexity and greedy agreement with full attention over a long fixed text
-   (>= 4k tokens, teacher-forced: `benchmarks/kv_compression_quality.py`) per policy and kept
+   (>= 4k tokens, teacher-forced: `benchmarks/quality/kv_compression_quality.py`) per policy and kept
    fraction, and the KV memory per sequence.
 
-    python benchmarks/bench_kv_tiers.py                # SmolLM2, about 12 minutes
-    python benchmarks/bench_kv_tiers.py --quick        # smaller everything: a smoke run
+    python benchmarks/engine/bench_kv_tiers.py                # SmolLM2, about 12 minutes
+    python benchmarks/engine/bench_kv_tiers.py --quick        # smaller everything: a smoke run
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.common import (
-    RESULTS,
-    greedy_params,
-    machine_info,
+from benchmarks.lib.harness import build_llm, greedy_params, run_requests  # noqa: E402
+from benchmarks.lib.report import (  # noqa: E402
+    add_options,
     new_figure,
     percentiles,
-    run_requests,  # noqa: E402
     save_plot,
+    script_parser,
     write_result,
 )
+from benchmarks.lib.serving import launched_server, metric, one_request  # noqa: E402
+from benchmarks.lib.workloads import random_prompts, read_text  # noqa: E402
+from benchmarks.quality.kv_compression_quality import evaluate  # noqa: E402
 
 MODES = ("recompute", "swap", "auto")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--model", default="smollm2-135m")
+    p = script_parser(__doc__, "kv_tiers.json")
     p.add_argument("--quick", action="store_true", help="a smoke run: small workloads, short text")
-    p.add_argument(
-        "--only", nargs="+", choices=["preemption", "restart", "compression"], default=None
-    )
+    p.add_argument("--only", nargs="+", choices=["preemption", "restart", "compression"])
     # Long outputs: sequences are preempted deep into their decode, when recomputing costs most.
-    p.add_argument("--requests", type=int, default=12, help="preemption: requests (all at once)")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=640)
-    p.add_argument(
-        "--pressure-seqs",
-        type=float,
-        default=3,
-        help="preemption: num_pages holds this many full-length sequences",
+    add_options(
+        p,
+        [
+            ("--requests", 12, "preemption: requests (all at once)"),
+            ("--prompt-len", 128, "preemption: prompt tokens"),
+            ("--output-len", 640, "preemption: output tokens"),
+            ("--pressure-seqs", 3.0, "preemption: num_pages holds this many full-length sequences"),
+            ("--system-tokens", 1024, "restart: shared system prompt length"),
+            ("--first-requests", 8, "restart: concurrent first requests after it"),
+            ("--text-tokens", 4096, "compression: tokens of the long text scored"),
+        ],
     )
-    p.add_argument(
-        "--system-tokens", type=int, default=1024, help="restart: shared system prompt length"
-    )
-    p.add_argument(
-        "--first-requests", type=int, default=8, help="restart: concurrent first requests after it"
-    )
-    p.add_argument(
-        "--text-tokens", type=int, default=4096, help="compression: tokens of the long text scored"
-    )
-    p.add_argument("--out", default=str(RESULTS / "kv_tiers.json"))
     args = p.parse_args(argv)
     if args.quick:
         args.requests, args.prompt_len, args.output_len, args.pressure_seqs = 6, 64, 128, 2
@@ -84,25 +71,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def preemption(args: argparse.Namespace) -> dict[str, Any]:
-    from minivllm_jax import LLM
     from minivllm_jax.engine.engine import LLMEngine
 
     full_len = args.prompt_len + args.output_len
     page_size = 16
     pages = 1 + int(args.pressure_seqs * -(-full_len // page_size))
-    llm = LLM(
-        args.model,
-        max_num_seqs=args.requests,
-        max_model_len=full_len,
-        num_pages=pages,
-        use_tqdm=False,
-    )
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(100, 10000, args.prompt_len).tolist() for _ in range(args.requests)]
+    llm = build_llm(args.model, max_num_seqs=args.requests, max_model_len=full_len, num_pages=pages)
+    prompts = random_prompts([args.prompt_len] * args.requests, 0)
     params = greedy_params([args.output_len] * args.requests)
     base, rows, tokens = llm.engine, [], None
     for mode in MODES:
-        config = dataclasses.replace(base.config, preemption_mode=mode)
+        config = base.config.replace(preemption_mode=mode)
         engine = LLMEngine(
             base.model_config,
             config,
@@ -146,12 +125,12 @@ def preemption(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _page_bytes(engine) -> int:
-    from minivllm_jax.models.llama import model_dtype
+    from minivllm_jax.models.params import model_dtype
     from minivllm_jax.ops.kv_cache import kv_bytes_per_page
 
     c = engine.config
     return kv_bytes_per_page(
-        engine.model_config, c.page_size, model_dtype(engine.params), c.kv_cache_dtype
+        engine.model_config, c.cache.page_size, model_dtype(engine.params), c.cache.kv_cache_dtype
     )
 
 
@@ -162,7 +141,6 @@ def _system_prompt(model: str, tokens: int) -> str:
     """The first `tokens` tokens of the long fixed text, as text: the shared system prompt."""
     from transformers import AutoTokenizer
 
-    from benchmarks.quant_quality import read_text
     from minivllm_jax.loading.resolve import resolve_model
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(model)))
@@ -174,8 +152,6 @@ async def _first_requests(
     url: str, args: argparse.Namespace, system: str, n: int, offset: int
 ) -> list[dict]:
     import httpx
-
-    from benchmarks.load_test import one_request
 
     req = argparse.Namespace(endpoint="chat", model=args.model, request_timeout=600)
     bodies = [
@@ -199,18 +175,7 @@ async def _first_requests(
         return await asyncio.gather(*(one_request(client, req, b) for b in bodies))
 
 
-def _disk_hits(url: str) -> float:
-    import httpx
-
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith('minivllm_prefix_cache_hit_tokens_total{tier="disk"}'):
-            return float(line.split()[-1])
-    return 0.0
-
-
 def restart(args: argparse.Namespace) -> dict[str, Any]:
-    from benchmarks.load_test import launched_server
-
     system = _system_prompt(args.model, args.system_tokens)
     rows = []
     for tier in ("disk", "none"):
@@ -218,15 +183,13 @@ def restart(args: argparse.Namespace) -> dict[str, Any]:
             flags = "--max-num-seqs 16 --max-model-len 2048" + (
                 f" --kv-disk-dir {folder}" if tier == "disk" else ""
             )
-            with launched_server(
-                args.model, flags, 900, None
-            ) as url:  # yesterday: a few requests, then SIGTERM
+            with launched_server(args.model, flags, 900) as (url, _):  # a few requests, SIGTERM
                 yesterday = asyncio.run(_first_requests(url, args, system, 2, 0))
             start = time.perf_counter()
-            with launched_server(args.model, flags, 900, None) as url:
+            with launched_server(args.model, flags, 900) as (url, _):
                 ready_s = time.perf_counter() - start
                 today = asyncio.run(_first_requests(url, args, system, args.first_requests, 100))
-                hits = _disk_hits(url)
+                hits = metric(url, 'minivllm_prefix_cache_hit_tokens_total{tier="disk"}') or 0.0
             files = len(list(Path(folder).rglob("*.kvpage")))
         errors = [r["error"] for r in yesterday + today if "error" in r]
         if errors:
@@ -260,13 +223,11 @@ def restart(args: argparse.Namespace) -> dict[str, Any]:
 def compression(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from benchmarks.kv_compression_quality import evaluate
-    from benchmarks.quant_quality import read_text
     from minivllm_jax import kernels
     from minivllm_jax.config import KVCompressionConfig
     from minivllm_jax.loading.checkpoint import load_converted
     from minivllm_jax.loading.resolve import resolve_model
-    from minivllm_jax.models.llama import unstack_layers
+    from minivllm_jax.models.params import unstack_layers
 
     folder = resolve_model(args.model)
     cfg, _, params = load_converted(folder)
@@ -360,7 +321,6 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "kv_tiers",
         "model": args.model,
         "quick": args.quick,
-        "machine": machine_info(),
     }
     for name, fn in (
         ("preemption", preemption),

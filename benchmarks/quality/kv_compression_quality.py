@@ -3,8 +3,8 @@ long text teacher-forced through the model chunk by chunk over ONE sequence's pa
 dropping pages by a policy after every chunk as the engine would, against the same text under
 full attention.
 
-    python -m benchmarks.kv_compression_quality                       # tiny random model: a smoke run
-    python -m benchmarks.kv_compression_quality --model smollm2-135m \\
+    python -m benchmarks.quality.kv_compression_quality                       # tiny random model: a smoke run
+    python -m benchmarks.quality.kv_compression_quality --model smollm2-135m \\
         --config '{"policy": "sink_window", "window_tokens": 1024}' \\
         --config '{"policy": "page_scores", "window_tokens": 512, "budget_tokens": 1024}'
 
@@ -25,10 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.lib.workloads import read_text
 from minivllm_jax.config import KVCompressionConfig, ModelConfig
 from minivllm_jax.engine.kv.compression import kept_pages, needs_scores, wants_compression
-from minivllm_jax.engine.step import forward_jit, page_attention_scores_jit
-from minivllm_jax.models.llama import Params, init_params, model_dtype, unstack_layers
+from minivllm_jax.engine.step import StepSpec, forward_jit, page_attention_scores_jit
+from minivllm_jax.models.params import ServingParams, init_params, model_dtype, unstack_layers
 from minivllm_jax.ops.batch import Chunk, build_step_batch
 from minivllm_jax.ops.kv_cache import init_kv_cache, kv_bytes_per_page
 
@@ -42,7 +43,7 @@ def _nll_and_argmax(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, j
 
 
 def evaluate(
-    params: Params,
+    params: ServingParams,
     cfg: ModelConfig,
     token_ids: Sequence[int],
     config: KVCompressionConfig | None,
@@ -72,8 +73,8 @@ def evaluate(
     if config is not None:
         config.check_page_size(page_size)
     t0 = time.perf_counter()
-    params = unstack_layers(params)
     dtype = model_dtype(params)
+    spec = StepSpec(cfg, attention, matmul)
     total_pages = -(-n // page_size)
     cache = init_kv_cache(cfg, total_pages + 1, page_size, dtype, kv_cache_dtype)
     fresh = iter(
@@ -91,7 +92,7 @@ def evaluate(
         batch = build_step_batch(
             [Chunk(tokens, cached, pages, dropped)], page_size, chunk, 1, total_pages
         )
-        logits, cache = forward_jit(params, cache, batch, cfg, attention, True, matmul)
+        logits, cache = forward_jit(params, cache, batch, spec, all_logits=True)
         targets = np.zeros(chunk, np.int32)
         scored = min(len(tokens), n - 1 - start)  # positions that have a next token
         targets[:scored] = ids[start + 1 : start + 1 + scored]
@@ -110,9 +111,7 @@ def evaluate(
                 ids[start + len(tokens) - 1 : start + len(tokens)], cached - 1, pages, dropped
             )
             score_batch = build_step_batch([last], page_size, 1, 1, total_pages)
-            scores = np.asarray(
-                page_attention_scores_jit(params, cache, score_batch, cfg, attention, matmul)
-            )
+            scores = np.asarray(page_attention_scores_jit(params, cache, score_batch, spec))
         keep = kept_pages(config, num_full, page_size, scores)
         gone = (num_full - len(keep)) * page_size
         pages = [pages[i] for i in keep] + pages[num_full:]
@@ -145,7 +144,9 @@ def evaluate(
     }
 
 
-def _load(args: argparse.Namespace) -> tuple[Params, ModelConfig, list[int], dict[str, Any]]:
+def _load(
+    args: argparse.Namespace,
+) -> tuple[ServingParams, ModelConfig, list[int], dict[str, Any]]:
     """A real model (`--model`: an alias or folder, converted on first use) and its tokens of
     `--text`, or without `--model` a tiny random model and random tokens (smoke run)."""
     if args.model is None:
@@ -161,7 +162,7 @@ def _load(args: argparse.Namespace) -> tuple[Params, ModelConfig, list[int], dic
             rope_theta=1e4,
             max_position_embeddings=4096,
         )
-        params = init_params(cfg, jax.random.PRNGKey(args.seed), scale=0.3)
+        params = unstack_layers(init_params(cfg, jax.random.PRNGKey(args.seed), scale=0.3))
         ids = (
             np.random.default_rng(args.seed)
             .integers(3, cfg.vocab_size, args.tokens or 512)
@@ -170,12 +171,12 @@ def _load(args: argparse.Namespace) -> tuple[Params, ModelConfig, list[int], dic
         return params, cfg, ids, {"model": "tiny-random"}
     from transformers import AutoTokenizer
 
-    from benchmarks.quant_quality import read_text
     from minivllm_jax.loading.checkpoint import load_converted
     from minivllm_jax.loading.resolve import resolve_model
 
     folder = resolve_model(args.model, dtype=args.dtype)
     cfg, _, params = load_converted(folder)
+    params = unstack_layers(params)
     text, sources = read_text(args.text)
     ids = AutoTokenizer.from_pretrained(str(folder))(text, add_special_tokens=False)["input_ids"]
     if args.tokens:
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         "--text",
         nargs="*",
         default=None,
-        help="text files (default: quant_quality's licence texts)",
+        help="text files (default: the licence texts of benchmarks.lib.workloads)",
     )
     p.add_argument("--tokens", type=int, default=None, help="score only the first N tokens")
     p.add_argument(

@@ -13,7 +13,7 @@ Every mode runs in its own process (so its peak RSS is its own) on the same toke
   - peak RSS (VmHWM) after load and the speed runs, and again after the quality scoring;
   - batch-1 greedy decode tok/s (one prompt, --decode-tokens new tokens, best of --reps after a
     warm-up run), its ratio to fp32's, and its share of the bandwidth bound: the machine's read
-    bandwidth (the best of `bench_roofline.measure_bandwidth` before and after all modes) over the
+    bandwidth (the best of `harness.measure_bandwidth` before and after all modes) over the
     weight bytes one decode step reads (every served param byte, less an untied input embedding,
     of which a step gathers one row); offline throughput (--batch prompts of --batch-input-len text tokens, each
     --batch-output-len new tokens), TTFT of a --ttft-prompt-len prompt (p50 of --ttft-reps);
@@ -25,13 +25,13 @@ Every mode runs in its own process (so its peak RSS is its own) on the same toke
     (so an int8 cache is read); greedy agreement over the fixed prompts (--gen-tokens each) and
     vLLM's top-5 rule (`check_logprobs_close`: at the first position where two greedy outputs
     differ, each chosen token must be in the other run's top-5 logprobs there). The scoring
-    lives in `quant_quality.py`.
+    lives in `quant_quality.py`; the table in `benchmarks.lib.readme.quant_table`.
 
-    python benchmarks/bench_quant.py                         # every mode (about 20 minutes on 2 cores)
-    python benchmarks/bench_quant.py --modes fp32 int8 --kv auto
-    python benchmarks/bench_quant.py --report                # print the table of --out (run_all.py --report
+    python benchmarks/quality/bench_quant.py                 # every mode (the longest entry of run_all)
+    python benchmarks/quality/bench_quant.py --modes fp32 int8 --kv auto
+    python benchmarks/quality/bench_quant.py --report                # print the table of --out (run_all.py --readme
                                                              # writes it into the READMEs)
-    python benchmarks/bench_quant.py --quick --model PATH_TO_TINY_HF_DIR --text FILE
+    python benchmarks/quality/bench_quant.py --quick --model PATH_TO_TINY_HF_DIR --text FILE
 """
 
 from __future__ import annotations
@@ -47,18 +47,28 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.bench_memory import peak_rss_bytes, rss_bytes  # noqa: E402
-from benchmarks.bench_roofline import measure_bandwidth  # noqa: E402
-from benchmarks.common import RESULTS, new_figure, percentiles, save_plot, write_result  # noqa: E402
-from benchmarks.quant_quality import (
-    DEFAULT_TEXTS,
-    compare_greedy,
-    greedy_outputs,
-    read_text,
-    score_text,
-)  # noqa: E402
+from benchmarks.lib import peers  # noqa: E402
+from benchmarks.lib.harness import (  # noqa: E402
+    build_llm,
+    decode_bytes_per_token,
+    greedy,
+    measure_bandwidth,
+)
+from benchmarks.lib.readme import REFERENCE, quant_table  # noqa: E402
+from benchmarks.lib.report import (  # noqa: E402
+    new_figure,
+    peak_rss_bytes,
+    percentiles,
+    rss_bytes,
+    save_plot,
+    script_parser,
+    write_result,
+)
+from benchmarks.lib.workloads import DEFAULT_TEXTS, local_model_dir, read_text  # noqa: E402
+from benchmarks.quality.quant_quality import compare_greedy, greedy_outputs, score_text  # noqa: E402
+from minivllm_jax.ops.quantization import param_bytes  # noqa: E402
 
 # base mode -> LLM arguments. The weight schemes keep the model in float32 (activations, norms).
 BASE_MODES: dict[str, dict[str, Any]] = {
@@ -71,7 +81,6 @@ BASE_MODES: dict[str, dict[str, Any]] = {
     "gguf": {"dtype": "float32", "quantization": "gguf"},
 }
 KV_DTYPES = ("auto", "int8")
-REFERENCE = "fp32"  # base mode with the model-dtype KV cache: what quality is measured against
 
 # Greedy-agreement prompts: fixed, varied English (stories, facts, code, lists, instructions).
 PROMPTS = (
@@ -105,19 +114,9 @@ DECODE_PROMPT = PROMPTS[0]
 
 # The sizes recorded with a result.
 SETTINGS = (
-    "window",
-    "chunk",
-    "decode_tokens",
-    "reps",
-    "batch",
-    "batch_input_len",
-    "batch_output_len",
-    "ttft_prompt_len",
-    "ttft_reps",
-    "kv_budget_mib",
-    "kv_budget_context",
-    "quick",
-)
+    "window chunk decode_tokens reps batch batch_input_len batch_output_len ttft_prompt_len "
+    "ttft_reps kv_budget_mib kv_budget_context quick"
+).split()
 
 
 def mode_name(base: str, kv: str) -> str:
@@ -125,12 +124,7 @@ def mode_name(base: str, kv: str) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument(
-        "--model", default="smollm2-135m", help="alias, converted dir, HF folder or .gguf"
-    )
+    p = script_parser(__doc__, "quant.json")
     p.add_argument(
         "--modes",
         nargs="+",
@@ -154,59 +148,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         + ", ".join(f"{d} {f}" for d, f in DEFAULT_TEXTS)
         + ")",
     )
-    p.add_argument(
-        "--min-text-tokens",
-        type=int,
-        default=5000,
-        help="the scored text must have at least this many",
-    )
-    p.add_argument(
-        "--window", type=int, default=512, help="perplexity window (tokens; windows do not overlap)"
-    )
-    p.add_argument(
-        "--chunk", type=int, default=64, help="tokens fed per step when scoring a window"
-    )
-    p.add_argument(
-        "--num-prompts",
-        type=int,
-        default=len(PROMPTS),
-        help=f"greedy prompts (at most {len(PROMPTS)})",
-    )
-    p.add_argument("--gen-tokens", type=int, default=64, help="greedy tokens per prompt")
-    p.add_argument("--decode-tokens", type=int, default=128, help="batch-1 decode: new tokens")
-    p.add_argument(
-        "--reps",
-        type=int,
-        default=3,
-        help="batch-1 decode: timed runs (best counts) after a warm-up",
-    )
-    p.add_argument("--batch", type=int, default=32, help="offline throughput: prompts")
-    p.add_argument(
-        "--batch-input-len",
-        type=int,
-        default=128,
-        help="offline throughput: prompt tokens (text slices)",
-    )
-    p.add_argument(
-        "--batch-output-len", type=int, default=64, help="offline throughput: new tokens per prompt"
-    )
-    p.add_argument(
-        "--ttft-prompt-len", type=int, default=256, help="TTFT: prompt tokens (text slices)"
-    )
-    p.add_argument("--ttft-reps", type=int, default=5, help="TTFT: prompts timed (p50 reported)")
-    p.add_argument(
-        "--kv-budget-mib", type=float, default=64.0, help="KV budget for the largest-batch column"
-    )
-    p.add_argument(
-        "--kv-budget-context", type=int, default=512, help="tokens per sequence for that column"
-    )
-    p.add_argument(
-        "--bandwidth-mb",
-        type=int,
-        default=512,
-        help="array size of the bandwidth probe (>> caches)",
-    )
-    p.add_argument("--child-timeout", type=float, default=3600.0, help="seconds one mode may take")
+    for flag, default, help in [  # the sizes, each an int or float option
+        ("--min-text-tokens", 5000, "the scored text must have at least this many"),
+        ("--window", 512, "perplexity window (tokens; windows do not overlap)"),
+        ("--chunk", 64, "tokens fed per step when scoring a window"),
+        ("--num-prompts", len(PROMPTS), f"greedy prompts (at most {len(PROMPTS)})"),
+        ("--gen-tokens", 64, "greedy tokens per prompt"),
+        ("--decode-tokens", 128, "batch-1 decode: new tokens"),
+        ("--reps", 3, "batch-1 decode: timed runs (best counts) after a warm-up"),
+        ("--batch", 32, "offline throughput: prompts"),
+        ("--batch-input-len", 128, "offline throughput: prompt tokens (text slices)"),
+        ("--batch-output-len", 64, "offline throughput: new tokens per prompt"),
+        ("--ttft-prompt-len", 256, "TTFT: prompt tokens (text slices)"),
+        ("--ttft-reps", 5, "TTFT: prompts timed (p50 reported)"),
+        ("--kv-budget-mib", 64.0, "KV budget for the largest-batch column"),
+        ("--kv-budget-context", 512, "tokens per sequence for that column"),
+        ("--bandwidth-mb", 512, "array size of the bandwidth probe (>> caches)"),
+        ("--child-timeout", 3600.0, "seconds one mode may take"),
+    ]:
+        p.add_argument(flag, type=type(default), default=default, help=help)
     p.add_argument(
         "--keep-workdir", action="store_true", help="keep the reference logprobs and child logs"
     )
@@ -219,7 +179,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="skip llama.cpp's batch-1 decode on the model's own GGUF",
     )
     p.add_argument("--report", action="store_true", help="only print/rebuild the table from --out")
-    p.add_argument("--out", default=str(RESULTS / "quant.json"))
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: run one mode
     p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -274,8 +233,6 @@ def plan_modes(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 def build_inputs(args: argparse.Namespace) -> dict[str, Any]:
     """Tokenize the text and prompts once (the reference model's tokenizer): token ids for all modes."""
     from transformers import AutoTokenizer
-
-    from benchmarks.common import local_model_dir
 
     folder = local_model_dir(args.model)
     if folder is None:
@@ -340,8 +297,6 @@ def _pages(tokens: int, page_size: int) -> int:
 def build_mode_llm(args: argparse.Namespace, spec: dict[str, Any], inputs: dict[str, Any]):
     """The mode's LLM, sized for every run of this tool, prefix caching off (repeated prompts
     must be recomputed, and scoring writes pages of the idle engine's cache)."""
-    from minivllm_jax import LLM
-
     ps = 16
     lens = [
         args.window,
@@ -363,37 +318,19 @@ def build_mode_llm(args: argparse.Namespace, spec: dict[str, Any], inputs: dict[
         max_model_len=_pages(max(lens), ps) * ps,
         num_pages=num_pages,
         enable_prefix_caching=False,
-        use_tqdm=False,
     )
     if (
         spec["kv_cache_dtype"] != "auto"
     ):  # passed only when asked, so engines without the argument run "auto"
         kw["kv_cache_dtype"] = spec["kv_cache_dtype"]
-    return LLM(args.model, **kw)
-
-
-def decode_bytes_per_token(params: Any) -> int:
-    """Weight bytes a batch-1 decode step reads: every param byte, less an untied input embedding
-    (a step gathers one row of it; tied, it is the output head and read whole)."""
-    from minivllm_jax.ops.quantization import param_bytes
-
-    untied = "lm_head" in params
-    return param_bytes(params) - (param_bytes(params["embed_tokens"]) if untied else 0)
-
-
-def _greedy(max_tokens: int):
-    from minivllm_jax import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return build_llm(args.model, **kw)
 
 
 def measure_speed(llm, args: argparse.Namespace, inputs: dict[str, Any]) -> dict[str, Any]:
     """Batch-1 decode (best of --reps after a warm-up run), TTFT (p50) and offline throughput."""
     runs = []
     for _ in range(args.reps + 1):
-        (out,) = llm.generate(
-            [inputs["decode_prompt"]], _greedy(args.decode_tokens), use_tqdm=False
-        )
+        (out,) = llm.generate([inputs["decode_prompt"]], greedy(args.decode_tokens), use_tqdm=False)
         m, n = out.metrics, len(out.outputs[0].token_ids)
         runs.append(
             {"decode_tok_s": (n - 1) / (m.last_token_time - m.first_token_time), "ttft_s": m.ttft}
@@ -401,10 +338,10 @@ def measure_speed(llm, args: argparse.Namespace, inputs: dict[str, Any]) -> dict
     timed = runs[1:]
     ttft = []
     for prompt in inputs["ttft_prompts"]:
-        (out,) = llm.generate([prompt], _greedy(1), use_tqdm=False)
+        (out,) = llm.generate([prompt], greedy(1), use_tqdm=False)
         ttft.append(out.metrics.ttft)
     start = time.perf_counter()
-    outs = llm.generate(inputs["batch_prompts"], _greedy(args.batch_output_len), use_tqdm=False)
+    outs = llm.generate(inputs["batch_prompts"], greedy(args.batch_output_len), use_tqdm=False)
     elapsed = time.perf_counter() - start
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     in_tokens = sum(map(len, inputs["batch_prompts"]))
@@ -431,8 +368,6 @@ def run_mode(args: argparse.Namespace) -> dict[str, Any]:
     """The child: one mode, everything measured in this process."""
     import jax
 
-    from minivllm_jax.ops.quantization import param_bytes
-
     workdir = Path(args.workdir)
     name = args.child
     spec = json.loads((workdir / "plan.json").read_text())[name]
@@ -443,7 +378,7 @@ def run_mode(args: argparse.Namespace) -> dict[str, Any]:
     print(f"{name}: loaded and warmed up in {load_s:.1f} s", flush=True)  # the child's log
     runner = llm.engine.runner
     leaves = jax.tree.leaves(runner.cache)
-    slots = runner.config.num_pages * runner.config.page_size
+    slots = runner.config.cache.num_pages * runner.config.cache.page_size
     per_token = sum(x.size * x.dtype.itemsize for x in leaves) / slots
     result: dict[str, Any] = {
         "param_bytes": param_bytes(runner.params),
@@ -451,13 +386,13 @@ def run_mode(args: argparse.Namespace) -> dict[str, Any]:
         "kv_bytes_per_token": per_token,
         "kv_cache_leaf_dtypes": sorted({str(x.dtype) for x in leaves}),
         "kv_budget": kv_budget(
-            per_token, runner.config.page_size, args.kv_budget_mib, args.kv_budget_context
+            per_token, runner.config.cache.page_size, args.kv_budget_mib, args.kv_budget_context
         ),
         "engine": {
-            "max_num_seqs": runner.config.max_num_seqs,
+            "max_num_seqs": runner.config.scheduler.max_num_seqs,
             "max_model_len": runner.config.max_model_len,
-            "num_pages": runner.config.num_pages,
-            "page_size": runner.config.page_size,
+            "num_pages": runner.config.cache.num_pages,
+            "page_size": runner.config.cache.page_size,
             "attention": runner.attention,
             "matmul": runner.matmul,
         },
@@ -473,8 +408,8 @@ def run_mode(args: argparse.Namespace) -> dict[str, Any]:
     is_ref = name == REFERENCE
     result["quality"] = score_text(runner, inputs["ids"], args.window, args.chunk, workdir, is_ref)
     print(f"{name}: text scored at {time.perf_counter() - start:.1f} s", flush=True)
-    greedy = greedy_outputs(llm, inputs["prompts"], args.gen_tokens)
-    (workdir / f"{name}.greedy.json").write_text(json.dumps(greedy))
+    outputs = greedy_outputs(llm, inputs["prompts"], args.gen_tokens)
+    (workdir / f"{name}.greedy.json").write_text(json.dumps(outputs))
     result["peak_rss_with_scoring_bytes"] = peak_rss_bytes()
     return result
 
@@ -523,104 +458,6 @@ def run_child(
 # ---------------------------------------------------------------- report
 
 
-def _mb(b: float | None) -> str:
-    return "n/a" if b is None else f"{b / 1e6:,.1f}"
-
-
-def _f(x: float | None, digits: int = 1, scale: float = 1.0) -> str:
-    return "n/a" if x is None else f"{x * scale:,.{digits}f}"
-
-
-def _kl(x: float | None) -> str:
-    return "n/a" if x is None else "0" if x == 0 else f"{x:.1e}" if x < 1e-3 else f"{x:.4f}"
-
-
-def markdown_table(result: dict[str, Any]) -> str:
-    """The README table: one row per mode that ran, then the skipped ones with their reasons."""
-    modes = result.get("modes") or {}
-    budget = next((m["kv_budget"] for m in modes.values() if m.get("status") == "ok"), {})
-    ref_tok_s = ((modes.get(REFERENCE) or {}).get("decode_b1") or {}).get("decode_tok_s")
-    bandwidth = (result.get("bandwidth") or {}).get("best_gb_s")
-    head = [
-        "mode",
-        "params MB",
-        "KV B/token",
-        f"max batch ({_f(budget.get('budget_mib'), 0)} MiB KV, {budget.get('context', '?')} tok)",
-        "peak RSS MB",
-        "b1 decode tok/s",
-        f"b1 x {REFERENCE}",
-        "b1 % of bound",
-        "offline out tok/s",
-        "TTFT p50 ms",
-        "perplexity",
-        "mean KL",
-        "top-1 agree %",
-        "greedy agree %",
-        "top-5 rule %",
-    ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    not_run: dict[str, list[str]] = {}  # "skipped: reason" -> modes
-    for name, m in modes.items():
-        if m.get("status") != "ok":
-            not_run.setdefault(f"{m.get('status')}: {m.get('reason')}", []).append(f"`{name}`")
-            continue
-        q, g = m.get("quality") or {}, m.get("greedy") or {}
-        tok_s, read = m["decode_b1"]["decode_tok_s"], m.get("decode_bytes_per_token")
-        share = tok_s * read / (bandwidth * 1e9) if bandwidth and read else None
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    f"`{name}`",
-                    _mb(m["param_bytes"]),
-                    _f(m["kv_bytes_per_token"], 0),
-                    str(m["kv_budget"]["max_batch"]),
-                    _mb(m["peak_rss_bytes"]),
-                    _f(tok_s),
-                    _f(tok_s / ref_tok_s if ref_tok_s else None, 2),
-                    _f(share, 0, 100),
-                    _f(m["offline"]["output_tok_s"]),
-                    _f(m["ttft"]["p50"], 0, 1e3),
-                    _f(q.get("perplexity"), 3),
-                    _kl(q.get("mean_kl")),
-                    _f(q.get("top1_agreement"), 1, 100),
-                    _f(g.get("position_agreement"), 1, 100),
-                    _f(g.get("top5_rule_pass_share"), 0, 100),
-                ]
-            )
-            + " |"
-        )
-    text = result.get("text") or {}
-    files = ", ".join(
-        f"{s['package']} {s['version']} {Path(s['file']).name}"
-        if "package" in s
-        else Path(s["file"]).name
-        for s in text.get("sources", [])
-    )
-    machine = result.get("machine") or {}
-    lines.append("")
-    lines.append(
-        f"Quality against `{REFERENCE}` on {text.get('scored_tokens', 0):,} tokens of text ({files}; "
-        f"{text.get('windows', '?')} windows of {text.get('window', '?')}, fed {text.get('chunk', '?')} "
-        f"at a time through the KV cache) and {result.get('greedy_prompts', '?')} prompts x "
-        f"{result.get('gen_tokens', '?')} greedy tokens. Measured {result.get('timestamp', 'not yet')} "
-        f"on {machine.get('cpu', '?')}, "
-        f"{machine.get('cpu_count', '?')} cores (`python benchmarks/bench_quant.py`). The bound of a "
-        f"batch-1 decode is the read bandwidth ({_f(bandwidth)} GB/s, the best probe of the run) over "
-        f"the weight bytes a step reads."
-    )
-    peer = result.get("llamacpp") or {}
-    if peer.get("status") == "ok":
-        lines.append(
-            f"\nllama.cpp on the same GGUF ({peer['gguf']}), same prompt and run: batch-1 decode "
-            f"{peer['decode_tok_s']:.1f} tok/s."
-        )
-    if not_run:
-        lines.append("\nNot measured:\n")
-        lines += [f"- {', '.join(names)}: {why}" for why, names in not_run.items()]
-    return "\n".join(lines) + "\n"
-
-
 def plot(result: dict[str, Any], out: Path) -> None:
     """Speed vs quality: batch-1 decode tok/s against perplexity, offline tok/s against mean KL."""
     fig, axes = new_figure(2, width=6.0, height=4.2)
@@ -657,6 +494,11 @@ def plot(result: dict[str, Any], out: Path) -> None:
     save_plot(fig, out)
 
 
+def markdown_table(result: dict[str, Any]) -> str:
+    """The README table of the modes (`benchmarks.lib.readme.quant_table`)."""
+    return quant_table(result)
+
+
 def report(out: Path) -> str:
     table = markdown_table(json.loads(out.read_text()))
     print(table)
@@ -666,17 +508,15 @@ def report(out: Path) -> str:
 def llamacpp_decode(args: argparse.Namespace, inputs: dict[str, Any]) -> dict[str, Any]:
     """llama.cpp's batch-1 greedy decode on the model's own GGUF (the peer of `gguf`), measured
     as ours is: the same prompt and token count, best of --reps after a warm-up run."""
-    from benchmarks import llamacpp_peer
-
-    ok, why = llamacpp_peer.available()
-    path = llamacpp_peer.source_gguf(args.model)
+    ok, why = peers.available()
+    path = peers.source_gguf(args.model)
     if not ok or path is None:
         return {
             "status": "skipped",
             "reason": why if not ok else f"{args.model} is not a GGUF model",
         }
     runs = []
-    with llamacpp_peer.LlamaCppPeer(path, 2) as peer:
+    with peers.LlamaCppPeer(path, 2) as peer:
         for _ in range(args.reps + 1):
             r = peer.run([inputs["decode_prompt"]], [args.decode_tokens], 1)
             t = r.token_times[0]
@@ -719,9 +559,9 @@ def main(argv: list[str] | None = None) -> int:
             modes[name] = {**spec, **run_child(args, argv, name, workdir)}
             m = modes[name]
             if m["status"] == "ok":
-                greedy = json.loads((workdir / f"{name}.greedy.json").read_text())
+                outputs = json.loads((workdir / f"{name}.greedy.json").read_text())
                 ref = json.loads((workdir / f"{REFERENCE}.greedy.json").read_text())
-                m["greedy"] = compare_greedy(ref, greedy)
+                m["greedy"] = compare_greedy(ref, outputs)
                 q = m["quality"]
                 print(
                     f"{name}: {m['decode_b1']['decode_tok_s']:.1f} tok/s batch-1, {m['offline']['output_tok_s']:.1f} "

@@ -12,7 +12,7 @@ fraction of its bound, with a roofline plot.
 Only weight bytes and weight-matmul FLOPs are counted: the KV cache read at these context
 lengths and attention FLOPs are a few percent at most.
 
-    python benchmarks/bench_roofline.py [--model smollm2-135m] [--tokens 64] [--quick]
+    python benchmarks/micro/bench_roofline.py [--model smollm2-135m] [--tokens 64] [--quick]
 """
 
 from __future__ import annotations
@@ -21,24 +21,27 @@ import argparse
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.common import RESULTS, model_vocab_size, new_figure, save_plot, write_result  # noqa: E402
+from benchmarks.lib.harness import (  # noqa: E402
+    build_llm,
+    decode_rate,
+    greedy,
+    measure_bandwidth,
+    stream_one,
+    timed,
+)
+from benchmarks.lib.report import new_figure, save_plot, script_parser, write_result  # noqa: E402
+from benchmarks.lib.workloads import model_vocab_size  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument(
-        "--model", default="smollm2-135m", help="alias, converted dir, HF folder or .gguf"
-    )
+    p = script_parser(__doc__, "roofline.json")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument(
         "--prompt-len", type=int, default=32, help="prompt tokens before the decode runs"
@@ -56,42 +59,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="small arrays, few tokens, one rep")
-    p.add_argument("--out", default=str(RESULTS / "roofline.json"))
     args = p.parse_args(argv)
     if args.quick:
         args.prompt_len, args.tokens, args.prefill_len, args.reps = 16, 8, 32, 1
         args.array_mb, args.matmul_n = 64, 512
     return args
-
-
-def _median_time(fn: Callable[[], Any], reps: int, warmup: int = 1) -> float:
-    for _ in range(warmup):  # page faults, compiles
-        fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def measure_bandwidth(array_mb: int, reps: int) -> dict[str, float]:
-    """GB/s of a large read (sum) and copy (read + write), numpy and jitted JAX."""
-    import jax
-    import jax.numpy as jnp
-
-    n = array_mb * 2**20 // 4
-    a = np.full(n, 1.0, np.float32)
-    b = np.empty_like(a)
-    reps = max(reps, 5)
-    out = {
-        "numpy_read_gb_s": a.nbytes / _median_time(lambda: a.sum(), reps) / 1e9,
-        "numpy_copy_gb_s": 2 * a.nbytes / _median_time(lambda: np.copyto(b, a), reps) / 1e9,
-    }
-    x = jnp.asarray(a)
-    total = jax.jit(jnp.sum)
-    out["jax_read_gb_s"] = x.nbytes / _median_time(lambda: total(x).block_until_ready(), reps) / 1e9
-    return out
 
 
 def measure_matmul_peak(n: int, reps: int) -> dict[str, float]:
@@ -108,10 +80,8 @@ def measure_matmul_peak(n: int, reps: int) -> dict[str, float]:
     mm = jax.jit(jnp.matmul)
     ja, jb = jnp.asarray(a), jnp.asarray(b)
     return {
-        "numpy_sgemm_gflop_s": flops / _median_time(lambda: a @ b, reps) / 1e9,
-        "jax_matmul_gflop_s": flops
-        / _median_time(lambda: mm(ja, jb).block_until_ready(), reps)
-        / 1e9,
+        "numpy_sgemm_gflop_s": flops / timed(lambda: a @ b, reps)[0] / 1e9,
+        "jax_matmul_gflop_s": flops / timed(lambda: mm(ja, jb).block_until_ready(), reps)[0] / 1e9,
     }
 
 
@@ -141,11 +111,6 @@ def param_counts(params: Any, cfg: Any) -> dict[str, int]:
     }
 
 
-def _decode_rate(stamps: list[float]) -> float:
-    """Tokens per second after the first token (the first one includes prefill)."""
-    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
-
-
 def measure_greedy_stream(
     params: Any, cfg: Any, prompt: list[int], tokens: int, reps: int
 ) -> dict[str, Any]:
@@ -159,7 +124,7 @@ def measure_greedy_stream(
         for tok in greedy_stream(params, cfg, prompt, tokens):
             stamps.append(time.perf_counter())
             ids.append(tok)
-        rates.append(_decode_rate(stamps))
+        rates.append(decode_rate(stamps))
         ttfts.append(stamps[0] - start)
     return {
         "decode_tok_s": statistics.median(rates),
@@ -173,35 +138,19 @@ def measure_engine(
     model: str, dtype: str, prompt: list[int], tokens: int, reps: int
 ) -> dict[str, Any]:
     """Batch-1 decode through the full engine (scheduler, bucketed runner, sampler, detokenizer)."""
-    from minivllm_jax import LLM, SamplingParams
-
-    llm = LLM(
+    llm = build_llm(
         model,
         dtype=dtype,
         max_num_seqs=1,
         max_model_len=len(prompt) + tokens,
         max_num_batched_tokens=max(16, len(prompt)),
-        use_tqdm=False,
     )
     engine = llm.engine
-    sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-
-    def one_run() -> tuple[list[float], list[int]]:
-        engine.add_request(prompt, sp)
-        stamps: list[float] = []
-        ids: list[int] = []
-        while engine.has_unfinished():
-            for out in engine.step():
-                new = out.outputs[0].token_ids[len(ids) :]
-                stamps += [time.perf_counter()] * len(new)
-                ids += new
-        return stamps, ids
-
-    one_run()  # warm-up (everything is compiled already; first-call overheads)
+    stream_one(engine, prompt, greedy(tokens))  # warm-up (all compiled already; first-call costs)
     rates, ids = [], []
     for _ in range(reps):
-        stamps, ids = one_run()
-        rates.append(_decode_rate(stamps))
+        stamps, ids = stream_one(engine, prompt, greedy(tokens))
+        rates.append(decode_rate(stamps))
     return {
         "decode_tok_s": statistics.median(rates),
         "runs_tok_s": rates,
@@ -213,8 +162,8 @@ def measure_engine(
 def measure_prefill(params: Any, cfg: Any, length: int, reps: int, seed: int) -> float:
     """Seconds for one prefill step of `length` tokens at batch 1 (compiled once, then timed)."""
 
-    from minivllm_jax.engine.step import forward_jit
-    from minivllm_jax.models.llama import model_dtype
+    from minivllm_jax.engine.step import StepSpec, forward_jit
+    from minivllm_jax.models.params import model_dtype
     from minivllm_jax.ops.batch import single_sequence_batch
     from minivllm_jax.ops.kv_cache import init_kv_cache
 
@@ -227,13 +176,11 @@ def measure_prefill(params: Any, cfg: Any, length: int, reps: int, seed: int) ->
     def step() -> None:
         nonlocal cache
         logits, cache = forward_jit(
-            params, cache, batch, cfg
+            params, cache, batch, StepSpec(cfg)
         )  # the cache is donated: keep the new one
         logits.block_until_ready()
 
-    return _median_time(
-        step, reps, warmup=2
-    )  # the 2nd call sees a committed cache: may compile again
+    return timed(step, reps, warmups=2)[0]  # the 2nd call sees a committed cache: may compile again
 
 
 def plot(result: dict[str, Any], out: str | Path) -> Path:
@@ -262,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from convert import resolve_model
     from minivllm_jax.loading.checkpoint import load_converted
-    from minivllm_jax.models.llama import unstack_layers
+    from minivllm_jax.models.params import unstack_layers
 
     bandwidth = measure_bandwidth(args.array_mb, args.reps)
     matmul = measure_matmul_peak(args.matmul_n, args.reps)
