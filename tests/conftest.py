@@ -6,12 +6,65 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 # Tests run on the CPU and must not grab all memory up front or warn about missing GPUs.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402
+
+# ---------------------------------------------------------------- one folder for the test run
+
+# The run's folder, made by the controller (or the only process) before the pytest-xdist workers
+# start, which inherit it through the environment: compiled programs, converted models and the
+# tiny models are shared by every worker and every test of the run, and nothing lands in the
+# user's home. Removed when the run ends.
+SESSION_DIR_ENV = "MINIVLLM_TEST_SESSION_DIR"
+
+
+def session_dir() -> Path:
+    """This test run's shared folder (see `pytest_configure`)."""
+    return Path(os.environ[SESSION_DIR_ENV])
+
+
+def _start_session_dir(config) -> None:
+    """Make the run's folder and point every cache the package keeps at it: converted models
+    (`MINIVLLM_CACHE_DIR`), whole compiled programs (`MINIVLLM_COMPILE_CACHE`, shared by both
+    workers: a program one compiled the other loads in a fraction of the time) and HOME itself, so
+    a default that ignores those variables writes into the run's folder, where
+    `pytest_sessionfinish` finds it, instead of into the user's ~/.cache."""
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller's folder, inherited
+        return
+    root = Path(tempfile.mkdtemp(prefix="minivllm-tests-"))  # 0700: the program cache wants that
+    config._minivllm_session_dir = root
+    (root / "home").mkdir()
+    os.environ[SESSION_DIR_ENV] = str(root)
+    os.environ["MINIVLLM_CACHE_DIR"] = str(root / "models")
+    os.environ["MINIVLLM_COMPILE_CACHE"] = str(root / "compile")
+    os.environ["HOME"] = str(root / "home")
+
+
+def pytest_sessionfinish(session) -> None:
+    """Fail the run when anything was written under the home's ~/.cache/minivllm_jax: every test
+    must write to a temporary folder, and the package's caches must follow the variables above."""
+    root = getattr(session.config, "_minivllm_session_dir", None)
+    leaked = root / "home" / ".cache" / "minivllm_jax" if root is not None else None
+    if leaked is not None and leaked.exists():
+        names = sorted(str(p.relative_to(leaked)) for p in leaked.iterdir())
+        session.config.get_terminal_writer().line(
+            f"FAILED: the tests wrote into the user's cache folder ~/.cache/minivllm_jax: {names}",
+            red=True,
+        )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_unconfigure(config) -> None:
+    root = getattr(config, "_minivllm_session_dir", None)
+    if root is not None:
+        shutil.rmtree(root, ignore_errors=True)
+
 
 # ---------------------------------------------------------------- the shipped model gate
 
@@ -58,6 +111,7 @@ requires_smollm2 = pytest.mark.requires_smollm2
 
 
 def pytest_configure(config) -> None:
+    _start_session_dir(config)
     config.addinivalue_line(
         "markers", "requires_smollm2: needs the shipped SmolLM2 (skip locally, fail under CI=true)"
     )
@@ -95,7 +149,7 @@ def smollm2_hf():
 
 
 @pytest.fixture(scope="session")
-def smollm2_greedy(tmp_path_factory):
+def smollm2_greedy():
     """`greedy(ids, n) -> (tokens, logits)`: HF `generate`'s greedy continuation of `ids` on
     SmolLM2 (n new tokens, no EOS stop) and its logits at each step. Each (prompt, n) is
     generated once per test session and stored in a file that the pytest-xdist workers share
@@ -107,8 +161,7 @@ def smollm2_greedy(tmp_path_factory):
     import numpy as np
     from filelock import FileLock
 
-    base = tmp_path_factory.getbasetemp()
-    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "smollm2-greedy"
+    root = session_dir() / "smollm2-greedy"
     root.mkdir(exist_ok=True)
 
     def greedy(ids: list[int], n: int) -> tuple[list[int], list]:
@@ -142,6 +195,14 @@ def smollm2_greedy(tmp_path_factory):
 
 
 # ---------------------------------------------------------------- process hygiene
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _shared_program_cache() -> None:
+    """Engines built without `LLM` (which turns the cache on itself) use the run's program cache too."""
+    from minivllm_jax.engine.runtime import enable_compilation_cache
+
+    enable_compilation_cache()
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -216,13 +277,32 @@ def save_tiny_tokenizer(
     fast.save_pretrained(path)
 
 
-@pytest.fixture(scope="session")
-def tiny_model_with_tokenizer(tmp_path_factory):
-    """A tiny random Llama folder with a tokenizer, so `LLM(path)` can serve it (benchmark smoke tests)."""
-    path = tmp_path_factory.mktemp("tiny-with-tokenizer") / "tiny"
+def shared_tiny_model(name: str, build) -> Path:
+    """`build(path)`'s folder, made once per test run in the run's folder and shared by the
+    workers (the first holds a lock and builds into a temporary folder, renamed whole when done;
+    the others wait and reuse it). One folder means one conversion into the run's model cache."""
+    from filelock import FileLock
+
+    path = session_dir() / "tiny-models" / name
+    path.parent.mkdir(exist_ok=True)
+    with FileLock(f"{path}.lock"):
+        if not path.exists():
+            building = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{name}-"))
+            build(building)
+            building.rename(path)
+    return path
+
+
+def _build_tiny_with_tokenizer(path: Path) -> None:
     make_tiny_llama(path)
     save_tiny_tokenizer(path)
-    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_with_tokenizer() -> Path:
+    """A tiny random Llama folder with a tokenizer, so `LLM(path)` can serve it: one per test
+    run, shared by every test and worker (`shared_tiny_model`)."""
+    return shared_tiny_model("tiny", _build_tiny_with_tokenizer)
 
 
 @pytest.fixture

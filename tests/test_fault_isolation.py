@@ -120,7 +120,7 @@ def test_failed_step_fails_only_its_batch(llm, monkeypatch):
         if rid not in in_failed:
             assert done[rid].outputs[0].token_ids == want
     assert engine.requests == {} and not engine.has_unfinished()
-    assert engine.block_manager.num_free_pages == NUM_PAGES - 1
+    assert engine.page_manager.num_free_pages == NUM_PAGES - 1
     assert engine.scheduler.num_preemptions == preemptions  # the cache survived: nobody recomputed
     assert alone(llm, GOOD[2]).outputs[0].token_ids == expected[2]  # the engine still serves
 
@@ -151,7 +151,7 @@ def test_lost_cache_is_rebuilt_and_others_recomputed(llm, monkeypatch):
     assert [done[a].outputs[0].token_ids, done[b].outputs[0].token_ids] == expected
     again = alone(llm, LATE)  # its pages lost their cached hash with the old cache
     assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == late.outputs[0].token_ids
-    assert engine.block_manager.num_free_pages == NUM_PAGES - 1
+    assert engine.page_manager.num_free_pages == NUM_PAGES - 1
 
 
 def test_host_error_propagates_and_recover_clears_the_engine(llm, monkeypatch):
@@ -170,7 +170,7 @@ def test_host_error_propagates_and_recover_clears_the_engine(llm, monkeypatch):
     monkeypatch.undo()
     engine.recover()
     assert engine.requests == {} and not engine.has_unfinished()
-    assert engine.block_manager.num_free_pages == NUM_PAGES - 1
+    assert engine.page_manager.num_free_pages == NUM_PAGES - 1
     assert alone(llm, GOOD[0]).outputs[0].token_ids == expected
 
 
@@ -233,7 +233,7 @@ def test_server_failed_step_errors_only_its_streams(llm, monkeypatch):
     assert [r.json()["choices"][0]["text"] for r in good_outs] == expected
     assert health.status_code == 200
     assert late.status_code == 200 and late.json()["choices"][0]["text"] == expected[0]
-    assert engine.block_manager.num_free_pages == NUM_PAGES - 1
+    assert engine.page_manager.num_free_pages == NUM_PAGES - 1
 
 
 def test_server_restarts_a_crashed_engine_loop(llm, monkeypatch):
@@ -272,7 +272,7 @@ def test_server_restarts_a_crashed_engine_loop(llm, monkeypatch):
     )
     assert health.status_code == 200
     assert later.status_code == 200 and later.json()["choices"][0]["text"] == expected
-    assert engine.requests == {} and engine.block_manager.num_free_pages == NUM_PAGES - 1
+    assert engine.requests == {} and engine.page_manager.num_free_pages == NUM_PAGES - 1
 
 
 def test_engine_loop_stays_down_after_too_many_crashes():

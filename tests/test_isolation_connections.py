@@ -174,7 +174,7 @@ def test_finished_requests_of_clients_that_never_read_hold_no_queue_slot():
             _until(
                 lambda: state.engine.num_in_flight == 0, "the finished requests to leave the queue"
             )
-            assert engine.block_manager.num_free_pages == 8
+            assert engine.page_manager.num_free_pages == 8
             r = _post(url)
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["finish_reason"] == "length"
@@ -197,7 +197,7 @@ def test_sse_client_that_stops_reading_is_aborted_and_dropped_after_the_send_tim
                 "the send timeout to abort the request",
             )
             _until(
-                lambda: not engine.requests and engine.block_manager.num_free_pages == 8,
+                lambda: not engine.requests and engine.page_manager.num_free_pages == 8,
                 "the pages to be freed",
             )
             assert engine.steps < 4000  # aborted, not finished
@@ -257,7 +257,7 @@ def test_websocket_client_that_stops_reading_is_aborted_and_dropped_after_the_se
                 "the send timeout to abort the request",
             )
             _until(
-                lambda: not engine.requests and engine.block_manager.num_free_pages == 8,
+                lambda: not engine.requests and engine.page_manager.num_free_pages == 8,
                 "the pages to be freed",
             )
             assert engine.steps < 4000

@@ -108,9 +108,8 @@ def assert_idle(engine: LLMEngine) -> None:
     """Nothing left: the accounting is consistent, every page free, the pool empty."""
     engine.check_accounting()
     assert engine.requests == {} and not engine.has_unfinished()
-    assert engine.block_manager.num_free_pages == engine.config.cache.num_pages - 1
-    assert not engine.scheduler.swap_outs and not engine.scheduler.swap_ins
-    assert not engine.block_manager.loaded and not engine.block_manager.evicted
+    assert engine.page_manager.num_free_pages == engine.config.cache.num_pages - 1
+    assert not engine.scheduler.queued_moves
     pool = engine.scheduler.swap_pool
     assert pool is None or pool.used_pages == 0
 
@@ -304,7 +303,7 @@ def test_failed_swap_copy_recomputes_only_its_sequence(llm, ample, monkeypatch, 
     """A swap-out whose copy fails, or a swap-in whose copy back fails, makes that sequence
     recompute from its tokens: every request ends with the tokens of an unpressured run."""
     engine = side_engine(llm, num_pages=TIGHT, preemption_mode="swap")
-    calls = fail_first_call(monkeypatch, engine.runner, direction)
+    calls = fail_first_call(monkeypatch, engine.runner.page_mover, direction)
     got = run_all(engine, PRESSURE, [greedy(80)] * 4)
     assert calls and len(calls) >= 2  # it failed once, and later copies went through
     assert [tokens(g) for g in got] == [tokens(a) for a in ample] and all(
@@ -351,9 +350,9 @@ def test_failed_disk_load_fails_only_the_sequences_holding_those_pages(llm, monk
     first.close()
 
     engine = side_engine(llm, kv_disk_dir=str(tmp_path))
-    calls = fail_first_call(monkeypatch, engine.runner, "scatter_pages")
+    calls = fail_first_call(monkeypatch, engine.runner.page_mover, "scatter_pages")
     got = run_all(engine, [hit, other], [greedy(12)] * 2)
-    assert calls and engine.block_manager.num_disk_hit_tokens > 0
+    assert calls and engine.page_manager.num_disk_hit_tokens > 0
     assert failed_with_error(got[0]) and "scatter_pages" in got[0].error
     assert got[1].error is None and tokens(got[1]) == tokens(want[1])
     assert_idle(engine)
@@ -459,10 +458,10 @@ def test_recover_rebuilds_the_accounting_from_scratch(llm, monkeypatch):
     for _ in range(3):
         engine.step()
     running = engine.scheduler.running
-    engine.block_manager.refcount[running[0].pages[0]] += (
+    engine.page_manager.refcount[running[0].pages[0]] += (
         1  # what a crash may leave: a leaked reference ...
     )
-    engine.block_manager.refcount[running[1].pages[-1]] = (
+    engine.page_manager.refcount[running[1].pages[-1]] = (
         0  # ... a page freeing it again would take below 0
     )
     engine.scheduler.free_penalty_slots.pop()
@@ -485,7 +484,7 @@ def test_recover_rebuilds_the_accounting_from_scratch(llm, monkeypatch):
 
 
 def test_lost_cache_in_a_failed_step_rebuilds_the_accounting(llm, monkeypatch):
-    """A failed step that took the cache with it: the others are recomputed from a block
+    """A failed step that took the cache with it: the others are recomputed from a page
     manager rebuilt from scratch, with the same tokens."""
     engine = side_engine(llm)
     want = run_all(side_engine(llm), PRESSURE[:2], [greedy(20)] * 2)

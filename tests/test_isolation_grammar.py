@@ -213,7 +213,7 @@ def test_a_grammar_failing_mid_output_fails_alone(llm, monkeypatch):
     bad, good = run_beside(engine, bad_params, "The sea is", plain)
     assert bad.outputs[0].finish_reason == "error" and "max is 2000" in bad.error
     assert good.error is None and good.outputs[0].token_ids == alone.outputs[0].token_ids
-    assert engine.block_manager.num_free_pages == engine.block_manager.num_usable_pages
+    assert engine.page_manager.num_free_pages == engine.page_manager.num_usable_pages
 
 
 def test_a_grammar_over_the_mask_budget_fails_alone_in_the_engine(llm, monkeypatch):

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from minivllm_jax.engine import kv_disk
-from minivllm_jax.engine.kv.block_manager import ROOT_DIGEST, page_digest
 from minivllm_jax.engine.kv.disk import DiskPageStore
+from minivllm_jax.engine.kv.pages import ROOT_DIGEST, page_digest
 
 NS = "model-abc123"
 
@@ -336,7 +336,7 @@ def test_cache_salt_separates_disk_tier_pages(tiny_model_with_tokenizer, tmp_pat
     second = _salt_llm(tiny_model_with_tokenizer, kv_disk_dir=str(tmp_path), kv_disk_gb=0.01)
     assert _cached(second, "tenant-b") == 0 and _cached(second, None) == 0
     assert (
-        _cached(second, "tenant-a") == 24 and second.engine.block_manager.num_disk_hit_tokens == 24
+        _cached(second, "tenant-a") == 24 and second.engine.page_manager.num_disk_hit_tokens == 24
     )
     second.shutdown()
 

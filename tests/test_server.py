@@ -786,7 +786,7 @@ def test_loopback_load_has_no_errors_and_no_recompiles(server, tmp_path):
     out = tmp_path / "load.json"
     cmd = [
         sys.executable,
-        str(ROOT / "benchmarks" / "load_test.py"),
+        str(ROOT / "benchmarks" / "serving" / "load_test.py"),
         "--url",
         server.url,
         "--api-key",

@@ -143,7 +143,7 @@ def test_both_endpoints_match_llm_beam_search(llm):
     )
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "stream"
     assert in_flight == 0
-    bm = llm.engine.block_manager
+    bm = llm.engine.page_manager
     assert bm.num_free_pages == bm.num_usable_pages
 
 
@@ -243,7 +243,7 @@ def test_a_cancelled_search_aborts_its_round_and_starts_no_other(llm, gated_engi
     )  # round 0: the one beam of the prompt
     assert not llm.engine.requests and not llm.engine.has_unfinished()
     assert engine.num_in_flight == 0 and engine.beam_rows == 0 and engine.alive
-    bm = llm.engine.block_manager
+    bm = llm.engine.page_manager
     assert bm.num_free_pages == bm.num_usable_pages
 
 
@@ -401,5 +401,5 @@ def test_a_client_that_disconnects_cancels_its_search_over_http(llm, monkeypatch
     assert len(beam_rows) == 1 and beam_rows[0].endswith(
         ".0.0"
     )  # round 0's one beam, and nothing after it
-    bm = llm.engine.block_manager
+    bm = llm.engine.page_manager
     assert bm.num_free_pages == bm.num_usable_pages

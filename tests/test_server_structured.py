@@ -138,7 +138,7 @@ def client(live):
 def wait_idle(live: LiveServer) -> None:
     """Every request finished and its pages came back."""
     deadline = time.monotonic() + 30
-    bm = live.llm.engine.block_manager
+    bm = live.llm.engine.page_manager
     while live.state.engine.num_in_flight or bm.num_free_pages != bm.num_usable_pages:
         assert time.monotonic() < deadline, "requests still in flight"
         time.sleep(0.05)

@@ -63,7 +63,7 @@ class FakeEngine:
     ) -> None:
         self.step_seconds = step_seconds
         self.config = SimpleNamespace(max_model_len=max_model_len)
-        self.block_manager = SimpleNamespace(num_free_pages=pages, num_usable_pages=pages)
+        self.page_manager = SimpleNamespace(num_free_pages=pages, num_usable_pages=pages)
         self.scheduler = SimpleNamespace(running=[], waiting=[], num_preemptions=0)
         self.num_generated_tokens = self.num_prompt_tokens = self.num_compiles = (
             self.num_programs_loaded
@@ -100,8 +100,8 @@ class FakeEngine:
         return EngineStats(
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
-            free_pages=self.block_manager.num_free_pages,
-            usable_pages=self.block_manager.num_usable_pages,
+            free_pages=self.page_manager.num_free_pages,
+            usable_pages=self.page_manager.num_usable_pages,
             generated_tokens=self.num_generated_tokens,
             prompt_tokens=self.num_prompt_tokens,
             compiles=self.num_compiles,
@@ -155,7 +155,7 @@ class FakeEngine:
 
     def _sync(self):
         self.scheduler.running = list(self.requests)
-        self.block_manager.num_free_pages = self.block_manager.num_usable_pages - len(self.requests)
+        self.page_manager.num_free_pages = self.page_manager.num_usable_pages - len(self.requests)
 
 
 def expected_text(prompt: str, n_tokens: int, index: int = 0) -> str:
