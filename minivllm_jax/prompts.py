@@ -171,7 +171,7 @@ def check_token_ids(
         if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < vocab_size:
             raise ParamError(
                 field,
-                f"{field} holds the token id {t!r}, outside the vocabulary [0, {vocab_size})",
+                f"{field} holds {t!r}: token ids must be integers in [0, {vocab_size})",
             )
     return ids
 
