@@ -2,7 +2,7 @@
 
 Every row runs the same requests (greedy, forced output lengths) and reports output tok/s,
 total tok/s, TTFT p50 (all requests arrive at the start, offline) and bucket padding waste
-(% of computed token slots that were padding, counted by wrapping the runner's `_prepare`).
+(% of computed token slots that were padding, counted by a step listener).
 
 Method notes:
   - kv-cache-off: batch 1 on a small subset. With the cache, a prompt is prefilled once and
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -37,20 +36,20 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (  # noqa: E402
-    RESULTS,
+from benchmarks.lib.harness import (  # noqa: E402
     EngineRun,
     PaddingCounter,
-    Workload,
     add_engine_args,
-    add_workload_args,
-    build_llm,
     greedy_params,
-    make_workload,
-    new_figure,
+    llm_from_args,
     run_requests,
-    save_plot,
-    write_result,
+)
+from benchmarks.lib.report import new_figure, save_plot, script_parser, write_result  # noqa: E402
+from benchmarks.lib.workloads import (  # noqa: E402
+    Workload,
+    add_workload_args,
+    make_workload,
+    vocab_hi,
 )
 from minivllm_jax.engine.kv.pages import PageManager  # noqa: E402
 
@@ -136,9 +135,7 @@ class Bench:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.workload = make_workload(
-            args, vocab_hi=min(10000, _vocab_size(args.model, args.dtype))
-        )
+        self.workload = make_workload(args, vocab_hi=vocab_hi(args.model))
         self.shared_prefix = _with_shared_prefix(self.workload, args.shared_prefix_len, args.seed)
         ps = args.page_size
         need = args.max_model_len or self.workload.max_len
@@ -159,7 +156,7 @@ class Bench:
                 num_pages=a.num_pages or 1 + a.max_num_seqs * self.max_model_len // a.page_size,
             )
             start = time.perf_counter()
-            llm = build_llm(a, **{**base, **overrides})
+            llm = llm_from_args(a, **{**base, **overrides})
             # Untimed pass (outputs capped at 8 tokens) so first-call costs of the compiled
             # programs do not land on whichever ablation happens to run first.
             fresh_host_state(llm.engine)
@@ -340,14 +337,6 @@ def fresh_host_state(engine, contiguous: bool = False, **knobs: Any) -> None:
     engine.reset_host_state(cfg, bm)
 
 
-def _vocab_size(model: str, dtype: str) -> int:
-    from convert import resolve_model
-
-    return json.loads(
-        (resolve_model(model, dtype=dtype, progress=False) / "config.json").read_text()
-    )["vocab_size"]
-
-
 def _with_shared_prefix(wl: Workload, prefix_len: int, seed: int) -> Workload:
     """The same workload with each prompt's first tokens (up to prefix_len, keeping one of its
     own) replaced by one shared prefix: lengths, and so max_model_len, are unchanged."""
@@ -397,12 +386,12 @@ def plot(rows: list[dict[str, Any]], out: str | Path) -> Path:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = script_parser(__doc__, "ablations.json", model=None)
     add_workload_args(p, default_preset="mixed")
     p.set_defaults(num_prompts=24)
-    add_engine_args(p, max_num_seqs=32)  # max_model_len None: the workload's longest request
+    add_engine_args(
+        p, exclude=("seed",), max_num_seqs=32
+    )  # max_model_len None: the workload's longest request
     p.add_argument(
         "--only", nargs="+", metavar="NAME", help="run these ablations (a prefix selects several)"
     )
@@ -446,7 +435,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="runs per row; the median by wall time is reported (noisy machines: 3)",
     )
     p.add_argument("--quick", action="store_true", help="tiny preset and engine, for smoke tests")
-    p.add_argument("--out", default=str(RESULTS / "ablations.json"))
     args = p.parse_args(argv)
     if args.quick:
         args.preset, args.num_prompts, args.max_num_seqs, args.max_num_batched_tokens = (

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -29,28 +28,32 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (  # noqa: E402
-    RESULTS,
+from benchmarks.lib.harness import (  # noqa: E402
     add_engine_args,
-    add_workload_args,
-    build_llm,
     greedy_params,
-    make_workload,
-    new_figure,
+    llm_from_args,
     run_requests,
+)
+from benchmarks.lib.peers import hf_generate, load_hf_model  # noqa: E402
+from benchmarks.lib.report import (  # noqa: E402
+    new_figure,
+    peak_rss_bytes,
+    rss_bytes,
     save_plot,
+    script_parser,
     write_result,
 )
+from benchmarks.lib.workloads import add_workload_args, make_workload  # noqa: E402
 
 MIB = 2**20
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = script_parser(__doc__, "memory.json", model=None)
     add_workload_args(p, default_preset="mixed")
-    add_engine_args(p)  # max_model_len None: the engine default (2048), what a server reserves
+    # max_model_len None: the engine default, what a server reserves. --preemption-mode swap
+    # and --kv-disk-dir put pages in the other tiers (they are in the timeline).
+    add_engine_args(p, exclude=("seed",))
     p.add_argument(
         "--page-sizes",
         type=int,
@@ -66,20 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--threads", type=int, default=2, help="torch threads of the peer")
     p.add_argument(
-        "--preemption-mode",
-        default="recompute",
-        choices=["recompute", "swap", "auto"],
-        help="preempted sequences' KV: recomputed, or swapped to the host pool (its pages are in the timeline)",
-    )
-    p.add_argument(
-        "--kv-disk-dir",
-        default=None,
-        help="a disk tier for the prefix cache (its pages are in the timeline)",
-    )
-    p.add_argument(
         "--quick", action="store_true", help="tiny preset and a small engine, for smoke tests"
     )
-    p.add_argument("--out", default=str(RESULTS / "memory.json"))
     p.add_argument(
         "--hf-child", action="store_true", help=argparse.SUPPRESS
     )  # internal: the peer process
@@ -89,41 +80,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.max_model_len, args.max_num_batched_tokens = 64, 32
         args.page_sizes = [4, 8, 16, 32, 64]
     return args
-
-
-# ---------------------------------------------------------------- host memory
-
-
-def _proc_status_bytes(field: str) -> int | None:
-    """A `kB` field of /proc/self/status (Linux), in bytes; None where it cannot be read."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def rss_bytes() -> int:
-    """Resident set size of this process now (Linux /proc; psutil elsewhere)."""
-    rss = _proc_status_bytes("VmRSS")
-    if rss is not None:
-        return rss
-    import psutil
-
-    return psutil.Process().memory_info().rss
-
-
-def peak_rss_bytes() -> int:
-    """Peak RSS of this process so far: VmHWM from /proc (per address space, reset by exec).
-
-    getrusage's ru_maxrss is the fallback only: Linux carries it across fork+exec, so a child
-    started by a big parent would report the parent's peak (seen here: both sides 7.87 GB)."""
-    peak = _proc_status_bytes("VmHWM")
-    if peak is None:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return max(peak, rss_bytes())
 
 
 def device_memory() -> dict[str, Any]:
@@ -143,27 +99,12 @@ def device_memory() -> dict[str, Any]:
 
 def hf_child(args: argparse.Namespace) -> dict[str, Any]:
     """Runs inside the subprocess: load the HF model, generate one left-padded batch, report RSS."""
-    import torch
-
-    from benchmarks.common import load_hf_model
-
     rss_start = rss_bytes()
     model = load_hf_model(args.model, args.dtype, args.threads)
     rss_loaded = rss_bytes()
     wl = make_workload(args, vocab_hi=min(10000, model.config.vocab_size))
     prompts, lens = wl.prompts[: args.hf_batch], wl.output_lens[: args.hf_batch]
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    with torch.no_grad():
-        model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=max(lens),
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
+    hf_generate(model, prompts, max(lens))
     return {
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "batch": len(prompts),
@@ -285,7 +226,7 @@ def measure_ours(args: argparse.Namespace) -> dict[str, Any]:
     from minivllm_jax.ops.kv_cache import kv_bytes_per_page
 
     rss_start = rss_bytes()
-    llm = build_llm(args, preemption_mode=args.preemption_mode, kv_disk_dir=args.kv_disk_dir)
+    llm = llm_from_args(args)
     engine = llm.engine
     cfg, mcfg, dtype = engine.config, engine.model_config, model_dtype(engine.params)
     rss_loaded = rss_bytes()
