@@ -41,10 +41,19 @@ def script_parser(doc: str, out: str | None, model: str | None = DEFAULT_MODEL):
 
 def add_options(p: argparse.ArgumentParser, rows: Sequence[tuple[str, Any, str]]) -> None:
     """Options from `(flag, default, help)` rows: the type is the default's, or the default
-    itself when it is a type (`int`: no default, None)."""
+    itself when it is a type (`int`: no default, None); a list default takes one or more
+    values of its first item's type; False is a switch (`store_true`)."""
     for flag, default, help in rows:
+        if default is False:
+            p.add_argument(flag, action="store_true", help=help)
+            continue
         kind = default if isinstance(default, type) else type(default)
-        p.add_argument(flag, type=kind, default=None if default is kind else default, help=help)
+        more = {}
+        if isinstance(default, list):
+            kind, more = type(default[0]), {"nargs": "+"}
+        p.add_argument(
+            flag, type=kind, default=None if default is kind else default, help=help, **more
+        )
 
 
 def fmt(x: float | None, digits: int = 1) -> str:

@@ -12,7 +12,7 @@ Reports, for one engine configuration and one seeded workload:
     reserves max_model_len slots, as a non-paged engine must) are computed from the same
     timeline's sequence lengths, i.e. what each allocator would hold for the same sequences.
 
-    python benchmarks/bench_memory.py [--preset mixed] [--num-prompts 64] [--no-hf] [--quick]
+    python benchmarks/engine/bench_memory.py [--preset mixed] [--num-prompts 64] [--no-hf] [--quick]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.lib.harness import (  # noqa: E402
     add_engine_args,
@@ -36,6 +36,7 @@ from benchmarks.lib.harness import (  # noqa: E402
 )
 from benchmarks.lib.peers import hf_generate, load_hf_model  # noqa: E402
 from benchmarks.lib.report import (  # noqa: E402
+    add_options,
     new_figure,
     peak_rss_bytes,
     rss_bytes,
@@ -54,26 +55,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # max_model_len None: the engine default, what a server reserves. --preemption-mode swap
     # and --kv-disk-dir put pages in the other tiers (they are in the timeline).
     add_engine_args(p, exclude=("seed",))
-    p.add_argument(
-        "--page-sizes",
-        type=int,
-        nargs="+",
-        default=[8, 16, 32, 64, 128, 256],
-        help="page sizes for the computed fragmentation sweep",
+    add_options(
+        p,
+        [
+            ("--page-sizes", [8, 16, 32, 64, 128, 256], "page sizes of the fragmentation sweep"),
+            ("--no-hf", False, "skip the PyTorch peer's RSS (a subprocess)"),
+            ("--hf-batch", 8, "prompts the peer generates in one batch"),
+            ("--threads", 2, "torch threads of the peer"),
+            ("--quick", False, "tiny preset and a small engine, for smoke tests"),
+        ],
     )
-    p.add_argument(
-        "--no-hf", action="store_true", help="skip the PyTorch peer's RSS (a subprocess)"
-    )
-    p.add_argument(
-        "--hf-batch", type=int, default=8, help="prompts the peer generates in one batch"
-    )
-    p.add_argument("--threads", type=int, default=2, help="torch threads of the peer")
-    p.add_argument(
-        "--quick", action="store_true", help="tiny preset and a small engine, for smoke tests"
-    )
-    p.add_argument(
-        "--hf-child", action="store_true", help=argparse.SUPPRESS
-    )  # internal: the peer process
+    p.add_argument("--hf-child", action="store_true", help=argparse.SUPPRESS)  # the peer process
     args = p.parse_args(argv)
     if args.quick:
         args.preset, args.num_prompts, args.max_num_seqs = "tiny", None, 4

@@ -21,7 +21,7 @@ Method notes:
 
 Adding an ablation is one `Ablation(name, description, fn)` line in `registry()`.
 
-    python benchmarks/bench_ablations.py [--preset mixed] [--num-prompts 24] [--only baseline static-batching] [--quick]
+    python benchmarks/engine/bench_ablations.py [--preset mixed] [--num-prompts 24] [--only baseline static-batching] [--quick]
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.lib.harness import (  # noqa: E402
     EngineRun,
@@ -44,7 +44,13 @@ from benchmarks.lib.harness import (  # noqa: E402
     llm_from_args,
     run_requests,
 )
-from benchmarks.lib.report import new_figure, save_plot, script_parser, write_result  # noqa: E402
+from benchmarks.lib.report import (  # noqa: E402
+    add_options,
+    new_figure,
+    save_plot,
+    script_parser,
+    write_result,
+)
 from benchmarks.lib.workloads import (  # noqa: E402
     Workload,
     add_workload_args,
@@ -389,52 +395,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = script_parser(__doc__, "ablations.json", model=None)
     add_workload_args(p, default_preset="mixed")
     p.set_defaults(num_prompts=24)
-    add_engine_args(
-        p, exclude=("seed",), max_num_seqs=32
-    )  # max_model_len None: the workload's longest request
+    # max_model_len None: the workload's longest request; --seed is the workload's.
+    add_engine_args(p, exclude=("seed",), max_num_seqs=32)
     p.add_argument(
         "--only", nargs="+", metavar="NAME", help="run these ablations (a prefix selects several)"
     )
-    p.add_argument("--list", action="store_true", help="list the ablations and exit")
-    p.add_argument("--static-batch", type=int, default=8, help="batch size of static batching")
-    p.add_argument(
-        "--kv-budget-seqs",
-        type=int,
-        default=8,
-        help="KV bytes for paged-same-kv/contiguous, in max-length sequences",
+    add_options(
+        p,
+        [
+            ("--list", False, "list the ablations and exit"),
+            ("--static-batch", 8, "batch size of static batching"),
+            ("--kv-budget-seqs", 8, "KV bytes for paged-same-kv/contiguous, in max-length seqs"),
+            ("--kv-off-prompts", 2, "prompts in the kv-cache-off subset"),
+            ("--kv-off-tokens", 32, "output tokens per prompt in that subset (cap)"),
+            ("--shared-prefix-len", 128, "shared prompt prefix for the prefix-caching rows"),
+            ("--chunk-sizes", [256, 512], "max_num_batched_tokens values"),
+            ("--max-num-seqs-values", [8, 16], "max_num_seqs values"),
+            ("--repeat", 1, "runs per row; the median by wall time is reported (noisy: 3)"),
+            ("--quick", False, "tiny preset and engine, for smoke tests"),
+        ],
     )
-    p.add_argument(
-        "--kv-off-prompts", type=int, default=2, help="prompts in the kv-cache-off subset"
-    )
-    p.add_argument(
-        "--kv-off-tokens",
-        type=int,
-        default=32,
-        help="output tokens per prompt in that subset (cap)",
-    )
-    p.add_argument(
-        "--shared-prefix-len",
-        type=int,
-        default=128,
-        help="shared prompt prefix for the prefix-caching rows",
-    )
-    p.add_argument(
-        "--chunk-sizes",
-        type=int,
-        nargs="+",
-        default=[256, 512],
-        help="max_num_batched_tokens values",
-    )
-    p.add_argument(
-        "--max-num-seqs-values", type=int, nargs="+", default=[8, 16], help="max_num_seqs values"
-    )
-    p.add_argument(
-        "--repeat",
-        type=int,
-        default=1,
-        help="runs per row; the median by wall time is reported (noisy machines: 3)",
-    )
-    p.add_argument("--quick", action="store_true", help="tiny preset and engine, for smoke tests")
     args = p.parse_args(argv)
     if args.quick:
         args.preset, args.num_prompts, args.max_num_seqs, args.max_num_batched_tokens = (
