@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.lib.harness import (  # noqa: E402
     add_engine_args,
+    engine_facts,
     greedy_params,
     llm_from_args,
     run_requests,
@@ -182,9 +183,8 @@ def plot(result: dict[str, Any], out: str | Path) -> Path:
     tl = result["timeline"]
     steps = [s["step"] for s in tl]
     ax.plot(steps, [s["pages_used"] for s in tl], color="tab:blue", label="KV pages used")
-    ax.axhline(
-        result["kv_pool"]["usable_pages"], color="tab:blue", ls=":", lw=1, label="usable pages"
-    )
+    usable = result["kv_pool"]["usable_pages"]
+    ax.axhline(usable, color="tab:blue", ls=":", lw=1, label="usable pages")
     ax.set_xlabel("engine step")
     ax.set_ylabel("KV pages used", color="tab:blue")
     twin = ax.twinx()
@@ -194,14 +194,11 @@ def plot(result: dict[str, Any], out: str | Path) -> Path:
     lines = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
     ax.legend(lines, [h.get_label() for h in lines], loc="upper right", fontsize=8)
     ax.set_title(f"KV pages vs requests in flight ({result['workload']['preset']})")
-
-    frag = result["fragmentation"]
-    names = [r["allocator"] for r in frag]
-    waste = [r["waste_pct"] or 0.0 for r in frag]
+    names = [r["allocator"] for r in result["fragmentation"]]
     colors = ["tab:red" if n.startswith("contiguous") else "tab:blue" for n in names]
-    bars = bx.bar(names, waste, color=colors)
+    bars = bx.bar(names, [r["waste_pct"] or 0.0 for r in result["fragmentation"]], color=colors)
     bx.bar_label(bars, fmt="%.1f%%", fontsize=8)
-    bx.set_ylabel("allocated but unused token slots (%)")
+    bx.set(ylabel="allocated but unused token slots (%)")
     bx.set_title("KV fragmentation: paged page sizes vs contiguous max-length")
     bx.tick_params(axis="x", rotation=30)
     return save_plot(fig, out)
@@ -230,15 +227,10 @@ def measure_ours(args: argparse.Namespace) -> dict[str, Any]:
     timeline = Timeline()
     run = run_requests(engine, wl.prompts, greedy_params(wl.output_lens), on_step=timeline)
     per_page = kv_bytes_per_page(mcfg, cfg.cache.page_size, dtype, cfg.cache.kv_cache_dtype)
-    measured_pool = sum(
-        x.nbytes for x in jax.tree.leaves(engine.kv_cache)
-    )  # int8 pages: with their scales
-    assert measured_pool == cfg.cache.num_pages * per_page, (
-        measured_pool,
-        cfg.cache.num_pages,
-        per_page,
-    )
+    measured_pool = sum(x.nbytes for x in jax.tree.leaves(engine.kv_cache))  # with int8 scales
+    assert measured_pool == cfg.cache.num_pages * per_page, (measured_pool, per_page)
     pages = [s["pages_used"] for s in timeline.samples]
+    capacity = (cfg.cache.num_pages - 1) * cfg.cache.page_size  # tokens: page 0 is scratch
     tiers = engine.tier_stats()
     frag = fragmentation(
         timeline.samples, [cfg.cache.page_size, *args.page_sizes], cfg.max_model_len
@@ -248,14 +240,7 @@ def measure_ours(args: argparse.Namespace) -> dict[str, Any]:
             row["measured_allocated_slots_step_sum"] = sum(pages) * cfg.cache.page_size
     return {
         "workload": wl.describe(),
-        "engine": {
-            "max_num_seqs": cfg.scheduler.max_num_seqs,
-            "max_model_len": cfg.max_model_len,
-            "page_size": cfg.cache.page_size,
-            "num_pages": cfg.cache.num_pages,
-            "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
-            "dtype": str(dtype),
-        },
+        "engine": {**engine_facts(cfg), "dtype": str(dtype)},
         "params": {
             "count": sum(x.size for x in jax.tree.leaves(engine.params)),
             "bytes": sum(x.nbytes for x in jax.tree.leaves(engine.params)),
@@ -265,10 +250,8 @@ def measure_ours(args: argparse.Namespace) -> dict[str, Any]:
             "usable_pages": cfg.cache.num_pages - 1,  # page 0 is the scratch page
             "bytes_per_page": per_page,
             "bytes": measured_pool,
-            "token_capacity": (cfg.cache.num_pages - 1) * cfg.cache.page_size,
-            "max_len_seqs_that_fit_contiguous": (cfg.cache.num_pages - 1)
-            * cfg.cache.page_size
-            // cfg.max_model_len,
+            "token_capacity": capacity,
+            "max_len_seqs_that_fit_contiguous": capacity // cfg.max_model_len,
             "peak_pages_used": max(pages, default=0),
             "peak_running": max((s["running"] for s in timeline.samples), default=0),
         },
