@@ -305,6 +305,20 @@ def tiny_model_with_tokenizer() -> Path:
     return shared_tiny_model("tiny", _build_tiny_with_tokenizer)
 
 
+def _build_tiny_chat(path: Path) -> None:
+    from tests.test_server_structured import save_byte_tokenizer
+
+    make_tiny_llama(path, vocab_size=save_byte_tokenizer(path) + 5, max_position_embeddings=2048)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model() -> Path:
+    """A tiny random Llama with a byte-level tokenizer (any text is tokens, JSON included) and a
+    ChatML template, for the benchmarks that send chat turns or constrain outputs: one per test
+    run (`shared_tiny_model`)."""
+    return shared_tiny_model("tiny-chat", _build_tiny_chat)
+
+
 @pytest.fixture
 def tiny_llama_dir(tmp_path):
     model = make_tiny_llama(tmp_path / "tiny")

@@ -17,9 +17,9 @@ def _isolated_conversions(tmp_path, monkeypatch):
     monkeypatch.setenv("MINIVLLM_CACHE_DIR", str(tmp_path / "converted"))
 
 
-def test_decoding_quick(tiny_model_with_tokenizer, tmp_path):
+def test_decoding_quick(tiny_chat_model, tmp_path):
     out = tmp_path / "decoding.json"
-    argv = ["--quick", "--model", str(tiny_model_with_tokenizer), "--out", str(out)]
+    argv = ["--quick", "--model", str(tiny_chat_model), "--out", str(out)]
     assert bench_decoding.main(argv) == 0
     r = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 0
@@ -50,9 +50,9 @@ def test_decoding_quick(tiny_model_with_tokenizer, tmp_path):
         assert row["off"]["draft_tokens_per_run"] == 0 and row["off"]["acceptance_rate"] is None
 
 
-def test_structured_quick(tiny_model_with_tokenizer, tmp_path):
+def test_structured_quick(tiny_chat_model, tmp_path):
     out = tmp_path / "structured.json"
-    bench_structured.main(["--quick", "--model", str(tiny_model_with_tokenizer), "--out", str(out)])
+    bench_structured.main(["--quick", "--model", str(tiny_chat_model), "--out", str(out)])
     r = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 0
     assert [row["batch_size"] for row in r["rows"]] == [1, 4]

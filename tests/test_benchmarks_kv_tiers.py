@@ -17,9 +17,9 @@ def _isolated_conversions(tmp_path, monkeypatch):
     monkeypatch.setenv("MINIVLLM_CACHE_DIR", str(tmp_path / "converted"))
 
 
-def test_kv_tiers_quick_preemption_and_compression(tiny_model_with_tokenizer, tmp_path):
+def test_kv_tiers_quick_preemption_and_compression(tiny_chat_model, tmp_path):
     out = tmp_path / "kv_tiers.json"
-    argv = ["--quick", "--model", str(tiny_model_with_tokenizer), "--out", str(out)]
+    argv = ["--quick", "--model", str(tiny_chat_model), "--out", str(out)]
     assert bench_kv_tiers.main([*argv, "--only", "preemption", "compression"]) == 0
     r = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 0 and "restart" not in r
@@ -40,9 +40,9 @@ def test_kv_tiers_quick_preemption_and_compression(tiny_model_with_tokenizer, tm
 
 
 @pytest.mark.slow  # four server starts (load, compile) on the tiny model
-def test_kv_tiers_quick_restart(tiny_model_with_tokenizer, tmp_path):
+def test_kv_tiers_quick_restart(tiny_chat_model, tmp_path):
     out = tmp_path / "kv_tiers.json"
-    argv = ["--quick", "--model", str(tiny_model_with_tokenizer), "--out", str(out)]
+    argv = ["--quick", "--model", str(tiny_chat_model), "--out", str(out)]
     assert bench_kv_tiers.main([*argv, "--only", "restart"]) == 0
     tiers = {row["tier"]: row for row in json.loads(out.read_text())["restart"]["rows"]}
     assert tiers["disk"]["disk_hit_tokens"] > 0 and tiers["disk"]["page_files_after"] > 0

@@ -19,7 +19,7 @@ def _isolated_conversions(tmp_path, monkeypatch):
 
 
 def test_memory_quick(tiny_model, tmp_path):
-    from benchmarks import bench_memory
+    from benchmarks.engine import bench_memory
 
     out = tmp_path / "memory.json"
     assert (
@@ -71,7 +71,7 @@ def test_memory_quick(tiny_model, tmp_path):
 @pytest.mark.slow
 def test_memory_hf_peer_in_subprocess(tiny_model):
     """The PyTorch peer's RSS comes from its own process (about 15 s: a torch + transformers start)."""
-    from benchmarks import bench_memory
+    from benchmarks.engine import bench_memory
 
     argv = ["--quick", "--model", str(tiny_model)]
     hf = bench_memory.measure_hf(bench_memory.parse_args(argv), argv)
@@ -80,7 +80,7 @@ def test_memory_hf_peer_in_subprocess(tiny_model):
 
 
 def test_ablations_quick(tiny_model, tmp_path):
-    from benchmarks import bench_ablations
+    from benchmarks.engine import bench_ablations
 
     out = tmp_path / "ablations.json"
     assert bench_ablations.main(["--quick", "--model", str(tiny_model), "--out", str(out)]) == 0
@@ -121,7 +121,7 @@ def test_ablations_quick(tiny_model, tmp_path):
 
 
 def test_ablations_only_selects_by_prefix(tiny_model, tmp_path):
-    from benchmarks import bench_ablations
+    from benchmarks.engine import bench_ablations
 
     out = tmp_path / "only.json"
     bench_ablations.main(

@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pytest
 
+from benchmarks.lib.readme import quant_table
 from benchmarks.quality import bench_quant, quant_quality
 
 
@@ -105,7 +106,7 @@ def test_quick_run_json_png_and_table(tiny_model, text_file, tmp_path):
         == max(v for k in ("before", "after") for v in r["bandwidth"][k].values())
         > 0
     )
-    table = bench_quant.markdown_table(r)
+    table = quant_table(r)
     assert (
         "| `fp32` |" in table
         and "| `int4` |" in table

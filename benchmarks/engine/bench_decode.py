@@ -20,22 +20,23 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.lib import peers  # noqa: E402
-from benchmarks.lib.harness import decode_rate  # noqa: E402
-from benchmarks.lib.report import script_parser, write_result  # noqa: E402
+from benchmarks.lib.harness import decode_rate, load_model, stream_greedy  # noqa: E402
+from benchmarks.lib.report import add_options, ms, script_parser, write_result  # noqa: E402
+from benchmarks.lib.workloads import tokenizer  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = script_parser(__doc__, "decode.json")
     p.add_argument("--prompt", default="Write a short story about a robot learning to paint.")
-    p.add_argument("--tokens", type=int, default=128, help="new tokens per run")
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=2,
-        help="torch and llama.cpp threads (XLA uses the same cores)",
+    add_options(
+        p,
+        [
+            ("--tokens", 128, "new tokens per run"),
+            ("--reps", 3, "timed runs (medians reported)"),
+            ("--threads", 2, "torch and llama.cpp threads (XLA uses the same cores)"),
+            ("--no-hf", False, "skip the PyTorch peer"),
+        ],
     )
-    p.add_argument("--no-hf", action="store_true", help="skip the PyTorch peer")
     peers.add_peer_args(p)
     p.add_argument("--quick", action="store_true", help="16 tokens, 1 rep")
     args = p.parse_args(argv)
@@ -49,16 +50,11 @@ def bench_ours(model: str, prompt_ids: list[int], tokens: int, reps: int) -> dic
     import jax.numpy as jnp
     import numpy as np
 
-    from convert import resolve_model
     from minivllm_jax.engine.step import StepSpec, forward_jit
-    from minivllm_jax.loading.checkpoint import load_converted
-    from minivllm_jax.models.params import unstack_layers
     from minivllm_jax.ops.batch import single_sequence_batch
     from minivllm_jax.ops.kv_cache import init_kv_cache
-    from minivllm_jax.reference.greedy import greedy_stream
 
-    cfg, _, params = load_converted(resolve_model(model))
-    params = unstack_layers(params)  # as the engine holds them: no weight copies per step
+    cfg, params = load_model(model)
     # Compile times: lower+compile each program once before any call with that shape.
     pages = list(range(1, -(-(len(prompt_ids) + tokens) // 16) + 1))
     cache = init_kv_cache(cfg, len(pages) + 1, 16, jnp.float32)
@@ -72,14 +68,8 @@ def bench_ours(model: str, prompt_ids: list[int], tokens: int, reps: int) -> dic
         compile_s[name] = time.perf_counter() - start
     del cache
 
-    runs = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        stamps, ids = [], []
-        for tok in greedy_stream(params, cfg, prompt_ids, tokens):
-            stamps.append(time.perf_counter())
-            ids.append(tok)
-        runs.append({"ttft_s": stamps[0] - start, "decode_tok_s": decode_rate(stamps)})
+    runs = [stream_greedy(params, cfg, prompt_ids, tokens) for _ in range(reps)]
+    ids = [r.pop("token_ids") for r in runs][-1]
     jax.clear_caches()
     return {"compile_s": compile_s, **_medians(runs), "token_ids": ids}
 
@@ -118,12 +108,7 @@ def bench_llamacpp(
         for _ in range(reps):
             r = peer.run([prompt_ids], [tokens], 1)
             t, ids = r.token_times[0], r.token_ids[0]
-            runs.append(
-                {
-                    "ttft_s": t[0] - r.arrival[0],
-                    "decode_tok_s": (len(t) - 1) / max(t[-1] - t[0], 1e-9),
-                }
-            )
+            runs.append({"ttft_s": t[0] - r.arrival[0], "decode_tok_s": decode_rate(t)})
     medians = _medians(runs)
     return {
         "gguf": path.name,
@@ -136,12 +121,7 @@ def bench_llamacpp(
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from transformers import AutoTokenizer
-
-    from convert import resolve_model
-
-    tok = AutoTokenizer.from_pretrained(str(resolve_model(args.model)))
-    prompt_ids = tok.encode(args.prompt)
+    prompt_ids = tokenizer(args.model).encode(args.prompt)
     result = {
         "benchmark": "decode_batch1",
         "model": args.model,
@@ -154,28 +134,20 @@ def main(argv=None) -> int:
     if not args.no_hf:
         result["hf"] = bench_hf(args.model, prompt_ids, args.tokens, args.reps, args.threads)
         result["speedup"] = result["ours"]["decode_tok_s"] / result["hf"]["decode_tok_s"]
-    peers.run_variants(
-        args,
-        result,
-        lambda _, path: bench_llamacpp(
-            path, prompt_ids, args.tokens, args.reps, args.threads, result["ours"]
-        ),
+    ours = result["ours"]
+    measure = lambda _, path: bench_llamacpp(
+        path, prompt_ids, args.tokens, args.reps, args.threads, ours
     )
+    peers.run_variants(args, result, measure)
     write_result(result, args.out)
-    print(
-        f"ours: decode {result['ours']['decode_tok_s']:.1f} tok/s, ttft {result['ours']['ttft_s'] * 1e3:.0f} ms, "
-        f"compile {result['ours']['compile_s']}"
-    )
+    line = lambda r: f"decode {r['decode_tok_s']:.1f} tok/s, ttft {ms(r['ttft_s'])} ms"
+    print(f"ours: {line(ours)}, compile {ours['compile_s']}")
     if "hf" in result:
-        print(
-            f"HF:   decode {result['hf']['decode_tok_s']:.1f} tok/s, ttft {result['hf']['ttft_s'] * 1e3:.0f} ms"
-        )
-        print(f"speedup {result['speedup']:.2f}x")
+        print(f"HF:   {line(result['hf'])}\nspeedup {result['speedup']:.2f}x")
     for variant, r in result.get("llamacpp", {}).items():
         print(
-            f"llama.cpp {variant}: decode {r['decode_tok_s']:.1f} tok/s, ttft {r['ttft_s'] * 1e3:.0f} ms, "
-            f"ours/llama.cpp {r['ours_speedup']:.2f}x, first {r['tokens_agreeing_with_ours']} of "
-            f"{args.tokens} greedy tokens agree with ours"
+            f"llama.cpp {variant}: {line(r)}, ours/llama.cpp {r['ours_speedup']:.2f}x, first "
+            f"{r['tokens_agreeing_with_ours']} of {args.tokens} greedy tokens agree with ours"
         )
     return 0
 

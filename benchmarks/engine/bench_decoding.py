@@ -32,14 +32,14 @@ from benchmarks.lib.harness import (  # noqa: E402
     decode_bytes_per_token,
     decode_rate,
     greedy,
+    load_model,
     measure_bandwidth,
+    output_decode_rate,
     stream_one,
     timed,
 )
-from benchmarks.lib.report import new_figure, save_plot, script_parser, write_result  # noqa: E402
-from benchmarks.lib.workloads import PRESETS, random_prompts  # noqa: E402
-from minivllm_jax.loading.checkpoint import load_converted  # noqa: E402
-from minivllm_jax.loading.resolve import resolve_model  # noqa: E402
+from benchmarks.lib.report import add_options, new_figure, save_plot, script_parser, write_result  # noqa: E402
+from benchmarks.lib.workloads import PRESETS, random_prompts, vocab_hi  # noqa: E402
 
 # 7 draft tokens: 1 + 7 = 8 rows, a step bucket, which the native matmuls read the weights once
 # for; it was the best of the draft lengths and lookup sizes tried (docs/perf-notes.md).
@@ -84,30 +84,27 @@ def grounded_prompts(llm) -> list[list[int]]:
     return [llm.apply_chat_template([{"role": "user", "content": a}]) for a in asks]
 
 
-def chat_prompts(n: int, seed: int = 0) -> list[list[int]]:
-    """The chat preset's prompts (seeded random ids; lengths drawn from the same generator)."""
+def chat_prompts(n: int, hi: int, seed: int = 0) -> list[list[int]]:
+    """The chat preset's prompts (seeded random ids below `hi`; lengths drawn from the same
+    generator)."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
     lengths = rng.integers(*PRESETS["chat"].input_len, size=n)
-    return [rng.integers(100, 10000, size=int(k)).tolist() for k in lengths]
+    return [rng.integers(100, hi, size=int(k)).tolist() for k in lengths]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = script_parser(__doc__, "decoding.json")
-    p.add_argument(
-        "--tokens", type=int, default=64, help="new tokens per request (sections 1, 2, 4)"
-    )
-    p.add_argument(
-        "--spec-tokens",
-        type=int,
-        default=160,
-        help="max new tokens per speculative-workload request",
-    )
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2, help="torch threads")
-    p.add_argument(
-        "--quick", action="store_true", help="few tokens, 1 rep, batch 8 only where it is cheap"
+    add_options(
+        p,
+        [
+            ("--tokens", 64, "new tokens per request (sections 1, 2, 4)"),
+            ("--spec-tokens", 160, "max new tokens per speculative-workload request"),
+            ("--reps", 3, "timed runs (medians reported)"),
+            ("--threads", 2, "torch threads"),
+            ("--quick", False, "few tokens, 1 rep, batch 8 only where it is cheap"),
+        ],
     )
     args = p.parse_args(argv)
     if args.quick:
@@ -118,13 +115,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # Two warm-ups before each timing: the second run of a prompt hits the prefix cache and so has
 # its own step shapes.
 WARMUPS = 2
-
-
-def output_decode_rate(outs: list[Any]) -> float:
-    """Tokens after each request's first over the time from its first token to its last, summed:
-    the decode speed a stream sees (prefill, which speculation does not change, left out)."""
-    tokens = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
-    return tokens / sum(o.metrics.last_token_time - o.metrics.first_token_time for o in outs)
 
 
 # ---------------------------------------------------------------------------------------- sections
@@ -302,32 +292,23 @@ def bench_beam(args, llm, hf, prompts: list[list[int]]) -> dict[str, Any]:
 
 def plot(result: dict[str, Any], out: str | Path) -> Path:
     fig, axes = new_figure(3, width=5.0)
-    gen = result["generate"]
-    names = ["functional", "engine", "hf"]
+    gen, names = result["generate"], ["functional", "engine", "hf"]
     for j, b in enumerate((1, 8)):
-        axes[0][0].bar(
-            [x + 0.3 * j for x in range(3)],
-            [gen[f"batch_{b}"][f"{n}_tok_s"] for n in names],
-            0.3,
-            label=f"batch {b}",
-        )
+        tok_s = [gen[f"batch_{b}"][f"{n}_tok_s"] for n in names]
+        axes[0][0].bar([x + 0.3 * j for x in range(3)], tok_s, 0.3, label=f"batch {b}")
     axes[0][0].set_xticks([x + 0.15 for x in range(3)], names)
-    axes[0][0].set_ylabel("generated tok/s")
-    axes[0][0].set_title("greedy generate")
+    axes[0][0].set(ylabel="generated tok/s", title="greedy generate")
     axes[0][0].legend()
     ms = result["multi_step"]
     axes[0][1].bar(["k=1", "k=4", "k=8"], [100 * ms[f"k_{k}"]["share_of_bound"] for k in (1, 4, 8)])
-    axes[0][1].set_ylabel("% of the bandwidth bound")
-    axes[0][1].set_title("batch-1 decode, multi-step")
+    axes[0][1].set(ylabel="% of the bandwidth bound", title="batch-1 decode, multi-step")
     spec = result["speculative"]
     keys = list(spec)
     axes[0][2].bar(range(len(keys)), [spec[key]["decode_speedup"] for key in keys])
     axes[0][2].axhline(1.0, color="gray", lw=0.8)
-    axes[0][2].set_xticks(
-        range(len(keys)), [key.replace("_batch_", "\nb") for key in keys], fontsize=8
-    )
-    axes[0][2].set_ylabel("decode tok/s with / without speculation")
-    axes[0][2].set_title("n-gram speculation")
+    ticks = [key.replace("_batch_", "\nb") for key in keys]
+    axes[0][2].set_xticks(range(len(keys)), ticks, fontsize=8)
+    axes[0][2].set(ylabel="decode tok/s with / without speculation", title="n-gram speculation")
     return save_plot(fig, out)
 
 
@@ -335,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     llm = build_llm(args.model, max_num_seqs=16, max_model_len=1024, warmup=False)
     hf = peers.load_hf_model(args.model, threads=args.threads)
-    same_len = random_prompts([32] * 8, 0)
+    hi = vocab_hi(args.model)
+    same_len = random_prompts([32] * 8, 0, hi)
     bandwidth = measure_bandwidth(64 if args.quick else 512, args.reps)
     result: dict[str, Any] = {
         "model": args.model,
@@ -350,11 +332,11 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth_after = measure_bandwidth(64 if args.quick else 512, args.reps)
     best = max(*bandwidth.values(), *bandwidth_after.values())
     result["bandwidth"] = {"before": bandwidth, "after": bandwidth_after, "best_gb_s": best}
-    bytes_per_token = decode_bytes_per_token(load_converted(resolve_model(args.model))[2])
+    bytes_per_token = decode_bytes_per_token(load_model(args.model)[1])
     result["multi_step"] = bench_multi_step(args, same_len[0], bytes_per_token, best)
     result["multi_step"]["weight_bytes_per_token"] = bytes_per_token
     result["speculative"] = bench_speculative(
-        args, {"grounded": grounded, "chat": chat_prompts(len(grounded))}
+        args, {"grounded": grounded, "chat": chat_prompts(len(grounded), hi)}
     )
     path = write_result(result, args.out)
     plot(result, path)

@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np  # noqa: E402
 
-from benchmarks.lib.harness import add_engine_args, greedy, llm_from_args  # noqa: E402
-from benchmarks.lib.report import git_state, percentiles, save_plot, script_parser, write_result  # noqa: E402
+from benchmarks.lib.harness import add_engine_args, engine_facts, greedy, llm_from_args  # noqa: E402
+from benchmarks.lib.report import git_state, ms, percentiles, save_plot, script_parser, write_result  # noqa: E402
 from benchmarks.lib.workloads import vocab_hi  # noqa: E402
 
 STREAM_PROMPT_TOKENS, LONG_MAX_TOKENS, TARGET_RATIO = 64, 8, 2.0
@@ -87,6 +87,7 @@ class Recorder:
                 "decodes": event.num_decodes,
                 "tokens": event.num_tokens,
                 "end": event.end,
+                "duration_s": event.end - event.start,
             }
         )
 
@@ -107,10 +108,6 @@ def gaps_within(stamps: list[float], lo: float, hi: float) -> list[float]:
     return [b - a for a, b in zip(stamps, stamps[1:]) if b > lo and a < hi]
 
 
-def ms(x: float | None) -> str:
-    return "-" if x is None else f"{1e3 * x:.1f}"
-
-
 def long_prompt(
     rec: Recorder, streams: list[str], prompt: list[int], params, tail_steps: int
 ) -> dict:
@@ -125,17 +122,9 @@ def long_prompt(
         done = done or next((o for o in rec.step() if o.request_id == rid and o.finished), None)
         n += 1
     gaps = [g for s in streams for g in gaps_within(rec.tokens[s], arrival, first)]
-    steps = [
-        {
-            "kind": st["kind"],
-            "rows": st["rows"],
-            "decodes": st["decodes"],
-            "tokens": st["tokens"],
-            "duration_s": st["end"] - st["start"],
-        }
-        for st in rec.steps
-        if arrival <= st["start"] and st["end"] <= first
-    ]
+    during = [st for st in rec.steps if arrival <= st["start"] and st["end"] <= first]
+    keys = ("kind", "rows", "decodes", "tokens", "duration_s")
+    steps = [{k: st[k] for k in keys} for st in during]
     return {
         "arrival": arrival,
         "first_token": first,
@@ -192,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     p50 = phase1["itl_s"]["p50"]
     print(
-        f"phase 1: ITL p50 {ms(p50)} ms, p99 {ms(phase1['itl_s']['p99'])} ms, max {ms(max(itl))} ms",
+        f"phase 1: ITL p50 {ms(p50, 1)} ms, p99 {ms(phase1['itl_s']['p99'], 1)} ms, max {ms(max(itl), 1)} ms",
         flush=True,
     )
 
@@ -210,11 +199,11 @@ def main(argv: list[str] | None = None) -> int:
         rep = {"repeat": r, **rep, "ratio_worst_gap_to_itl_p50": rep["worst_gap_s"] / p50}
         repeats.append(rep)
         kinds = " ".join(
-            f"{st['kind']}({st['rows']}x, {st['tokens']} tok) {ms(st['duration_s'])}"
+            f"{st['kind']}({st['rows']}x, {st['tokens']} tok) {ms(st['duration_s'], 1)}"
             for st in rep["steps_during_prefill"]
         )
         print(
-            f"repeat {r}: TTFT {ms(rep['ttft_s'])} ms, worst gap {ms(rep['worst_gap_s'])} ms = "
+            f"repeat {r}: TTFT {ms(rep['ttft_s'], 1)} ms, worst gap {ms(rep['worst_gap_s'], 1)} ms = "
             f"{rep['ratio_worst_gap_to_itl_p50']:.1f}x ITL p50; steps (ms): {kinds}",
             flush=True,
         )
@@ -246,14 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             "seed": args.seed,
             "sampling": "greedy, ignore_eos",
         },
-        "engine": {
-            "max_num_seqs": cfg.scheduler.max_num_seqs,
-            "max_model_len": cfg.max_model_len,
-            "page_size": cfg.cache.page_size,
-            "num_pages": cfg.cache.num_pages,
-            "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
-            "target_tpot_ms": cfg.scheduler.target_tpot_ms,
-        },
+        "engine": engine_facts(cfg, "target_tpot_ms"),
         "git": git_state(),
         "warmup_s": llm.warmup_seconds,
         "num_compiles": engine.num_compiles,
@@ -271,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     print(
-        f"median: TTFT {ms(median['ttft_s'])} ms, worst gap {ms(median['worst_gap_s'])} ms = "
+        f"median: TTFT {ms(median['ttft_s'], 1)} ms, worst gap {ms(median['worst_gap_s'], 1)} ms = "
         f"{median['ratio_worst_gap_to_itl_p50']:.1f}x ITL p50 (target <= {TARGET_RATIO:g}x)"
     )
     write_result(result, args.out)

@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.lib.harness import build_llm, greedy_params, run_requests  # noqa: E402
+from benchmarks.lib.harness import build_llm, greedy_params, load_model, run_requests  # noqa: E402
 from benchmarks.lib.report import (  # noqa: E402
     add_options,
     new_figure,
@@ -37,7 +37,7 @@ from benchmarks.lib.report import (  # noqa: E402
     write_result,
 )
 from benchmarks.lib.serving import launched_server, metric, one_request  # noqa: E402
-from benchmarks.lib.workloads import random_prompts, read_text  # noqa: E402
+from benchmarks.lib.workloads import random_prompts, text_ids, tokenizer, vocab_hi  # noqa: E402
 from benchmarks.quality.kv_compression_quality import evaluate  # noqa: E402
 
 MODES = ("recompute", "swap", "auto")
@@ -77,7 +77,7 @@ def preemption(args: argparse.Namespace) -> dict[str, Any]:
     page_size = 16
     pages = 1 + int(args.pressure_seqs * -(-full_len // page_size))
     llm = build_llm(args.model, max_num_seqs=args.requests, max_model_len=full_len, num_pages=pages)
-    prompts = random_prompts([args.prompt_len] * args.requests, 0)
+    prompts = random_prompts([args.prompt_len] * args.requests, 0, vocab_hi(args.model))
     params = greedy_params([args.output_len] * args.requests)
     base, rows, tokens = llm.engine, [], None
     for mode in MODES:
@@ -139,13 +139,8 @@ def _page_bytes(engine) -> int:
 
 def _system_prompt(model: str, tokens: int) -> str:
     """The first `tokens` tokens of the long fixed text, as text: the shared system prompt."""
-    from transformers import AutoTokenizer
-
-    from minivllm_jax.loading.resolve import resolve_model
-
-    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(model)))
-    ids = tokenizer(read_text(None)[0], add_special_tokens=False)["input_ids"][:tokens]
-    return tokenizer.decode(ids)
+    tok = tokenizer(model)
+    return tok.decode(text_ids(tok)[0][:tokens])
 
 
 async def _first_requests(
@@ -221,21 +216,12 @@ def restart(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def compression(args: argparse.Namespace) -> dict[str, Any]:
-    from transformers import AutoTokenizer
-
     from minivllm_jax import kernels
     from minivllm_jax.config import KVCompressionConfig
-    from minivllm_jax.loading.checkpoint import load_converted
-    from minivllm_jax.loading.resolve import resolve_model
-    from minivllm_jax.models.params import unstack_layers
 
-    folder = resolve_model(args.model)
-    cfg, _, params = load_converted(folder)
-    params = unstack_layers(params)
-    text, sources = read_text(None)
-    ids = AutoTokenizer.from_pretrained(str(folder))(text, add_special_tokens=False)["input_ids"][
-        : args.text_tokens + 1
-    ]
+    cfg, params = load_model(args.model)
+    ids, sources = text_ids(tokenizer(args.model))
+    ids = ids[: args.text_tokens + 1]
     if len(ids) < args.text_tokens + 1:
         raise SystemExit(
             f"the text has {len(ids)} tokens, fewer than --text-tokens {args.text_tokens} + 1"
@@ -274,42 +260,28 @@ def plot(result: dict[str, Any], out: str) -> Path:
     axes = axes[0]
     if "preemption" in result:
         rows = result["preemption"]["rows"]
-        axes[0].bar(
-            [r["mode"] for r in rows],
-            [r["elapsed_s"] for r in rows],
-            color=["#999", "#4a90d9", "#e8a33d"],
-        )
-        axes[0].set_ylabel("completion time (s)")
-        axes[0].set_title(
-            f"preemption-heavy workload ({result['preemption']['requests']} requests)"
-        )
+        colors = ["#999", "#4a90d9", "#e8a33d"]
+        axes[0].bar([r["mode"] for r in rows], [r["elapsed_s"] for r in rows], color=colors)
+        title = f"preemption-heavy workload ({result['preemption']['requests']} requests)"
+        axes[0].set(ylabel="completion time (s)", title=title)
     if "restart" in result:
         rows = result["restart"]["rows"]
-        axes[1].bar(
-            [r["tier"] for r in rows],
-            [r["ttft_s"]["p50"] * 1000 for r in rows],
-            color=["#4a90d9", "#999"],
-        )
-        axes[1].set_ylabel("TTFT p50 of the first requests (ms)")
-        axes[1].set_title("after a server restart: disk tier vs none")
+        ttft_ms = [r["ttft_s"]["p50"] * 1000 for r in rows]
+        axes[1].bar([r["tier"] for r in rows], ttft_ms, color=["#4a90d9", "#999"])
+        axes[1].set(ylabel="TTFT p50 of the first requests (ms)")
+        axes[1].set(title="after a server restart: disk tier vs none")
     if "compression" in result:
+        comp = result["compression"]
         for policy, marker in (("sink_window", "o"), ("page_scores", "s")):
-            rows = [
-                r
-                for r in result["compression"]["rows"]
-                if isinstance(r["policy"], dict) and r["policy"]["policy"] == policy
-            ]
-            axes[2].plot(
-                [r["kept_fraction"] for r in rows],
-                [r["perplexity"] for r in rows],
-                marker=marker,
-                label=policy,
-            )
-        full = result["compression"]["rows"][0]["perplexity"]
-        axes[2].axhline(full, color="#999", linestyle="--", label="full attention")
-        axes[2].set_xlabel("kept KV fraction (mean over positions)")
-        axes[2].set_ylabel("perplexity")
-        axes[2].set_title(f"compression over {result['compression']['tokens']} tokens")
+            rows = [r for r in comp["rows"] if r["policy"] != "full"]
+            rows = [r for r in rows if r["policy"]["policy"] == policy]
+            xs, ys = [r["kept_fraction"] for r in rows], [r["perplexity"] for r in rows]
+            axes[2].plot(xs, ys, marker=marker, label=policy)
+        axes[2].axhline(
+            comp["rows"][0]["perplexity"], color="#999", ls="--", label="full attention"
+        )
+        axes[2].set(xlabel="kept KV fraction (mean over positions)", ylabel="perplexity")
+        axes[2].set(title=f"compression over {comp['tokens']} tokens")
         axes[2].legend()
     return save_plot(fig, out)
 
@@ -317,11 +289,7 @@ def plot(result: dict[str, Any], out: str) -> Path:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     parts = args.only or ["preemption", "restart", "compression"]
-    result: dict[str, Any] = {
-        "benchmark": "kv_tiers",
-        "model": args.model,
-        "quick": args.quick,
-    }
+    result: dict[str, Any] = {"benchmark": "kv_tiers", "model": args.model, "quick": args.quick}
     for name, fn in (
         ("preemption", preemption),
         ("restart", restart),

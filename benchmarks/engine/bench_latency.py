@@ -37,10 +37,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.lib import peers  # noqa: E402
-from benchmarks.lib.harness import add_engine_args, greedy, llm_from_args  # noqa: E402
+from benchmarks.lib.harness import add_engine_args, engine_facts, greedy, llm_from_args  # noqa: E402
 from benchmarks.lib.report import (  # noqa: E402
     add_slo_args,
     latency_summary,
+    ms,
     plot_levels,
     print_levels,
     request_timings,
@@ -150,23 +151,11 @@ def run_ours(
     for c in args.concurrency:
         before = llm.engine.num_compiles
         records, wall = engine_closed_loop(llm, level_prompts[c], work.output_lens, c)
-        level = {
-            "concurrency": c,
-            **latency_summary(records, wall, args.slo_ttft_ms, args.slo_tpot_ms),
-        }
-        level["compiles_during_run"] = llm.engine.num_compiles - before
-        levels.append(level)
-        _print_level("ours", level)
+        levels.append(summarize_level(args, "ours", c, records, wall))
+        levels[-1]["compiles_during_run"] = llm.engine.num_compiles - before
     cfg = llm.engine.config
     return {
-        "engine": {
-            "max_num_seqs": cfg.scheduler.max_num_seqs,
-            "max_model_len": cfg.max_model_len,
-            "page_size": cfg.cache.page_size,
-            "num_pages": cfg.cache.num_pages,
-            "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
-            "enable_prefix_caching": cfg.cache.enable_prefix_caching,
-        },
+        "engine": engine_facts(cfg, "enable_prefix_caching"),
         "startup_s": startup_s,
         "warmup_s": llm.warmup_seconds,
         "num_compiles": llm.engine.num_compiles,
@@ -219,12 +208,7 @@ def run_hf(
     levels = []
     for c in args.concurrency:
         records, wall = hf_static_batches(hf, level_prompts[c], work.output_lens, c, pad_id)
-        level = {
-            "concurrency": c,
-            **latency_summary(records, wall, args.slo_ttft_ms, args.slo_tpot_ms),
-        }
-        levels.append(level)
-        _print_level("hf", level)
+        levels.append(summarize_level(args, "hf", c, records, wall))
     batching = "static batches of C, left padding"
     return {"load_s": load_s, "threads": args.threads, "batching": batching, "levels": levels}
 
@@ -247,12 +231,7 @@ def run_llamacpp(
         for c in args.concurrency:
             run = peer.run(level_prompts[c], work.output_lens, c, closed_loop=True)
             records = [request_timings(a, t) for a, t in zip(run.arrival, run.token_times)]
-            level = {
-                "concurrency": c,
-                **latency_summary(records, run.elapsed_s, args.slo_ttft_ms, args.slo_tpot_ms),
-            }
-            levels.append(level)
-            _print_level(name, level)
+            levels.append(summarize_level(args, name, c, records, run.elapsed_s))
     batching = "continuous, C sequences in flight (multi-sequence llama_decode)"
     return {
         "gguf": path.name,
@@ -266,16 +245,15 @@ def run_llamacpp(
 # ------------------------------------------------------------------ report
 
 
-def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v * 1000:.0f}"
-
-
-def _print_level(name: str, lv: dict) -> None:
+def summarize_level(args: argparse.Namespace, name: str, c: int, records: list, wall: float):
+    """One concurrency level's latency summary (`latency_summary`), printed as it is made."""
+    lv = {"concurrency": c, **latency_summary(records, wall, args.slo_ttft_ms, args.slo_tpot_ms)}
     print(
-        f"[{name}] C={lv['concurrency']}: TTFT p50 {_ms(lv['ttft_s']['p50'])} ms, TPOT p50 "
-        f"{_ms(lv['tpot_s']['p50'])} ms, {lv['output_tokens_per_s']:.1f} out tok/s",
+        f"[{name}] C={lv['concurrency']}: TTFT p50 {ms(lv['ttft_s']['p50'])} ms, TPOT p50 "
+        f"{ms(lv['tpot_s']['p50'])} ms, {lv['output_tokens_per_s']:.1f} out tok/s",
         flush=True,
     )
+    return lv
 
 
 def plot(result: dict, out: str) -> Path:

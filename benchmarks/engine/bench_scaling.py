@@ -31,7 +31,7 @@ from benchmarks.lib.workloads import TEXT_PROMPTS  # noqa: E402
 
 PROMPTS = TEXT_PROMPTS[:3]
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=256, num_pages=64)
-LLAMA_8B = dict(layers=32, hidden=4096, vocab=128256, kv_heads=8, act_bytes=2)  # Llama-3-8B, bf16
+LLAMA_8B = dict(layers=32, hidden=4096, vocab=128256, act_bytes=2)  # Llama-3-8B, bf16 (8 KV heads)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -117,14 +117,8 @@ def main(argv: list[str] | None = None) -> int:
             steps = {}
             for tokens, seqs in ((1, 1), (16, 4)):
                 got = measured(llm.engine.step_program(tokens, seqs))
-                want = expected(
-                    cfg.num_layers,
-                    cfg.hidden_size,
-                    cfg.vocab_size,
-                    tokens,
-                    seqs,
-                    vocab_split=cfg.vocab_size % tp == 0,
-                )
+                sizes = (cfg.num_layers, cfg.hidden_size, cfg.vocab_size, tokens, seqs)
+                want = expected(*sizes, vocab_split=cfg.vocab_size % tp == 0)
                 steps[f"{tokens} tokens, {seqs} seqs"] = {"measured": got, "expected": want}
             run["collectives"] = steps
         runs[f"tp{tp}"] = run
@@ -138,15 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         "greedy_identical": parity,
         "runs": runs,
         "llama_8b_on_paper": {
-            f"tp decode, batch {b}": expected(
-                LLAMA_8B["layers"],
-                LLAMA_8B["hidden"],
-                LLAMA_8B["vocab"],
-                b,
-                b,
-                LLAMA_8B["act_bytes"],
-            )
-            for b in (1, 64)
+            f"tp decode, batch {b}": expected(**LLAMA_8B, tokens=b, seqs=b) for b in (1, 64)
         },
     }
     print(f"greedy tokens TP={args.tp} vs one device: {'identical' if parity else 'DIFFERENT'}")
@@ -156,15 +142,14 @@ def main(argv: list[str] | None = None) -> int:
             f"compiles after warm-up: {run['compiles_after_warmup']}"
         )
     for step, c in runs[f"tp{args.tp}"]["collectives"].items():
-        for op in ("all-reduce", "all-gather"):
+        shown = ("all-reduce", "all-gather")
+        for op in shown:
             m, e = c["measured"][op], c["expected"][op]
             print(
                 f"  {step}: {op}: {m['count']} x {m['bytes_each']} B measured, {e['count']} x {e['bytes_each']} B expected"
             )
         others = {
-            op: v["count"]
-            for op, v in c["measured"].items()
-            if op not in ("all-reduce", "all-gather") and v["count"]
+            op: v["count"] for op, v in c["measured"].items() if op not in shown and v["count"]
         }
         print(f"  {step}: other collectives: {others or 'none'}")
     write_result(result, args.out)

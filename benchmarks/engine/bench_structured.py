@@ -15,7 +15,6 @@ token); the grammar compile time of each distinct schema (cold, then cached).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -25,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.lib.harness import build_llm, run_requests  # noqa: E402
+from benchmarks.lib.harness import build_llm, run_batches, timed  # noqa: E402
 from benchmarks.lib.report import new_figure, save_plot, script_parser, write_result  # noqa: E402
 
 SCHEMAS = [
@@ -115,20 +114,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     llm = build_llm(args.model, max_num_seqs=max(args.batch_sizes), max_model_len=512)
     engine = llm.engine
     compiler = engine.grammar_compiler
-    t0 = time.perf_counter()
-    compiler.compile(
-        StructuredOutputsParams(regex="a")
-    )  # builds llguidance's view of the tokenizer, once
-    tokenizer_ms = 1e3 * (time.perf_counter() - t0)
+    once_ms = lambda spec: 1e3 * timed(lambda: compiler.compile(spec), 1, warmups=0)[0]
+    tokenizer_ms = once_ms(StructuredOutputsParams(regex="a"))  # llguidance's tokenizer view
     compile_ms = []
     for schema in SCHEMAS:  # cold compile, then cached
         spec = StructuredOutputsParams(json=schema)
-        t0 = time.perf_counter()
-        compiler.compile(spec)
-        cold = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        compiler.compile(spec)
-        compile_ms.append({"cold_ms": 1e3 * cold, "cached_ms": 1e3 * (time.perf_counter() - t0)})
+        cold_ms = once_ms(spec)
+        compile_ms.append({"cold_ms": cold_ms, "cached_ms": once_ms(spec)})
+
+    def in_rounds(prompts: list, params: list, batch: int):
+        """`batch` requests at a time, one round after another."""
+        groups = range(0, len(prompts), batch)
+        return run_batches(
+            engine, [(prompts[i : i + batch], params[i : i + batch]) for i in groups]
+        )
 
     warm_compiles = engine.num_compiles
     mask_seconds = [0.0, 0]  # host time filling masks, masks filled
@@ -159,9 +158,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for s, _ in picks
             ]
             mask_seconds[:] = [0.0, 0]
-            run_c = _in_rounds(
-                engine, prompts, constrained, batch
-            )  # also a warm-up round for this batch size
+            run_c = in_rounds(prompts, constrained, batch)  # also this batch size's warm-up
             masks = tuple(mask_seconds)
             finished = sum(1 for t in run_c.token_ids if len(t) < args.max_tokens)
             texts = [llm.tokenizer.decode(t, skip_special_tokens=True) for t in run_c.token_ids]
@@ -184,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             speeds: dict[str, list[float]] = {"constrained": [], "unconstrained": []}
             for _ in range(args.repeats):  # alternated, so the machine's drift hits both alike
                 for name, params in (("constrained", constrained), ("unconstrained", plain)):
-                    run = _in_rounds(engine, prompts, params, batch)
+                    run = in_rounds(prompts, params, batch)
                     speeds[name].append(run.output_tokens / run.elapsed_s)
             n = len(prompts)
             row = {
@@ -230,36 +227,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for j, (key, label) in enumerate(
         [("unconstrained", "unconstrained"), ("constrained", "JSON schema")]
     ):
-        ax.bar(
-            [i + (j - 0.5) * 0.4 for i in range(len(xs))],
-            [r[f"{key}_tok_s"] for r in rows],
-            0.4,
-            label=label,
-        )
+        tok_s = [r[f"{key}_tok_s"] for r in rows]
+        ax.bar([i + (j - 0.5) * 0.4 for i in range(len(xs))], tok_s, 0.4, label=label)
     ax.set_xticks(range(len(xs)), xs)
-    ax.set_xlabel("concurrent requests")
-    ax.set_ylabel("output tok/s")
-    ax.set_title(f"Structured output on {args.model}")
+    ax.set(xlabel="concurrent requests", ylabel="output tok/s")
+    ax.set(title=f"Structured output on {args.model}")
     ax.legend()
     save_plot(fig, out.with_suffix(".png"))
     return result
-
-
-def _in_rounds(engine, prompts: list, params: list, batch: int):
-    """`run_requests` on `batch` requests at a time; the rounds' times and tokens added up."""
-    runs = [
-        run_requests(engine, prompts[i : i + batch], params[i : i + batch])
-        for i in range(0, len(prompts), batch)
-    ]
-    total = runs[0]
-    for run in runs[1:]:
-        total = dataclasses.replace(
-            total,
-            elapsed_s=total.elapsed_s + run.elapsed_s,
-            output_tokens=total.output_tokens + run.output_tokens,
-            token_ids=total.token_ids + run.token_ids,
-        )
-    return total
 
 
 if __name__ == "__main__":

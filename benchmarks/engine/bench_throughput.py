@@ -29,7 +29,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.lib import peers  # noqa: E402
-from benchmarks.lib.harness import add_engine_args, llm_from_args  # noqa: E402
+from benchmarks.lib.harness import add_engine_args, llm_from_args, rates  # noqa: E402
 from benchmarks.lib.report import (  # noqa: E402
     add_options,
     new_figure,
@@ -105,9 +105,7 @@ def run_ours(args: argparse.Namespace, dtype: str, wl: Workload) -> dict[str, An
         "compiles_during_run": llm.engine.num_compiles - compiles,
         "preemptions": llm.engine.stats().preemptions,
         "num_pages": llm.engine.config.cache.num_pages,
-        "elapsed_s": elapsed,
-        "output_tok_s": produced / elapsed,
-        "total_tok_s": (produced + wl.input_tokens) / elapsed,
+        **rates(elapsed, wl.input_tokens, produced),
         **cost_fields(elapsed, produced, args.usd_per_hour, meter),
     }
     del llm, outs
@@ -155,9 +153,7 @@ def run_hf(args: argparse.Namespace, dtype: str, wl: Workload) -> dict[str, Any]
     result = {
         "batch_size": batch,
         "startup_s": startup,
-        "elapsed_s": elapsed,
-        "output_tok_s": wl.output_tokens / elapsed,
-        "total_tok_s": (wl.output_tokens + wl.input_tokens) / elapsed,
+        **rates(elapsed, wl.input_tokens, wl.output_tokens),
         **cost_fields(elapsed, wl.output_tokens, args.usd_per_hour, meter),
     }
     if sweep is not None:
@@ -179,11 +175,14 @@ def run_llamacpp(args: argparse.Namespace, path: Path, wl: Workload) -> dict[str
         "n_parallel": args.llamacpp_parallel,
         "sampling": "greedy",
         "startup_s": startup,
-        "elapsed_s": run.elapsed_s,
-        "output_tok_s": produced / run.elapsed_s,
-        "total_tok_s": (produced + wl.input_tokens) / run.elapsed_s,
+        **rates(run.elapsed_s, wl.input_tokens, produced),
         **cost_fields(run.elapsed_s, produced, args.usd_per_hour, meter),
     }
+
+
+def _rates_text(side: dict[str, Any]) -> str:
+    """The console line's start: tok/s and wall time."""
+    return f"{side['output_tok_s']:.1f} output tok/s, {side['total_tok_s']:.1f} total tok/s ({side['elapsed_s']:.1f} s"
 
 
 def _energy_text(side: dict[str, Any]) -> str:
@@ -195,41 +194,28 @@ def plot(result: dict[str, Any], out: str | Path) -> Path:
     """Grouped bars per dtype: output and total tok/s, ours vs HF, with the speedup on top; then
     one bar per llama.cpp GGUF variant."""
     fig, axes = new_figure(ncols=2, width=5.0)
-    dtypes = list(result["by_dtype"])
+    by_dtype, peer, wl = result["by_dtype"], result.get("llamacpp", {}), result["workload"]
+    dtypes = list(by_dtype)
     for ax, metric in zip(axes[0], ["output_tok_s", "total_tok_s"]):
-        for j, (side, label) in enumerate(
-            [("ours", "minivllm-jax (XLA)"), ("hf", "HF generate (PyTorch)")]
-        ):
+        sides = [("ours", "minivllm-jax (XLA)"), ("hf", "HF generate (PyTorch)")]
+        for j, (side, label) in enumerate(sides):
             xs = [i + (j - 0.5) * 0.38 for i in range(len(dtypes))]
-            ys = [result["by_dtype"][d].get(side, {}).get(metric, 0.0) for d in dtypes]
-            bars = ax.bar(xs, ys, width=0.38, label=label)
-            ax.bar_label(bars, fmt="%.0f", fontsize=8)
+            ys = [by_dtype[d].get(side, {}).get(metric, 0.0) for d in dtypes]
+            ax.bar_label(ax.bar(xs, ys, width=0.38, label=label), fmt="%.0f", fontsize=8)
         for i, d in enumerate(dtypes):
-            if "speedup" in result["by_dtype"][d] and metric == "output_tok_s":
+            if "speedup" in by_dtype[d] and metric == "output_tok_s":
+                text = f"ours/HF {by_dtype[d]['speedup']:.2f}x"
                 ax.annotate(
-                    f"ours/HF {result['by_dtype'][d]['speedup']:.2f}x",
-                    (i, 0),
-                    xytext=(0, -28),
-                    textcoords="offset points",
-                    ha="center",
-                    fontsize=9,
+                    text, (i, 0), (0, -28), textcoords="offset points", ha="center", fontsize=9
                 )
-        peer = result.get("llamacpp", {})
         for k, (variant, c) in enumerate(peer.items()):
-            bars = ax.bar(
-                [len(dtypes) + k],
-                [c[metric]],
-                width=0.38,
-                color=f"C{2 + k}",
-                label=f"llama.cpp {variant}",
-            )
+            label, x = f"llama.cpp {variant}", len(dtypes) + k
+            bars = ax.bar([x], [c[metric]], width=0.38, color=f"C{2 + k}", label=label)
             ax.bar_label(bars, fmt="%.0f", fontsize=8)
         ax.set_xticks(range(len(dtypes) + len(peer)), dtypes + [f"llama.cpp {v}" for v in peer])
         ax.set_ylabel(metric.replace("_tok_s", " tokens/s"))
-        wl = result["workload"]
-        ax.set_title(
-            f"{result['model']}: {wl['preset']} workload, {wl['num_prompts']} requests", fontsize=9
-        )
+        title = f"{result['model']}: {wl['preset']} workload, {wl['num_prompts']} requests"
+        ax.set_title(title, fontsize=9)
         ax.legend(fontsize=8)
     return save_plot(fig, out)
 
@@ -258,16 +244,14 @@ def main(argv: list[str] | None = None) -> int:
         r: dict[str, Any] = {"ours": run_ours(args, dtype, wl)}
         o = r["ours"]
         print(
-            f"[{dtype}] ours: {o['output_tok_s']:.1f} output tok/s, {o['total_tok_s']:.1f} total tok/s "
-            f"({o['elapsed_s']:.1f} s; warm-up {o['warmup_s']:.1f} s, {o['compiled_programs']} programs; "
+            f"[{dtype}] ours: {_rates_text(o)}; warm-up {o['warmup_s']:.1f} s, {o['compiled_programs']} programs; "
             f"{o['usd_per_1m_output_tokens']:.4f} USD/1M tok, {_energy_text(o)})"
         )
         if args.hf_batch:
             r["hf"] = h = run_hf(args, dtype, wl)
             r["speedup"] = o["output_tok_s"] / h["output_tok_s"]
             print(
-                f"[{dtype}] HF:   {h['output_tok_s']:.1f} output tok/s, {h['total_tok_s']:.1f} total tok/s "
-                f"({h['elapsed_s']:.1f} s at batch {h['batch_size']}; "
+                f"[{dtype}] HF:   {_rates_text(h)} at batch {h['batch_size']}; "
                 f"{h['usd_per_1m_output_tokens']:.4f} USD/1M tok, "
                 f"{_energy_text(h)})\n[{dtype}] ours/HF output tok/s: {r['speedup']:.2f}x"
             )
@@ -279,8 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     ).items():
         c["ours_speedup"] = result["ours"]["output_tok_s"] / c["output_tok_s"]
         print(
-            f"llama.cpp {variant}: {c['output_tok_s']:.1f} output tok/s, {c['total_tok_s']:.1f} total tok/s "
-            f"({c['elapsed_s']:.1f} s, {c['n_parallel']} in flight; {_energy_text(c)}); "
+            f"llama.cpp {variant}: {_rates_text(c)}, {c['n_parallel']} in flight; {_energy_text(c)}); "
             f"ours ({args.dtype[0]})/llama.cpp output tok/s: {c['ours_speedup']:.2f}x"
         )
     write_result(result, args.out)

@@ -16,6 +16,7 @@ import numpy as np
 from benchmarks.lib.report import percentiles
 from minivllm_jax import LLM, SamplingParams
 from minivllm_jax.args import EngineArgs
+from minivllm_jax.models.params import ServingParams
 from minivllm_jax.ops.quantization import param_bytes
 
 # ------------------------------------------------------------------ running the engine
@@ -42,11 +43,9 @@ class EngineRun:
 
     def metrics(self) -> dict[str, Any]:
         return {
-            "elapsed_s": self.elapsed_s,
+            **rates(self.elapsed_s, self.input_tokens, self.output_tokens),
             "input_tokens": self.input_tokens,
             "output_tokens": self.output_tokens,
-            "output_tok_s": self.output_tokens / self.elapsed_s,
-            "total_tok_s": (self.input_tokens + self.output_tokens) / self.elapsed_s,
             "ttft_s": percentiles(self.ttft_s),
         }
 
@@ -82,6 +81,20 @@ def run_requests(
     )
 
 
+def run_batches(engine, batches: list[tuple[list, list]], on_step=None) -> EngineRun:
+    """`run_requests` on each (prompts, params) group in turn, all arriving at the start: one
+    EngineRun over the groups (wall time from the start, TTFTs and tokens in order)."""
+    t0 = time.monotonic()
+    runs = [run_requests(engine, p, sp, on_step=on_step, t0=t0) for p, sp in batches]
+    return EngineRun(
+        elapsed_s=time.monotonic() - t0,
+        input_tokens=sum(r.input_tokens for r in runs),
+        output_tokens=sum(r.output_tokens for r in runs),
+        ttft_s=[t for r in runs for t in r.ttft_s],
+        token_ids=[ids for r in runs for ids in r.token_ids],
+    )
+
+
 def stream_one(engine, prompt: list[int], params: SamplingParams) -> tuple[list[float], list[int]]:
     """Run one request alone on `engine`; the host time each of its tokens arrived, and the tokens."""
     engine.add_request(prompt, params)
@@ -97,7 +110,44 @@ def stream_one(engine, prompt: list[int], params: SamplingParams) -> tuple[list[
 
 def decode_rate(stamps: list[float]) -> float:
     """Tokens per second after the first token (the first one includes prefill)."""
-    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+    return (len(stamps) - 1) / max(stamps[-1] - stamps[0], 1e-9)
+
+
+def output_decode_rate(outs: list[Any]) -> float:
+    """Tokens after each request's first over the time from its first token to its last, summed:
+    the decode speed a stream sees (prefill left out), from `RequestOutput.metrics`."""
+    tokens = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
+    return tokens / sum(o.metrics.last_token_time - o.metrics.first_token_time for o in outs)
+
+
+def stream_greedy(params: Any, cfg: Any, prompt: list[int], tokens: int) -> dict[str, Any]:
+    """One batch-1 run of the bare model loop (`reference.greedy.greedy_stream`): TTFT, decode
+    tok/s and the tokens."""
+    from minivllm_jax.reference.greedy import greedy_stream
+
+    start, stamps, ids = time.perf_counter(), [], []
+    for tok in greedy_stream(params, cfg, prompt, tokens):
+        stamps.append(time.perf_counter())
+        ids.append(tok)
+    return {"ttft_s": stamps[0] - start, "decode_tok_s": decode_rate(stamps), "token_ids": ids}
+
+
+def rates(elapsed_s: float, input_tokens: int, output_tokens: int) -> dict[str, float]:
+    """Wall time and output and total (prompt + output) tokens per second of an offline run."""
+    return {
+        "elapsed_s": elapsed_s,
+        "output_tok_s": output_tokens / elapsed_s,
+        "total_tok_s": (input_tokens + output_tokens) / elapsed_s,
+    }
+
+
+ENGINE_FACTS = ("max_num_seqs", "max_model_len", "page_size", "num_pages", "max_num_batched_tokens")
+
+
+def engine_facts(config: Any, *more: str) -> dict[str, Any]:
+    """The engine knobs a result records (ENGINE_FACTS and `more`), from its `EngineConfig`."""
+    knobs = config.knobs()
+    return {k: knobs[k] for k in (*ENGINE_FACTS, *more)}
 
 
 def timed(fn: Callable[[], Any], reps: int, warmups: int = 1) -> tuple[float, Any]:
@@ -118,9 +168,17 @@ def build_llm(model: str, **kwargs: Any) -> LLM:
     return LLM(model, **{"use_tqdm": False, **kwargs})
 
 
-def add_engine_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = (), **defaults: Any):
+def add_engine_args(
+    p: argparse.ArgumentParser,
+    exclude: tuple[str, ...] = (),
+    only: tuple[str, ...] | None = None,
+    **defaults: Any,
+):
     """The engine's flags, one per `EngineArgs` field (`--model`, `--max-num-seqs`, ...), with
-    this script's defaults; `exclude` leaves off the knobs the script sets itself."""
+    this script's defaults; `exclude` leaves off the knobs the script sets itself, `only`
+    keeps just these."""
+    if only is not None:
+        exclude += tuple(f.name for f in dataclasses.fields(EngineArgs) if f.name not in only)
     EngineArgs.add_cli_args(p, defaults=defaults, exclude=("use_tqdm", *exclude))
 
 
@@ -181,11 +239,39 @@ class PaddingCounter:
 # ------------------------------------------------------------------ model and machine facts
 
 
+def load_model(model: str, dtype: str = "float32") -> tuple[Any, Any]:
+    """`model`'s config and params as the engine serves them (converted on first use, layers
+    unstacked: no weight copies per step), without an engine."""
+    from minivllm_jax.loading.checkpoint import load_converted
+    from minivllm_jax.loading.resolve import resolve_model
+    from minivllm_jax.models.params import unstack_layers
+
+    cfg, _, params = load_converted(resolve_model(model, dtype=dtype, progress=False), dtype)
+    return cfg, unstack_layers(params)
+
+
+def tiny_model_config(**overrides: Any):
+    """A tiny random-weights model (2 layers, 64 wide, vocabulary 256), for smoke runs."""
+    from minivllm_jax.config import ModelConfig
+
+    sizes = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2)
+    heads = dict(num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4)
+    return ModelConfig(**{**sizes, **heads, "max_position_embeddings": 4096, **overrides})
+
+
+def embed_and_head(params: Any) -> tuple[Any, Any]:
+    """The input embedding and the untied output head (None when tied) of stored (a dict) or
+    served (`ServingParams`) params."""
+    if isinstance(params, ServingParams):
+        return params.embed_tokens, params.lm_head
+    return params["embed_tokens"], params.get("lm_head")
+
+
 def decode_bytes_per_token(params: Any) -> int:
     """Weight bytes a batch-1 decode step reads: every param byte, less an untied input embedding
     (a step gathers one row of it; tied, it is the output head and read whole)."""
-    untied = "lm_head" in params
-    return param_bytes(params) - (param_bytes(params["embed_tokens"]) if untied else 0)
+    embed, head = embed_and_head(params)
+    return param_bytes(params) - (param_bytes(embed) if head is not None else 0)
 
 
 def measure_bandwidth(array_mb: int, reps: int) -> dict[str, float]:

@@ -126,10 +126,11 @@ def available() -> tuple[bool, str]:
 
 
 def _llama_cpp():
-    try:
-        import llama_cpp
-    except ImportError as e:
-        raise RuntimeError(INSTALL_HINT) from e
+    ok, why = available()
+    if not ok:
+        raise RuntimeError(why)
+    import llama_cpp
+
     return llama_cpp
 
 

@@ -42,23 +42,13 @@ def _date(result: dict) -> str:
     return (result.get("timestamp") or "not run yet")[:10]
 
 
-def _wrap(text: str) -> str:
+def _wrap(text: str, **indents: str) -> str:
     """A generated paragraph (or bullet) wrapped as the hand-written ones are."""
-    return textwrap.fill(text, 96, break_long_words=False, break_on_hyphens=False)
+    return textwrap.fill(text, 96, break_long_words=False, break_on_hyphens=False, **indents)
 
 
 def _bullets(items: list[str]) -> str:
-    return "\n".join(
-        textwrap.fill(
-            x,
-            96,
-            initial_indent="- ",
-            subsequent_indent="  ",
-            break_long_words=False,
-            break_on_hyphens=False,
-        )
-        for x in items
-    )
+    return "\n".join(_wrap(x, initial_indent="- ", subsequent_indent="  ") for x in items)
 
 
 def _times(x: float | None) -> str:
@@ -201,15 +191,11 @@ def summary(r: Results) -> str:
         for n in (names + " decoding kv_tiers resilience").split()
         if r(n).get("timestamp")
     )
-    when = (
-        "not run yet"
-        if not stamps
-        else stamps[0]
-        if stamps[0] == stamps[-1]
-        else (
+    when = stamps[0] if stamps and stamps[0] == stamps[-1] else "not run yet"
+    if stamps and stamps[0] != stamps[-1]:
+        when = (
             f"from {stamps[0]} to {stamps[-1]} (rows rerun with `--only` keep their own timestamps)"
         )
-    )
     m = r("throughput").get("machine") or r("decode").get("machine") or {}
     return (
         f"{table}\nMeasured {when} on {m.get('cpu', '?')}, {m.get('cpu_count', '?')} cores, "
@@ -282,10 +268,6 @@ def scheduling(r: Results) -> str:
 REFERENCE = "fp32"  # bench_quant's base mode with the model-dtype KV cache: the quality reference
 
 
-def _f(x: float | None, digits: int = 1, scale: float = 1.0) -> str:
-    return "n/a" if x is None else f"{x * scale:,.{digits}f}"
-
-
 def _kl(x: float | None) -> str:
     return "n/a" if x is None else "0" if x == 0 else f"{x:.1e}" if x < 1e-3 else f"{x:.4f}"
 
@@ -297,7 +279,7 @@ def quant_table(result: dict) -> str:
     ref_tok_s = ((modes.get(REFERENCE) or {}).get("decode_b1") or {}).get("decode_tok_s")
     bandwidth = (result.get("bandwidth") or {}).get("best_gb_s")
     max_batch = (
-        f"max batch ({_f(budget.get('budget_mib'), 0)} MiB KV, {budget.get('context', '?')} tok)"
+        f"max batch ({fmt(budget.get('budget_mib'), 0)} MiB KV, {budget.get('context', '?')} tok)"
     )
     head = ["mode", "params MB", "KV B/token", max_batch, "peak RSS MB", "b1 decode tok/s"]
     head += [f"b1 x {REFERENCE}", "b1 % of bound", "offline out tok/s", "TTFT p50 ms"]
@@ -313,20 +295,20 @@ def quant_table(result: dict) -> str:
         rows.append(
             [
                 f"`{name}`",
-                _f(m["param_bytes"], 1, 1e-6),
-                _f(m["kv_bytes_per_token"], 0),
+                fmt(m["param_bytes"], 1, 1e-6),
+                fmt(m["kv_bytes_per_token"], 0),
                 str(m["kv_budget"]["max_batch"]),
-                _f(m["peak_rss_bytes"], 1, 1e-6),
-                _f(tok_s),
-                _f(tok_s / ref_tok_s if ref_tok_s else None, 2),
-                _f(share, 0, 100),
-                _f(m["offline"]["output_tok_s"]),
-                _f(m["ttft"]["p50"], 0, 1e3),
-                _f(q.get("perplexity"), 3),
+                fmt(m["peak_rss_bytes"], 1, 1e-6),
+                fmt(tok_s),
+                fmt(tok_s / ref_tok_s if ref_tok_s else None, 2),
+                fmt(share, 0, 100),
+                fmt(m["offline"]["output_tok_s"]),
+                fmt(m["ttft"]["p50"], 0, 1e3),
+                fmt(q.get("perplexity"), 3),
                 _kl(q.get("mean_kl")),
-                _f(q.get("top1_agreement"), 1, 100),
-                _f(g.get("position_agreement"), 1, 100),
-                _f(g.get("top5_rule_pass_share"), 0, 100),
+                fmt(q.get("top1_agreement"), 1, 100),
+                fmt(g.get("position_agreement"), 1, 100),
+                fmt(g.get("top5_rule_pass_share"), 0, 100),
             ]
         )
     text = result.get("text") or {}
@@ -345,7 +327,7 @@ def quant_table(result: dict) -> str:
         f"{result.get('gen_tokens', '?')} greedy tokens. Measured {result.get('timestamp', 'not yet')} "
         f"on {machine.get('cpu', '?')}, {machine.get('cpu_count', '?')} cores "
         "(`python benchmarks/quality/bench_quant.py`). The bound of a batch-1 decode is the read "
-        f"bandwidth ({_f(bandwidth)} GB/s, the best probe of the run) over the weight bytes a step reads.",
+        f"bandwidth ({fmt(bandwidth)} GB/s, the best probe of the run) over the weight bytes a step reads.",
     ]
     peer = result.get("llamacpp") or {}
     if peer.get("status") == "ok":

@@ -41,15 +41,29 @@ def script_parser(doc: str, out: str | None, model: str | None = DEFAULT_MODEL):
 
 def add_options(p: argparse.ArgumentParser, rows: Sequence[tuple[str, Any, str]]) -> None:
     """Options from `(flag, default, help)` rows: the type is the default's, or the default
-    itself when it is a type (`int`: no default, None)."""
+    itself when it is a type (`int`: no default, None); a list default takes one or more
+    values of its first item's type; False is a switch (`store_true`)."""
     for flag, default, help in rows:
+        if default is False:
+            p.add_argument(flag, action="store_true", help=help)
+            continue
         kind = default if isinstance(default, type) else type(default)
-        p.add_argument(flag, type=kind, default=None if default is kind else default, help=help)
+        more = {}
+        if isinstance(default, list):
+            kind, more = type(default[0]), {"nargs": "+"}
+        p.add_argument(
+            flag, type=kind, default=None if default is kind else default, help=help, **more
+        )
 
 
-def fmt(x: float | None, digits: int = 1) -> str:
-    """A number as the tables print it (thousands separators), or n/a."""
-    return "n/a" if x is None else f"{x:,.{digits}f}"
+def fmt(x: float | None, digits: int = 1, scale: float = 1.0) -> str:
+    """A number (times `scale`) as the tables print it (thousands separators), or n/a."""
+    return "n/a" if x is None else f"{x * scale:,.{digits}f}"
+
+
+def ms(seconds: float | None, digits: int = 0, unit: str = "") -> str:
+    """Seconds as milliseconds for a console line, or "-"."""
+    return "-" if seconds is None else f"{seconds * 1000:.{digits}f}{unit}"
 
 
 def md_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -274,10 +288,6 @@ def style_axes(axes, titles: Sequence[str], xlabel: str, xticks: Sequence[int] |
         ax.legend(fontsize=8)
 
 
-def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v * 1000:.0f}"
-
-
 def print_levels(sides: dict[str, list[dict]]) -> None:
     """Latency levels (`latency_summary` dicts with their concurrency) side by side, one row per
     side and concurrency, the first side's levels first (ms; tok/s; goodput req/s)."""
@@ -288,9 +298,9 @@ def print_levels(sides: dict[str, list[dict]]) -> None:
         for name, levels in by_c.items():
             if (row := levels.get(c)) is None:
                 continue
-            vals = [_ms(row[k][q]) for k, q in [("ttft_s", "p50"), ("ttft_s", "p99")]]
+            vals = [ms(row[k][q]) for k, q in [("ttft_s", "p50"), ("ttft_s", "p99")]]
             vals += [
-                _ms(row[k][q]) for k, q in [("tpot_s", "p50"), ("tpot_s", "p99"), ("itl_s", "p99")]
+                ms(row[k][q]) for k, q in [("tpot_s", "p50"), ("tpot_s", "p99"), ("itl_s", "p99")]
             ]
             vals += [
                 f"{row['output_tokens_per_s'] or 0:.1f}",

@@ -129,6 +129,15 @@ def model_vocab_size(model: str) -> int | None:
     return int(json.loads((folder / "config.json").read_text())["vocab_size"])
 
 
+def tokenizer(model: str):
+    """`model`'s HF tokenizer (from its converted folder, made on first use)."""
+    from transformers import AutoTokenizer
+
+    from minivllm_jax.loading.resolve import resolve_model
+
+    return AutoTokenizer.from_pretrained(str(resolve_model(model, progress=False)))
+
+
 def vocab_hi(model: str) -> int:
     """The exclusive upper bound of random prompt ids for `model`: 10,000 or its vocabulary."""
     return min(10_000, model_vocab_size(model) or 10_000)
@@ -154,6 +163,12 @@ def default_text_files() -> list[tuple[Path, dict[str, Any]]]:
         info = {"package": dist_name, "version": dist.version, "file": str(first)}
         found.append((Path(first.locate()), info))
     return found
+
+
+def text_ids(tok: Any, files: list[str] | None = None) -> tuple[list[int], list[dict[str, Any]]]:
+    """The text of `read_text(files)` as `tok`'s token ids, and where each part came from."""
+    text, sources = read_text(files)
+    return tok(text, add_special_tokens=False)["input_ids"], sources
 
 
 def read_text(files: list[str] | None) -> tuple[str, list[dict[str, Any]]]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -30,35 +29,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.lib.harness import (  # noqa: E402
     build_llm,
+    decode_bytes_per_token,
     decode_rate,
+    embed_and_head,
     greedy,
+    load_model,
     measure_bandwidth,
+    stream_greedy,
     stream_one,
     timed,
 )
-from benchmarks.lib.report import new_figure, save_plot, script_parser, write_result  # noqa: E402
+from benchmarks.lib.report import add_options, new_figure, save_plot, script_parser, write_result  # noqa: E402
 from benchmarks.lib.workloads import model_vocab_size  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = script_parser(__doc__, "roofline.json")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument(
-        "--prompt-len", type=int, default=32, help="prompt tokens before the decode runs"
+    add_options(
+        p,
+        [
+            ("--prompt-len", 32, "prompt tokens before the decode runs"),
+            ("--tokens", 64, "new tokens per decode run"),
+            ("--prefill-len", 256, "tokens in the measured prefill step"),
+            ("--reps", 3, "timed repetitions (medians reported)"),
+            ("--array-mb", 512, "array size for the bandwidth test (>> caches)"),
+            ("--matmul-n", 2048, "square fp32 matmul size for the peak test"),
+            ("--seed", 0, "seed of the prompt and prefill tokens"),
+            ("--quick", False, "small arrays, few tokens, one rep"),
+        ],
     )
-    p.add_argument("--tokens", type=int, default=64, help="new tokens per decode run")
-    p.add_argument(
-        "--prefill-len", type=int, default=256, help="tokens in the measured prefill step"
-    )
-    p.add_argument("--reps", type=int, default=3, help="timed repetitions (medians reported)")
-    p.add_argument(
-        "--array-mb", type=int, default=512, help="array size for the bandwidth test (>> caches)"
-    )
-    p.add_argument(
-        "--matmul-n", type=int, default=2048, help="square fp32 matmul size for the peak test"
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="small arrays, few tokens, one rep")
     args = p.parse_args(argv)
     if args.quick:
         args.prompt_len, args.tokens, args.prefill_len, args.reps = 16, 8, 32, 1
@@ -85,7 +85,7 @@ def measure_matmul_peak(n: int, reps: int) -> dict[str, float]:
     }
 
 
-def param_counts(params: Any, cfg: Any) -> dict[str, int]:
+def param_counts(params: Any) -> dict[str, int]:
     """Parameter counts and the bytes a batch-1 decode step reads.
 
     The embedding table is read in full only as a tied LM head; untied, decode reads one row
@@ -95,18 +95,15 @@ def param_counts(params: Any, cfg: Any) -> dict[str, int]:
 
     leaves = jax.tree.leaves(params)
     total = sum(x.size for x in leaves)
-    total_bytes = sum(x.nbytes for x in leaves)
-    embed = params["embed_tokens"]
-    head = embed.size if cfg.tie_word_embeddings else params["lm_head"].size
-    non_embedding = total - embed.size - (0 if cfg.tie_word_embeddings else head)
+    embed, lm_head = embed_and_head(params)
+    head = embed.size if lm_head is None else lm_head.size
+    non_embedding = total - embed.size - (0 if lm_head is None else head)
     return {
         "params": int(total),
-        "param_bytes": int(total_bytes),
+        "param_bytes": int(sum(x.nbytes for x in leaves)),
         "non_embedding_params": int(non_embedding),
         "lm_head_params": int(head),
-        "decode_bytes_per_token": int(
-            total_bytes - (0 if cfg.tie_word_embeddings else embed.nbytes)
-        ),
+        "decode_bytes_per_token": decode_bytes_per_token(params),
         "decode_flops_per_token": int(2 * (non_embedding + head)),
     }
 
@@ -118,19 +115,13 @@ def measure_greedy_stream(
     from minivllm_jax.reference.greedy import greedy_stream
 
     list(greedy_stream(params, cfg, prompt, tokens))  # compile prefill + decode
-    rates, ttfts, ids = [], [], []
-    for _ in range(reps):
-        start, stamps, ids = time.perf_counter(), [], []
-        for tok in greedy_stream(params, cfg, prompt, tokens):
-            stamps.append(time.perf_counter())
-            ids.append(tok)
-        rates.append(decode_rate(stamps))
-        ttfts.append(stamps[0] - start)
+    runs = [stream_greedy(params, cfg, prompt, tokens) for _ in range(reps)]
+    rates = [r["decode_tok_s"] for r in runs]
     return {
         "decode_tok_s": statistics.median(rates),
-        "ttft_s": statistics.median(ttfts),
+        "ttft_s": statistics.median(r["ttft_s"] for r in runs),
         "runs_tok_s": rates,
-        "token_ids": ids,
+        "token_ids": runs[-1]["token_ids"],
     }
 
 
@@ -193,10 +184,8 @@ def plot(result: dict[str, Any], out: str | Path) -> Path:
     for name, point in result["points"].items():
         label = f"{name}: {point['fraction_of_bound']:.0%} of bound"
         ax.plot(point["intensity_flop_per_byte"], point["gflop_s"], "o", label=label)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
+    ax.set(xscale="log", yscale="log", ylabel="GFLOP/s")
     ax.set_xlabel("arithmetic intensity (FLOP / byte of weights)")
-    ax.set_ylabel("GFLOP/s")
     ax.set_title(f"roofline: {result['model']} ({result['dtype']})", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
@@ -207,19 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import jax
 
-    from convert import resolve_model
-    from minivllm_jax.loading.checkpoint import load_converted
-    from minivllm_jax.models.params import unstack_layers
-
     bandwidth = measure_bandwidth(args.array_mb, args.reps)
     matmul = measure_matmul_peak(args.matmul_n, args.reps)
     print(f"bandwidth {bandwidth}; matmul {matmul}")
 
-    cfg, _, params = load_converted(
-        resolve_model(args.model, dtype=args.dtype, progress=False), args.dtype
-    )
-    counts = param_counts(params, cfg)
-    params = unstack_layers(params)  # the layout the engine serves from (no per-step weight copies)
+    cfg, params = load_model(args.model, args.dtype)
+    counts = param_counts(params)
 
     vocab = model_vocab_size(args.model) or cfg.vocab_size
     prompt = (

@@ -16,30 +16,29 @@ other for each shape: GOP/s (2 * rows * in * out / seconds, medians of --reps) o
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.lib.harness import timed  # noqa: E402
+from benchmarks.lib.report import add_options, script_parser, write_result  # noqa: E402
+
 SHAPES = ["576x960", "576x3072", "1536x576", "576x49152"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    p = script_parser(__doc__, None, model=None)  # --out: also write the table as JSON there
+    add_options(
+        p,
+        [
+            ("--rows", [1, 16, 64, 512], "row counts of the activations"),
+            ("--shapes", SHAPES, "IN x OUT of the weight, e.g. 576x960"),
+            ("--reps", 9, "timed repetitions of each (medians reported)"),
+        ],
     )
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 512])
-    p.add_argument(
-        "--shapes", nargs="+", default=SHAPES, help="IN x OUT of the weight, e.g. 576x960"
-    )
-    p.add_argument(
-        "--reps", type=int, default=9, help="timed repetitions of each (medians reported)"
-    )
-    p.add_argument("--out", default=None, help="also write the table as JSON here")
     return p.parse_args(argv)
 
 
@@ -92,20 +91,11 @@ def main(argv: list[str] | None = None) -> int:
                 operands["wq"],
                 operands["p"],
             )
-            times: dict[str, list[float]] = {name: [] for name in impls}
-            for name, f in impls.items():
-                # One implementation at a time, each warmed up: interleaved, one's threads could
-                # still be spinning when the other starts (docs/perf-notes.md, 2026-12-05).
-                for _ in range(2):
-                    f(*call).block_until_ready()
-                for _ in range(args.reps):
-                    t = time.perf_counter()
-                    f(*call).block_until_ready()
-                    times[name].append(time.perf_counter() - t)
-            gops = {
-                name: 2 * rows * n_in * n_out / statistics.median(ts) / 1e9
-                for name, ts in times.items()
-            }
+            # One implementation at a time, each warmed up: interleaved, one's threads could
+            # still be spinning when the other starts (docs/perf-notes.md, 2026-12-05).
+            gop = 2 * rows * n_in * n_out / 1e9
+            run = lambda f: timed(lambda: f(*call).block_until_ready(), args.reps, warmups=2)[0]
+            gops = {name: gop / run(f) for name, f in impls.items()}
             rows_out.append({"in": n_in, "out": n_out, "rows": rows, "gops": gops})
             print(
                 f"{n_in:>5} x {n_out:<6} {rows:>5} "
@@ -113,8 +103,6 @@ def main(argv: list[str] | None = None) -> int:
                 + f"   {gops['w8a8'] / gops['fp32']:.2f}x"
             )
     if args.out:
-        from benchmarks.lib.report import write_result
-
         write_result({"benchmark": "w8a8_matmul", "unit": "GOP/s", "results": rows_out}, args.out)
     return 0
 

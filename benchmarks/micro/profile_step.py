@@ -26,12 +26,17 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout, as the others
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX is imported (by the harness)
+
+from benchmarks.lib.harness import add_engine_args, timed, tiny_model_config  # noqa: E402
+from benchmarks.lib.report import add_options  # noqa: E402
 
 DEFAULT_SHAPES = (
     "1:1:512 8:1:1500 64:1:64 64:1:375 64:1:1500 1:512:0 1:512:1024 8:1:1500+1:40:0 "
     "8:1:1500+1:120:1000"
 ).split()
 QUICK_SHAPES = ["1:1:8", "4:1:8+1:6:0", "1:16:8"]
+ENGINE_FLAGS = ("dtype", "quantization", "kv_cache_dtype", "attention", "page_size", "max_num_seqs")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -41,36 +46,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--shapes", nargs="+", default=None, help="B:T:C groups joined by + (default: a sweep)"
     )
-    p.add_argument("--quick", action="store_true", help="tiny model and tiny shapes (smoke test)")
-    p.add_argument("--reps", type=int, default=5, help="timed steps per shape (median reported)")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument(
-        "--quantization",
-        default=None,
-        choices=["int8", "int4", "w8a8"],
-        help="weight-only quantization of the random weights (native matmul where built)",
+    add_options(
+        p,
+        [
+            ("--quick", False, "tiny model and tiny shapes (smoke test)"),
+            ("--reps", 5, "timed steps per shape (median reported)"),
+            ("--seed", 0, "seed of the random weights, cache and tokens"),
+        ],
     )
-    p.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=["auto", "int8"],
-        help="int8 KV pages with scales",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--attention",
-        default="auto",
-        choices=["auto", "native", "reference"],
-        help="attention implementation (auto: native where built)",
-    )
-    p.add_argument(
-        "--matmul",
-        default="auto",
-        choices=["auto", "native", "reference"],
-        help="projection matmuls (auto: native where built, as the runner)",
-    )
+    matmul = "projection matmuls (auto: native where built, as the runner)"
+    p.add_argument("--matmul", default="auto", choices=["auto", "native", "reference"], help=matmul)
+    add_engine_args(p, only=ENGINE_FLAGS)  # the random weights are quantized as --quantization
     return p.parse_args(argv)
 
 
@@ -88,24 +74,6 @@ def smollm2_config():
         rms_norm_eps=1e-5,
         rope_theta=1e5,
         max_position_embeddings=8192,
-        tie_word_embeddings=True,
-    )
-
-
-def tiny_config():
-    from minivllm_jax.config import ModelConfig
-
-    return ModelConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-5,
-        rope_theta=1e4,
-        max_position_embeddings=512,
         tie_word_embeddings=True,
     )
 
@@ -145,7 +113,6 @@ def make_chunks(rng, groups: list[tuple[int, int, int]], page_size: int, num_pag
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -165,11 +132,12 @@ def main(argv=None) -> None:
     from minivllm_jax.sampling_params import SamplingParams
 
     keep_freed_memory()  # the allocator set-up `LLM` does: without it each step's temporaries fault in afresh
-    cfg = tiny_config() if args.quick else smollm2_config()
+    cfg = tiny_model_config(max_position_embeddings=512, tie_word_embeddings=True)
+    cfg = cfg if args.quick else smollm2_config()
     shapes = args.shapes or (QUICK_SHAPES if args.quick else DEFAULT_SHAPES)
     groups = [parse_shape(s) for s in shapes]
     max_ctx = max(C + T for g in groups for _, T, C in g)
-    engine = EngineArgs(  # only its buckets are used: the cache is sized below
+    buckets = EngineArgs(  # only its buckets are used: the cache is sized below
         max_num_seqs=args.max_num_seqs,
         max_model_len=max_ctx + 1,
         page_size=args.page_size,
@@ -216,9 +184,9 @@ def main(argv=None) -> None:
     for text, group in zip(shapes, groups):
         chunks = make_chunks(rng, group, args.page_size, num_pages)
         tokens = sum(len(c.token_ids) for c in chunks)
-        T = bucket_for(tokens, engine.config.scheduler.token_buckets)
-        S = bucket_for(len(chunks), engine.config.scheduler.seq_buckets(T))
-        batch = build_step_batch(chunks, args.page_size, T, S, engine.num_listed_pages(S))
+        T = bucket_for(tokens, buckets.scheduler.token_buckets)
+        S = bucket_for(len(chunks), buckets.scheduler.seq_buckets(T))
+        batch = build_step_batch(chunks, args.page_size, T, S, buckets.num_listed_pages(S))
         sampling = make_sampling_arrays(
             [(SamplingParams(temperature=0.8, top_p=0.9), 1, 0, 0)] * len(chunks), S, cfg.vocab_size
         )
@@ -226,15 +194,7 @@ def main(argv=None) -> None:
             np.full(S, args.max_num_seqs, np.int32), np.zeros(S, np.int32), np.bool_(False)
         )
 
-        def timed(run) -> float:
-            run()
-            times = []
-            for _ in range(args.reps):
-                t0 = time.perf_counter()
-                run()
-                times.append(time.perf_counter() - t0)
-            return 1e3 * float(np.median(times))
-
+        ms = lambda run: 1e3 * timed(run, args.reps)[0]  # noqa: E731
         t0 = time.perf_counter()
         program = step_fn.lower(
             params,
@@ -267,10 +227,8 @@ def main(argv=None) -> None:
             cache = write(cache, new_kv, new_kv, batch.slot_mapping)
             jax.block_until_ready(cache)
 
-        step_ms = timed(run_step)
-        fwd_ms = timed(lambda: run_forward(impl))
-        bare_ms = timed(lambda: run_forward("none"))
-        write_ms = timed(run_write)
+        step_ms, fwd_ms = ms(run_step), ms(lambda: run_forward(impl))
+        bare_ms, write_ms = ms(lambda: run_forward("none")), ms(run_write)
         print(
             f"{text:>22} {T:>4} {S:>3} {compile_s:>9.2f} {step_ms:>8.1f} {fwd_ms:>8.1f} {bare_ms:>8.1f} "
             f"{fwd_ms - bare_ms:>9.1f} {step_ms - fwd_ms:>8.1f} {write_ms:>8.1f} {tokens / step_ms * 1e3:>8.1f}",

@@ -53,11 +53,15 @@ from benchmarks.lib import peers  # noqa: E402
 from benchmarks.lib.harness import (  # noqa: E402
     build_llm,
     decode_bytes_per_token,
+    decode_rate,
     greedy,
     measure_bandwidth,
+    output_decode_rate,
+    rates,
 )
 from benchmarks.lib.readme import REFERENCE, quant_table  # noqa: E402
 from benchmarks.lib.report import (  # noqa: E402
+    add_options,
     new_figure,
     peak_rss_bytes,
     percentiles,
@@ -66,7 +70,7 @@ from benchmarks.lib.report import (  # noqa: E402
     script_parser,
     write_result,
 )
-from benchmarks.lib.workloads import DEFAULT_TEXTS, local_model_dir, read_text  # noqa: E402
+from benchmarks.lib.workloads import DEFAULT_TEXTS, text_ids, tokenizer  # noqa: E402
 from benchmarks.quality.quant_quality import compare_greedy, greedy_outputs, score_text  # noqa: E402
 from minivllm_jax.ops.quantization import param_bytes  # noqa: E402
 
@@ -148,35 +152,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         + ", ".join(f"{d} {f}" for d, f in DEFAULT_TEXTS)
         + ")",
     )
-    for flag, default, help in [  # the sizes, each an int or float option
-        ("--min-text-tokens", 5000, "the scored text must have at least this many"),
-        ("--window", 512, "perplexity window (tokens; windows do not overlap)"),
-        ("--chunk", 64, "tokens fed per step when scoring a window"),
-        ("--num-prompts", len(PROMPTS), f"greedy prompts (at most {len(PROMPTS)})"),
-        ("--gen-tokens", 64, "greedy tokens per prompt"),
-        ("--decode-tokens", 128, "batch-1 decode: new tokens"),
-        ("--reps", 3, "batch-1 decode: timed runs (best counts) after a warm-up"),
-        ("--batch", 32, "offline throughput: prompts"),
-        ("--batch-input-len", 128, "offline throughput: prompt tokens (text slices)"),
-        ("--batch-output-len", 64, "offline throughput: new tokens per prompt"),
-        ("--ttft-prompt-len", 256, "TTFT: prompt tokens (text slices)"),
-        ("--ttft-reps", 5, "TTFT: prompts timed (p50 reported)"),
-        ("--kv-budget-mib", 64.0, "KV budget for the largest-batch column"),
-        ("--kv-budget-context", 512, "tokens per sequence for that column"),
-        ("--bandwidth-mb", 512, "array size of the bandwidth probe (>> caches)"),
-        ("--child-timeout", 3600.0, "seconds one mode may take"),
-    ]:
-        p.add_argument(flag, type=type(default), default=default, help=help)
-    p.add_argument(
-        "--keep-workdir", action="store_true", help="keep the reference logprobs and child logs"
-    )
-    p.add_argument(
-        "--quick", action="store_true", help="tiny sizes for smoke tests (a tiny model, any text)"
-    )
-    p.add_argument(
-        "--no-llamacpp",
-        action="store_true",
-        help="skip llama.cpp's batch-1 decode on the model's own GGUF",
+    add_options(
+        p,
+        [  # the sizes, then the switches
+            ("--min-text-tokens", 5000, "the scored text must have at least this many"),
+            ("--window", 512, "perplexity window (tokens; windows do not overlap)"),
+            ("--chunk", 64, "tokens fed per step when scoring a window"),
+            ("--num-prompts", len(PROMPTS), f"greedy prompts (at most {len(PROMPTS)})"),
+            ("--gen-tokens", 64, "greedy tokens per prompt"),
+            ("--decode-tokens", 128, "batch-1 decode: new tokens"),
+            ("--reps", 3, "batch-1 decode: timed runs (best counts) after a warm-up"),
+            ("--batch", 32, "offline throughput: prompts"),
+            ("--batch-input-len", 128, "offline throughput: prompt tokens (text slices)"),
+            ("--batch-output-len", 64, "offline throughput: new tokens per prompt"),
+            ("--ttft-prompt-len", 256, "TTFT: prompt tokens (text slices)"),
+            ("--ttft-reps", 5, "TTFT: prompts timed (p50 reported)"),
+            ("--kv-budget-mib", 64.0, "KV budget for the largest-batch column"),
+            ("--kv-budget-context", 512, "tokens per sequence for that column"),
+            ("--bandwidth-mb", 512, "array size of the bandwidth probe (>> caches)"),
+            ("--child-timeout", 3600.0, "seconds one mode may take"),
+            ("--keep-workdir", False, "keep the reference logprobs and child logs"),
+            ("--quick", False, "tiny sizes for smoke tests (a tiny model, any text)"),
+            ("--no-llamacpp", False, "skip llama.cpp's batch-1 decode on the model's own GGUF"),
+        ],
     )
     p.add_argument("--report", action="store_true", help="only print/rebuild the table from --out")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: run one mode
@@ -232,14 +230,8 @@ def plan_modes(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
 def build_inputs(args: argparse.Namespace) -> dict[str, Any]:
     """Tokenize the text and prompts once (the reference model's tokenizer): token ids for all modes."""
-    from transformers import AutoTokenizer
-
-    folder = local_model_dir(args.model)
-    if folder is None:
-        raise SystemExit(f"{args.model}: no local model folder with a tokenizer")
-    tok = AutoTokenizer.from_pretrained(str(folder))
-    text, sources = read_text(args.text)
-    ids = tok(text, add_special_tokens=False)["input_ids"]
+    tok = tokenizer(args.model)
+    ids, sources = text_ids(tok, args.text)
     windows = len(ids) // args.window
     scored = windows * args.window
     if windows == 0 or scored < args.min_text_tokens:
@@ -248,9 +240,8 @@ def build_inputs(args: argparse.Namespace) -> dict[str, Any]:
             f"need >= {args.min_text_tokens} (--text more files, or --min-text-tokens)"
         )
 
-    def slices(
-        n: int, length: int, offset: int
-    ) -> list[list[int]]:  # distinct text slices, wrapping around
+    def slices(n: int, length: int, offset: int) -> list[list[int]]:
+        """`n` distinct slices of the text, wrapping around."""
         return [
             [ids[(offset + i * length + j) % len(ids)] for j in range(length)] for i in range(n)
         ]
@@ -319,9 +310,7 @@ def build_mode_llm(args: argparse.Namespace, spec: dict[str, Any], inputs: dict[
         num_pages=num_pages,
         enable_prefix_caching=False,
     )
-    if (
-        spec["kv_cache_dtype"] != "auto"
-    ):  # passed only when asked, so engines without the argument run "auto"
+    if spec["kv_cache_dtype"] != "auto":  # only when asked: engines without it run "auto"
         kw["kv_cache_dtype"] = spec["kv_cache_dtype"]
     return build_llm(args.model, **kw)
 
@@ -331,10 +320,7 @@ def measure_speed(llm, args: argparse.Namespace, inputs: dict[str, Any]) -> dict
     runs = []
     for _ in range(args.reps + 1):
         (out,) = llm.generate([inputs["decode_prompt"]], greedy(args.decode_tokens), use_tqdm=False)
-        m, n = out.metrics, len(out.outputs[0].token_ids)
-        runs.append(
-            {"decode_tok_s": (n - 1) / (m.last_token_time - m.first_token_time), "ttft_s": m.ttft}
-        )
+        runs.append({"decode_tok_s": output_decode_rate([out]), "ttft_s": out.metrics.ttft})
     timed = runs[1:]
     ttft = []
     for prompt in inputs["ttft_prompts"]:
@@ -357,9 +343,7 @@ def measure_speed(llm, args: argparse.Namespace, inputs: dict[str, Any]) -> dict
             "prompts": len(outs),
             "input_tokens": in_tokens,
             "output_tokens": out_tokens,
-            "elapsed_s": elapsed,
-            "output_tok_s": out_tokens / elapsed,
-            "total_tok_s": (in_tokens + out_tokens) / elapsed,
+            **rates(elapsed, in_tokens, out_tokens),
         },
     }
 
@@ -424,15 +408,8 @@ def run_child(
     args: argparse.Namespace, argv: list[str], name: str, workdir: Path
 ) -> dict[str, Any]:
     """Run one mode in a fresh interpreter; its result, or an error with its log's tail."""
-    cmd = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        *argv,
-        "--child",
-        name,
-        "--workdir",
-        str(workdir),
-    ]
+    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--child", name]
+    cmd += ["--workdir", str(workdir)]
     log = workdir / f"{name}.log"
     start = time.perf_counter()
     try:
@@ -461,46 +438,34 @@ def run_child(
 def plot(result: dict[str, Any], out: Path) -> None:
     """Speed vs quality: batch-1 decode tok/s against perplexity, offline tok/s against mean KL."""
     fig, axes = new_figure(2, width=6.0, height=4.2)
-    ok = {n: m for n, m in result["modes"].items() if m.get("status") == "ok"}
-    for name, m in ok.items():
-        q = m["quality"]
-        style = (
-            {"color": "C0"}
-            if m["kv_cache_dtype"] == "auto"
-            else {"facecolors": "none", "edgecolors": "C3"}
-        )
-        for ax, x, y in (
-            (axes[0][0], m["decode_b1"]["decode_tok_s"], q["perplexity"]),
-            (axes[0][1], m["offline"]["output_tok_s"], q["mean_kl"]),
+    ax, bx = axes[0]
+    kv8 = {"facecolors": "none", "edgecolors": "C3"}  # the int8 KV cache's marker
+    for name, m in result["modes"].items():
+        if m.get("status") != "ok":
+            continue
+        q, style = m["quality"], {"color": "C0"} if m["kv_cache_dtype"] == "auto" else kv8
+        for a, x, y in (
+            (ax, m["decode_b1"]["decode_tok_s"], q["perplexity"]),
+            (bx, m["offline"]["output_tok_s"], q["mean_kl"]),
         ):
-            ax.scatter([x], [y], s=40, **style)
-            ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    axes[0][0].set(
-        xlabel="batch-1 decode tok/s",
-        ylabel="perplexity (lower is better)",
-        title="decode speed vs perplexity",
-    )
-    axes[0][1].set(
-        xlabel="offline output tok/s",
-        ylabel=f"mean KL vs {REFERENCE} (symlog)",
-        title="throughput vs KL",
-    )
-    axes[0][1].set_yscale("symlog", linthresh=1e-4)
-    axes[0][0].scatter([], [], color="C0", label="KV cache in the model dtype")
-    axes[0][0].scatter([], [], facecolors="none", edgecolors="C3", label="int8 KV cache (+kv8)")
-    axes[0][0].legend(fontsize=8)
-    for ax in axes[0]:
-        ax.grid(alpha=0.3)
+            a.scatter([x], [y], s=40, **style)
+            a.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set(xlabel="batch-1 decode tok/s", ylabel="perplexity (lower is better)")
+    ax.set(title="decode speed vs perplexity")
+    bx.set(xlabel="offline output tok/s", ylabel=f"mean KL vs {REFERENCE} (symlog)")
+    bx.set(title="throughput vs KL")
+    bx.set_yscale("symlog", linthresh=1e-4)
+    ax.scatter([], [], color="C0", label="KV cache in the model dtype")
+    ax.scatter([], [], **kv8, label="int8 KV cache (+kv8)")
+    ax.legend(fontsize=8)
+    for a in (ax, bx):
+        a.grid(alpha=0.3)
     save_plot(fig, out)
 
 
-def markdown_table(result: dict[str, Any]) -> str:
-    """The README table of the modes (`benchmarks.lib.readme.quant_table`)."""
-    return quant_table(result)
-
-
 def report(out: Path) -> str:
-    table = markdown_table(json.loads(out.read_text()))
+    """Print the README table of the modes (`benchmarks.lib.readme.quant_table`) of `out`."""
+    table = quant_table(json.loads(out.read_text()))
     print(table)
     return table
 
@@ -518,9 +483,8 @@ def llamacpp_decode(args: argparse.Namespace, inputs: dict[str, Any]) -> dict[st
     runs = []
     with peers.LlamaCppPeer(path, 2) as peer:
         for _ in range(args.reps + 1):
-            r = peer.run([inputs["decode_prompt"]], [args.decode_tokens], 1)
-            t = r.token_times[0]
-            runs.append((len(t) - 1) / max(t[-1] - t[0], 1e-9))
+            run = peer.run([inputs["decode_prompt"]], [args.decode_tokens], 1)
+            runs.append(decode_rate(run.token_times[0]))
     print(f"llama.cpp {path.name}: {max(runs[1:]):.1f} tok/s batch-1", flush=True)
     return {"status": "ok", "gguf": path.name, "decode_tok_s": max(runs[1:]), "runs": runs[1:]}
 

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np  # noqa: E402
 
+from benchmarks.lib.peers import hf_generate  # noqa: E402
 from benchmarks.lib.report import script_parser, write_result  # noqa: E402
 
 PAGE_SIZE = 4
@@ -130,21 +131,6 @@ def hf_logits(model, ids: np.ndarray) -> np.ndarray:
         return model(torch.tensor(ids[None])).logits[0].numpy()
 
 
-def hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    """HF `generate`'s n greedy tokens after `ids` (no EOS stop)."""
-    import torch
-
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([ids]),
-            max_new_tokens=n,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(ids) :].tolist()
-
-
 def our_logits(params, cfg, ids: np.ndarray) -> np.ndarray:
     """Our logits at every token of `ids`, one prefill over shuffled pages of `PAGE_SIZE`."""
     import jax.numpy as jnp
@@ -187,7 +173,7 @@ def parity(name: str, workdir: str | Path) -> dict[str, Any]:
     diff = float(np.abs(our_logits(params, cfg, ids) - hf_logits(model, ids)).max())
     prompt = rng.integers(3, cfg.vocab_size, GREEDY_PROMPT_LEN).tolist()
     ours = greedy_generate(params, cfg, prompt, GREEDY_TOKENS, page_size=PAGE_SIZE)
-    theirs = hf_greedy(model, prompt, GREEDY_TOKENS)
+    theirs = hf_generate(model, [prompt], GREEDY_TOKENS)[0, len(prompt) :].tolist()
     same = [a == b for a, b in zip(ours, theirs)] + [False]
     return {
         "family": name,

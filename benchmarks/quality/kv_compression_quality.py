@@ -25,7 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.lib.workloads import read_text
+from benchmarks.lib.harness import load_model, tiny_model_config
+from benchmarks.lib.report import add_options
+from benchmarks.lib.workloads import text_ids, tokenizer
 from minivllm_jax.config import KVCompressionConfig, ModelConfig
 from minivllm_jax.engine.kv.compression import kept_pages, needs_scores, wants_compression
 from minivllm_jax.engine.step import StepSpec, forward_jit, page_attention_scores_jit
@@ -150,18 +152,7 @@ def _load(
     """A real model (`--model`: an alias or folder, converted on first use) and its tokens of
     `--text`, or without `--model` a tiny random model and random tokens (smoke run)."""
     if args.model is None:
-        cfg = ModelConfig(
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=128,
-            num_layers=2,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=16,
-            rms_norm_eps=1e-5,
-            rope_theta=1e4,
-            max_position_embeddings=4096,
-        )
+        cfg = tiny_model_config()
         params = unstack_layers(init_params(cfg, jax.random.PRNGKey(args.seed), scale=0.3))
         ids = (
             np.random.default_rng(args.seed)
@@ -169,16 +160,8 @@ def _load(
             .tolist()
         )
         return params, cfg, ids, {"model": "tiny-random"}
-    from transformers import AutoTokenizer
-
-    from minivllm_jax.loading.checkpoint import load_converted
-    from minivllm_jax.loading.resolve import resolve_model
-
-    folder = resolve_model(args.model, dtype=args.dtype)
-    cfg, _, params = load_converted(folder)
-    params = unstack_layers(params)
-    text, sources = read_text(args.text)
-    ids = AutoTokenizer.from_pretrained(str(folder))(text, add_special_tokens=False)["input_ids"]
+    cfg, params = load_model(args.model, args.dtype)
+    ids, sources = text_ids(tokenizer(args.model), args.text)
     if args.tokens:
         ids = ids[: args.tokens]
     return params, cfg, ids, {"model": args.model, "text": sources}
@@ -186,29 +169,23 @@ def _load(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--model", default=None, help="alias or model folder (default: a tiny random model)"
+    p.add_argument("--model", help="alias or model folder (default: a tiny random model)")
+    p.add_argument("--text", nargs="*", help="text files (default: the licence texts of workloads)")
+    p.add_argument("--config", action="append", help="a KVCompressionConfig as JSON (repeatable)")
+    add_options(
+        p,
+        [
+            ("--dtype", "float32", "the model's dtype"),
+            ("--tokens", int, "score only the first N tokens"),
+            ("--page-size", 16, "tokens per KV page"),
+            ("--chunk", int, "tokens per step (default: the page size)"),
+            ("--attention", "reference", "attention implementation"),
+            ("--matmul", "reference", "projection matmuls"),
+            ("--kv-cache-dtype", "auto", "KV pages: auto (the model's dtype) or int8"),
+            ("--seed", 0, "seed of the tiny model and its tokens"),
+            ("--out", str, "write the results as JSON here"),
+        ],
     )
-    p.add_argument("--dtype", default="float32")
-    p.add_argument(
-        "--text",
-        nargs="*",
-        default=None,
-        help="text files (default: the licence texts of benchmarks.lib.workloads)",
-    )
-    p.add_argument("--tokens", type=int, default=None, help="score only the first N tokens")
-    p.add_argument(
-        "--config", action="append", default=None, help="a KVCompressionConfig as JSON (repeatable)"
-    )
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument(
-        "--chunk", type=int, default=None, help="tokens per step (default: the page size)"
-    )
-    p.add_argument("--attention", default="reference")
-    p.add_argument("--matmul", default="reference")
-    p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     configs = (
         [KVCompressionConfig.from_dict(json.loads(c)) for c in args.config]

@@ -63,6 +63,7 @@ from benchmarks.lib.report import (  # noqa: E402
     add_slo_args,
     git_state,
     meets_slo,
+    ms,
     nearest_rank,
     new_figure,
     percentiles,
@@ -115,11 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ("--abusers", 4, "abusive client threads per looping phase"),
             ("--slow-readers", 48, "most slow readers opened in phase b"),
             ("--slow-reader-interval", 0.5, "seconds between slow readers"),
-            (
-                "--settle",
-                120.0,
-                "after phases b and f: most seconds the abusers' requests may take",
-            ),
+            ("--settle", 120.0, "after phases b and f: most seconds the abusers' requests take"),
             ("--server-args", DEFAULT_SERVER_ARGS, "flags for `python -m server`"),
             ("--launch-timeout", 900.0, "seconds to wait for a server to be ready"),
             ("--request-timeout", 120.0, "seconds per good request"),
@@ -229,37 +226,51 @@ def raw_post(url: str, path: str, body: bytes, rcvbuf: int | None = None) -> soc
     return sock
 
 
-class Abuse:
-    """Abusive clients on threads until `stop()`: each loops its `send` and counts the answers."""
+class Background:
+    """`threads` daemon threads running `work(k)` inside a `with` block; `stop()` (and the
+    block's end) sets `stopped` and joins them."""
 
-    def __init__(self, threads: int, send: Callable[[int], str]) -> None:
-        self.answers: collections.Counter[str] = collections.Counter()
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
+    def __init__(self, threads: int = 1, join_s: float = 30.0) -> None:
+        self.stopped, self.join_s = threading.Event(), join_s
         self._threads = [
-            threading.Thread(target=self._loop, args=(send, k), daemon=True) for k in range(threads)
+            threading.Thread(target=self.work, args=(k,), daemon=True) for k in range(threads)
         ]
 
-    def _loop(self, send: Callable[[int], str], k: int) -> None:
+    def work(self, k: int) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopped.set()
+        for t in self._threads:
+            t.join(self.join_s)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+class Abuse(Background):
+    """Abusive clients on threads: each loops `send` and counts the answers."""
+
+    def __init__(self, threads: int, send: Callable[[int], str]) -> None:
+        super().__init__(threads, join_s=120)
+        self.send, self.answers = send, collections.Counter()
+        self._lock = threading.Lock()
+
+    def work(self, k: int) -> None:
         i = 0
-        while not self._stop.is_set():
+        while not self.stopped.is_set():
             try:
-                answer = send(k * 1_000_000 + i)
+                answer = self.send(k * 1_000_000 + i)
             except Exception as e:  # the abuser's own connection errors: counted, not raised
                 answer = type(e).__name__
             with self._lock:
                 self.answers[answer] += 1
             i += 1
-
-    def __enter__(self) -> Abuse:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(120)
 
 
 def http_sender(url: str, make: Callable[[int], tuple[str, bytes]]) -> Callable[[int], str]:
@@ -310,17 +321,17 @@ def disconnect_sender(url: str, max_tokens: int) -> Callable[[int], str]:
     return send
 
 
-class SlowReaders:
-    """SSE clients that never read (4 KB receive buffer), one every `interval` s, at most `most`;
-    each asks for bulky chunks (top-20 logprobs) so the server's sends block."""
+class SlowReaders(Background):
+    """SSE clients that never read (4 KB receive buffer), one every `interval` s, at most `most`,
+    until `stop()`; each asks for bulky chunks (top-20 logprobs) so the server's sends block.
+    Their sockets close at the block's end."""
 
     def __init__(self, url: str, most: int, interval: float) -> None:
+        super().__init__()
         self.url, self.most, self.interval = url, most, interval
         self.sockets: list[socket.socket] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._open, daemon=True)
 
-    def _open(self) -> None:
+    def work(self, k: int) -> None:
         body = {
             "prompt": TEXT_PROMPTS[0],
             "max_tokens": 64,
@@ -328,41 +339,32 @@ class SlowReaders:
             "ignore_eos": True,
             "stream": True,
         }
-        while len(self.sockets) < self.most and not self._stop.is_set():
+        while len(self.sockets) < self.most and not self.stopped.is_set():
             self.sockets.append(
                 raw_post(self.url, COMPLETIONS, json.dumps(body).encode(), rcvbuf=4096)
             )
-            self._stop.wait(self.interval)
-
-    def __enter__(self) -> SlowReaders:
-        self._thread.start()
-        return self
-
-    def stop_opening(self) -> None:
-        self._stop.set()
-        self._thread.join(30)
+            self.stopped.wait(self.interval)
 
     def __exit__(self, *exc: Any) -> None:
-        self.stop_opening()
+        self.stop()
         for s in self.sockets:
             s.close()
 
 
-class HealthPoller:
+class HealthPoller(Background):
     """GET /health every HEALTH_POLL_S on its own thread; keeps the worst latency and non-200s."""
 
     def __init__(self, url: str) -> None:
+        super().__init__(join_s=90)
         self.url = url
         self.latencies: list[float] = []
         self.not_ok: collections.Counter[str] = collections.Counter()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
 
-    def _poll(self) -> None:
+    def work(self, k: int) -> None:
         import httpx
 
         with httpx.Client(base_url=self.url, timeout=60.0) as client:
-            while not self._stop.is_set():
+            while not self.stopped.is_set():
                 start = time.perf_counter()
                 try:
                     status = str(client.get("/health").status_code)
@@ -371,15 +373,7 @@ class HealthPoller:
                 self.latencies.append(time.perf_counter() - start)
                 if status != "200":
                     self.not_ok[status] += 1
-                self._stop.wait(HEALTH_POLL_S)
-
-    def __enter__(self) -> HealthPoller:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join(90)
+                self.stopped.wait(HEALTH_POLL_S)
 
     def summary(self) -> dict:
         return {
@@ -418,7 +412,7 @@ def run_phase(url: str, args: argparse.Namespace, name: str) -> dict:
             )
         good = asyncio.run(good_traffic(url, args))
         if name == "slow_readers":
-            slow.stop_opening()
+            slow.stop()
             extra.update(slow_readers_opened=len(slow.sockets), **leftovers(url, args.settle))
     if name == "disconnect_storm":
         extra.update(leftovers(url, args.settle))
@@ -537,10 +531,6 @@ def sigkill_restart(args: argparse.Namespace) -> dict:
 # ------------------------------------------------------------------ report
 
 
-def ms(x: float | None) -> str:
-    return "-" if x is None else f"{1e3 * x:.0f}"
-
-
 def print_phase(r: dict) -> None:
     g, h = r["good"], r["health"]
     goodput = "-" if g["goodput"] is None else f"{100 * g['goodput']:.0f}%"
@@ -557,37 +547,22 @@ def print_phase(r: dict) -> None:
 def plot(result: dict, out: str) -> Path:
     """Goodput and TTFT p50 (p95 as a tick) of the good traffic in each phase."""
     fig, axes = new_figure(2, width=6.0)
-    phases = result["phases"]
-    names = [p["phase"].replace("_", "\n") for p in phases]
+    (ax, bx), phases, slo = axes[0], result["phases"], result["slo"]
     x = np.arange(len(phases))
     goodput = [100 * (p["good"]["goodput"] or 0) for p in phases]
     lost = [p["good"]["lost"] for p in phases]
-    bars = axes[0, 0].bar(x, goodput, color=["tab:red" if n else "tab:blue" for n in lost])
-    for b, n in zip(bars, lost):
-        if n:
-            axes[0, 0].annotate(
-                f"{n} lost",
-                (b.get_x() + b.get_width() / 2, b.get_height()),
-                ha="center",
-                va="bottom",
-                fontsize=8,
-                color="tab:red",
-            )
-    axes[0, 0].set_ylim(0, 110)
-    axes[0, 0].set_ylabel("good requests meeting the SLO (%)")
-    slo = result["slo"]
-    axes[0, 0].set_title(f"goodput (TTFT <= {slo['ttft_ms']:g} ms, TPOT <= {slo['tpot_ms']:g} ms)")
-    p50 = [1e3 * (p["good"]["ttft_s"]["p50"] or 0) for p in phases]
-    p95 = [1e3 * (p["good"]["ttft_s"]["p95"] or 0) for p in phases]
-    axes[0, 1].bar(x, p50, label="p50")
-    axes[0, 1].plot(x, p95, "k_", markersize=18, label="p95")
-    axes[0, 1].set_yscale("log")
-    axes[0, 1].set_ylabel("TTFT (ms)")
-    axes[0, 1].set_title("good-traffic TTFT")
-    axes[0, 1].legend(fontsize=8)
-    for ax in axes[0]:
-        ax.set_xticks(x, names, fontsize=8)
-        ax.grid(alpha=0.3, axis="y")
+    bars = ax.bar(x, goodput, color=["tab:red" if n else "tab:blue" for n in lost])
+    ax.bar_label(bars, [f"{n} lost" if n else "" for n in lost], fontsize=8, color="tab:red")
+    title = f"goodput (TTFT <= {slo['ttft_ms']:g} ms, TPOT <= {slo['tpot_ms']:g} ms)"
+    ax.set(ylim=(0, 110), ylabel="good requests meeting the SLO (%)", title=title)
+    ttft = lambda q: [1e3 * (p["good"]["ttft_s"][q] or 0) for p in phases]  # noqa: E731
+    bx.bar(x, ttft("p50"), label="p50")
+    bx.plot(x, ttft("p95"), "k_", markersize=18, label="p95")
+    bx.set(yscale="log", ylabel="TTFT (ms)", title="good-traffic TTFT")
+    bx.legend(fontsize=8)
+    for a in (ax, bx):
+        a.set_xticks(x, [p["phase"].replace("_", "\n") for p in phases], fontsize=8)
+        a.grid(alpha=0.3, axis="y")
     fig.suptitle(
         f"{result['model']}: {result['flags']['concurrency']} good streams beside each abusive client "
         f"(red: good requests lost)",

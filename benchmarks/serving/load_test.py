@@ -44,6 +44,7 @@ from benchmarks.lib.report import (  # noqa: E402
     add_options,
     add_slo_args,
     latency_summary,
+    ms,
     new_figure,
     plot_levels,
     print_levels,
@@ -78,16 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p,
         [
             ("--requests", int, f"requests per run (default {DEFAULT_REQUESTS}, or the preset's)"),
-            (
-                "--concurrency",
-                int,
-                f"in flight (default {DEFAULT_CONCURRENCY}; with a rate: a cap)",
-            ),
-            (
-                "--request-rate",
-                float,
-                "Poisson arrivals at R requests/s (--seed); inf: all at once",
-            ),
+            ("--concurrency", int, f"in flight (default {DEFAULT_CONCURRENCY}; a rate's cap)"),
+            ("--request-rate", float, "Poisson arrivals at R requests/s (--seed); inf: at once"),
             ("--max-tokens", 64, "output tokens per fixed-prompt request (EOS ignored)"),
             ("--temperature", 0.8, "sampling temperature"),
             ("--warmup-requests", 1, "untimed short requests sent first"),
@@ -241,9 +234,7 @@ async def run(args: argparse.Namespace) -> dict:
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     levels = args.concurrency_sweep or [args.concurrency]
-    width = (
-        max(c or 0 for c in levels) or 1000
-    )  # connections: rate mode without a cap may open many
+    width = max(c or 0 for c in levels) or 1000  # connections: a rate without a cap may open many
     limits = httpx.Limits(max_connections=width, max_keepalive_connections=width)
     async with httpx.AsyncClient(
         base_url=args.url, headers=headers, limits=limits, timeout=30.0
@@ -278,10 +269,6 @@ async def run(args: argparse.Namespace) -> dict:
 # ------------------------------------------------------------------ report
 
 
-def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v * 1000:.0f} ms"
-
-
 def _print_run(r: dict) -> None:
     load = (
         f"concurrency {r['concurrency']}"
@@ -296,7 +283,7 @@ def _print_run(r: dict) -> None:
     for name in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):
         s = r[name]
         print(
-            f"  {name[:-2]:5s} p50 {_ms(s['p50']):>9s}  p90 {_ms(s['p90']):>9s}  p99 {_ms(s['p99']):>9s}"
+            f"  {name[:-2]:5s} p50 {ms(s['p50'], unit=' ms'):>9s}  p90 {ms(s['p90'], unit=' ms'):>9s}  p99 {ms(s['p99'], unit=' ms'):>9s}"
         )
     for e in r["error_samples"]:
         print(f"  error: {e}", file=sys.stderr)

@@ -2,7 +2,7 @@
 
 Every row runs the same requests (greedy, forced output lengths) and reports output tok/s,
 total tok/s, TTFT p50 (all requests arrive at the start, offline) and bucket padding waste
-(% of computed token slots that were padding, counted by wrapping the runner's `_prepare`).
+(% of computed token slots that were padding, counted by a step listener).
 
 Method notes:
   - kv-cache-off: batch 1 on a small subset. With the cache, a prompt is prefilled once and
@@ -21,36 +21,41 @@ Method notes:
 
 Adding an ablation is one `Ablation(name, description, fn)` line in `registry()`.
 
-    python benchmarks/bench_ablations.py [--preset mixed] [--num-prompts 24] [--only baseline static-batching] [--quick]
+    python benchmarks/engine/bench_ablations.py [--preset mixed] [--num-prompts 24] [--only baseline static-batching] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.common import (  # noqa: E402
-    RESULTS,
-    EngineRun,
+from benchmarks.lib.harness import (  # noqa: E402
     PaddingCounter,
-    Workload,
     add_engine_args,
-    add_workload_args,
-    build_llm,
     greedy_params,
-    make_workload,
-    new_figure,
+    llm_from_args,
+    run_batches,
     run_requests,
+)
+from benchmarks.lib.report import (  # noqa: E402
+    add_options,
+    new_figure,
     save_plot,
+    script_parser,
     write_result,
+)
+from benchmarks.lib.workloads import (  # noqa: E402
+    Workload,
+    add_workload_args,
+    make_workload,
+    vocab_hi,
 )
 from minivllm_jax.engine.kv.pages import PageManager  # noqa: E402
 
@@ -136,9 +141,7 @@ class Bench:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.workload = make_workload(
-            args, vocab_hi=min(10000, _vocab_size(args.model, args.dtype))
-        )
+        self.workload = make_workload(args, vocab_hi=vocab_hi(args.model))
         self.shared_prefix = _with_shared_prefix(self.workload, args.shared_prefix_len, args.seed)
         ps = args.page_size
         need = args.max_model_len or self.workload.max_len
@@ -159,7 +162,7 @@ class Bench:
                 num_pages=a.num_pages or 1 + a.max_num_seqs * self.max_model_len // a.page_size,
             )
             start = time.perf_counter()
-            llm = build_llm(a, **{**base, **overrides})
+            llm = llm_from_args(a, **{**base, **overrides})
             # Untimed pass (outputs capped at 8 tokens) so first-call costs of the compiled
             # programs do not land on whichever ablation happens to run first.
             fresh_host_state(llm.engine)
@@ -221,17 +224,7 @@ class Bench:
             nonlocal peak
             peak = max(peak, e.stats().running)
 
-        t0 = time.monotonic()
-        runs = [
-            run_requests(engine, p, greedy_params(o), on_step=on_step, t0=t0) for p, o in batches
-        ]
-        run = EngineRun(
-            elapsed_s=time.monotonic() - t0,
-            input_tokens=sum(r.input_tokens for r in runs),
-            output_tokens=sum(r.output_tokens for r in runs),
-            ttft_s=[t for r in runs for t in r.ttft_s],
-            token_ids=[ids for r in runs for ids in r.token_ids],
-        )
+        run = run_batches(engine, [(p, greedy_params(o)) for p, o in batches], on_step)
         metrics = {
             **run.metrics(),
             "padding": counter.summary(),
@@ -292,21 +285,10 @@ def contiguous(b: Bench) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- engine plumbing (benchmark-side hooks)
 
-SCHEDULER_KNOBS = (
-    "num_pages",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "enable_prefix_caching",
-    "target_tpot_ms",
-    "target_ttft_ms",
-    "max_batch_wait_ms",
-    "async_scheduling",
-)
-COMPILED_LIMITS = (
-    "num_pages",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-)  # buckets were compiled up to these
+# The compiled engine's buckets go up to the first three; the scheduler alone reads the others.
+COMPILED_LIMITS = ("num_pages", "max_num_seqs", "max_num_batched_tokens")
+SCHEDULER_KNOBS = (*COMPILED_LIMITS, "enable_prefix_caching", "target_tpot_ms", "target_ttft_ms")
+SCHEDULER_KNOBS += ("max_batch_wait_ms", "async_scheduling")
 
 
 def _scheduler_config(engine, **knobs: Any):
@@ -338,14 +320,6 @@ def fresh_host_state(engine, contiguous: bool = False, **knobs: Any) -> None:
         cfg.cache.num_pages, cfg.cache.page_size, cfg.cache.enable_prefix_caching
     )
     engine.reset_host_state(cfg, bm)
-
-
-def _vocab_size(model: str, dtype: str) -> int:
-    from convert import resolve_model
-
-    return json.loads(
-        (resolve_model(model, dtype=dtype, progress=False) / "config.json").read_text()
-    )["vocab_size"]
 
 
 def _with_shared_prefix(wl: Workload, prefix_len: int, seed: int) -> Workload:
@@ -397,64 +371,33 @@ def plot(rows: list[dict[str, Any]], out: str | Path) -> Path:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = script_parser(__doc__, "ablations.json", model=None)
     add_workload_args(p, default_preset="mixed")
     p.set_defaults(num_prompts=24)
-    add_engine_args(p, max_num_seqs=32)  # max_model_len None: the workload's longest request
+    # max_model_len None: the workload's longest request; --seed is the workload's.
+    add_engine_args(p, exclude=("seed",), max_num_seqs=32)
     p.add_argument(
         "--only", nargs="+", metavar="NAME", help="run these ablations (a prefix selects several)"
     )
-    p.add_argument("--list", action="store_true", help="list the ablations and exit")
-    p.add_argument("--static-batch", type=int, default=8, help="batch size of static batching")
-    p.add_argument(
-        "--kv-budget-seqs",
-        type=int,
-        default=8,
-        help="KV bytes for paged-same-kv/contiguous, in max-length sequences",
+    add_options(
+        p,
+        [
+            ("--list", False, "list the ablations and exit"),
+            ("--static-batch", 8, "batch size of static batching"),
+            ("--kv-budget-seqs", 8, "KV bytes for paged-same-kv/contiguous, in max-length seqs"),
+            ("--kv-off-prompts", 2, "prompts in the kv-cache-off subset"),
+            ("--kv-off-tokens", 32, "output tokens per prompt in that subset (cap)"),
+            ("--shared-prefix-len", 128, "shared prompt prefix for the prefix-caching rows"),
+            ("--chunk-sizes", [256, 512], "max_num_batched_tokens values"),
+            ("--max-num-seqs-values", [8, 16], "max_num_seqs values"),
+            ("--repeat", 1, "runs per row; the median by wall time is reported (noisy: 3)"),
+            ("--quick", False, "tiny preset and engine, for smoke tests"),
+        ],
     )
-    p.add_argument(
-        "--kv-off-prompts", type=int, default=2, help="prompts in the kv-cache-off subset"
-    )
-    p.add_argument(
-        "--kv-off-tokens",
-        type=int,
-        default=32,
-        help="output tokens per prompt in that subset (cap)",
-    )
-    p.add_argument(
-        "--shared-prefix-len",
-        type=int,
-        default=128,
-        help="shared prompt prefix for the prefix-caching rows",
-    )
-    p.add_argument(
-        "--chunk-sizes",
-        type=int,
-        nargs="+",
-        default=[256, 512],
-        help="max_num_batched_tokens values",
-    )
-    p.add_argument(
-        "--max-num-seqs-values", type=int, nargs="+", default=[8, 16], help="max_num_seqs values"
-    )
-    p.add_argument(
-        "--repeat",
-        type=int,
-        default=1,
-        help="runs per row; the median by wall time is reported (noisy machines: 3)",
-    )
-    p.add_argument("--quick", action="store_true", help="tiny preset and engine, for smoke tests")
-    p.add_argument("--out", default=str(RESULTS / "ablations.json"))
     args = p.parse_args(argv)
     if args.quick:
-        args.preset, args.num_prompts, args.max_num_seqs, args.max_num_batched_tokens = (
-            "tiny",
-            None,
-            4,
-            32,
-        )
+        args.preset, args.num_prompts, args.max_num_seqs = "tiny", None, 4
+        args.max_num_batched_tokens = 32
         args.static_batch, args.kv_budget_seqs, args.kv_off_prompts, args.kv_off_tokens = 2, 2, 1, 4
         args.shared_prefix_len, args.chunk_sizes, args.max_num_seqs_values = 16, [16, 32], [2]
     return args

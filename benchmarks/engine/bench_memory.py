@@ -12,7 +12,7 @@ Reports, for one engine configuration and one seeded workload:
     reserves max_model_len slots, as a non-paged engine must) are computed from the same
     timeline's sequence lengths, i.e. what each allocator would hold for the same sequences.
 
-    python benchmarks/bench_memory.py [--preset mixed] [--num-prompts 64] [--no-hf] [--quick]
+    python benchmarks/engine/bench_memory.py [--preset mixed] [--num-prompts 64] [--no-hf] [--quick]
 """
 
 from __future__ import annotations
@@ -20,110 +20,59 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.common import (  # noqa: E402
-    RESULTS,
+from benchmarks.lib.harness import (  # noqa: E402
     add_engine_args,
-    add_workload_args,
-    build_llm,
+    engine_facts,
     greedy_params,
-    make_workload,
-    new_figure,
+    llm_from_args,
     run_requests,
+)
+from benchmarks.lib.peers import hf_generate, load_hf_model  # noqa: E402
+from benchmarks.lib.report import (  # noqa: E402
+    add_options,
+    new_figure,
+    peak_rss_bytes,
+    rss_bytes,
     save_plot,
+    script_parser,
     write_result,
 )
+from benchmarks.lib.workloads import add_workload_args, make_workload  # noqa: E402
 
 MIB = 2**20
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = script_parser(__doc__, "memory.json", model=None)
     add_workload_args(p, default_preset="mixed")
-    add_engine_args(p)  # max_model_len None: the engine default (2048), what a server reserves
-    p.add_argument(
-        "--page-sizes",
-        type=int,
-        nargs="+",
-        default=[8, 16, 32, 64, 128, 256],
-        help="page sizes for the computed fragmentation sweep",
+    # max_model_len None: the engine default, what a server reserves. --preemption-mode swap
+    # and --kv-disk-dir put pages in the other tiers (they are in the timeline).
+    add_engine_args(p, exclude=("seed",))
+    add_options(
+        p,
+        [
+            ("--page-sizes", [8, 16, 32, 64, 128, 256], "page sizes of the fragmentation sweep"),
+            ("--no-hf", False, "skip the PyTorch peer's RSS (a subprocess)"),
+            ("--hf-batch", 8, "prompts the peer generates in one batch"),
+            ("--threads", 2, "torch threads of the peer"),
+            ("--quick", False, "tiny preset and a small engine, for smoke tests"),
+        ],
     )
-    p.add_argument(
-        "--no-hf", action="store_true", help="skip the PyTorch peer's RSS (a subprocess)"
-    )
-    p.add_argument(
-        "--hf-batch", type=int, default=8, help="prompts the peer generates in one batch"
-    )
-    p.add_argument("--threads", type=int, default=2, help="torch threads of the peer")
-    p.add_argument(
-        "--preemption-mode",
-        default="recompute",
-        choices=["recompute", "swap", "auto"],
-        help="preempted sequences' KV: recomputed, or swapped to the host pool (its pages are in the timeline)",
-    )
-    p.add_argument(
-        "--kv-disk-dir",
-        default=None,
-        help="a disk tier for the prefix cache (its pages are in the timeline)",
-    )
-    p.add_argument(
-        "--quick", action="store_true", help="tiny preset and a small engine, for smoke tests"
-    )
-    p.add_argument("--out", default=str(RESULTS / "memory.json"))
-    p.add_argument(
-        "--hf-child", action="store_true", help=argparse.SUPPRESS
-    )  # internal: the peer process
+    p.add_argument("--hf-child", action="store_true", help=argparse.SUPPRESS)  # the peer process
     args = p.parse_args(argv)
     if args.quick:
         args.preset, args.num_prompts, args.max_num_seqs = "tiny", None, 4
         args.max_model_len, args.max_num_batched_tokens = 64, 32
         args.page_sizes = [4, 8, 16, 32, 64]
     return args
-
-
-# ---------------------------------------------------------------- host memory
-
-
-def _proc_status_bytes(field: str) -> int | None:
-    """A `kB` field of /proc/self/status (Linux), in bytes; None where it cannot be read."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def rss_bytes() -> int:
-    """Resident set size of this process now (Linux /proc; psutil elsewhere)."""
-    rss = _proc_status_bytes("VmRSS")
-    if rss is not None:
-        return rss
-    import psutil
-
-    return psutil.Process().memory_info().rss
-
-
-def peak_rss_bytes() -> int:
-    """Peak RSS of this process so far: VmHWM from /proc (per address space, reset by exec).
-
-    getrusage's ru_maxrss is the fallback only: Linux carries it across fork+exec, so a child
-    started by a big parent would report the parent's peak (seen here: both sides 7.87 GB)."""
-    peak = _proc_status_bytes("VmHWM")
-    if peak is None:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return max(peak, rss_bytes())
 
 
 def device_memory() -> dict[str, Any]:
@@ -143,27 +92,12 @@ def device_memory() -> dict[str, Any]:
 
 def hf_child(args: argparse.Namespace) -> dict[str, Any]:
     """Runs inside the subprocess: load the HF model, generate one left-padded batch, report RSS."""
-    import torch
-
-    from benchmarks.common import load_hf_model
-
     rss_start = rss_bytes()
     model = load_hf_model(args.model, args.dtype, args.threads)
     rss_loaded = rss_bytes()
     wl = make_workload(args, vocab_hi=min(10000, model.config.vocab_size))
     prompts, lens = wl.prompts[: args.hf_batch], wl.output_lens[: args.hf_batch]
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    with torch.no_grad():
-        model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=max(lens),
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
+    hf_generate(model, prompts, max(lens))
     return {
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "batch": len(prompts),
@@ -249,9 +183,8 @@ def plot(result: dict[str, Any], out: str | Path) -> Path:
     tl = result["timeline"]
     steps = [s["step"] for s in tl]
     ax.plot(steps, [s["pages_used"] for s in tl], color="tab:blue", label="KV pages used")
-    ax.axhline(
-        result["kv_pool"]["usable_pages"], color="tab:blue", ls=":", lw=1, label="usable pages"
-    )
+    usable = result["kv_pool"]["usable_pages"]
+    ax.axhline(usable, color="tab:blue", ls=":", lw=1, label="usable pages")
     ax.set_xlabel("engine step")
     ax.set_ylabel("KV pages used", color="tab:blue")
     twin = ax.twinx()
@@ -261,14 +194,11 @@ def plot(result: dict[str, Any], out: str | Path) -> Path:
     lines = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
     ax.legend(lines, [h.get_label() for h in lines], loc="upper right", fontsize=8)
     ax.set_title(f"KV pages vs requests in flight ({result['workload']['preset']})")
-
-    frag = result["fragmentation"]
-    names = [r["allocator"] for r in frag]
-    waste = [r["waste_pct"] or 0.0 for r in frag]
+    names = [r["allocator"] for r in result["fragmentation"]]
     colors = ["tab:red" if n.startswith("contiguous") else "tab:blue" for n in names]
-    bars = bx.bar(names, waste, color=colors)
+    bars = bx.bar(names, [r["waste_pct"] or 0.0 for r in result["fragmentation"]], color=colors)
     bx.bar_label(bars, fmt="%.1f%%", fontsize=8)
-    bx.set_ylabel("allocated but unused token slots (%)")
+    bx.set(ylabel="allocated but unused token slots (%)")
     bx.set_title("KV fragmentation: paged page sizes vs contiguous max-length")
     bx.tick_params(axis="x", rotation=30)
     return save_plot(fig, out)
@@ -285,7 +215,7 @@ def measure_ours(args: argparse.Namespace) -> dict[str, Any]:
     from minivllm_jax.ops.kv_cache import kv_bytes_per_page
 
     rss_start = rss_bytes()
-    llm = build_llm(args, preemption_mode=args.preemption_mode, kv_disk_dir=args.kv_disk_dir)
+    llm = llm_from_args(args)
     engine = llm.engine
     cfg, mcfg, dtype = engine.config, engine.model_config, model_dtype(engine.params)
     rss_loaded = rss_bytes()
@@ -297,15 +227,10 @@ def measure_ours(args: argparse.Namespace) -> dict[str, Any]:
     timeline = Timeline()
     run = run_requests(engine, wl.prompts, greedy_params(wl.output_lens), on_step=timeline)
     per_page = kv_bytes_per_page(mcfg, cfg.cache.page_size, dtype, cfg.cache.kv_cache_dtype)
-    measured_pool = sum(
-        x.nbytes for x in jax.tree.leaves(engine.kv_cache)
-    )  # int8 pages: with their scales
-    assert measured_pool == cfg.cache.num_pages * per_page, (
-        measured_pool,
-        cfg.cache.num_pages,
-        per_page,
-    )
+    measured_pool = sum(x.nbytes for x in jax.tree.leaves(engine.kv_cache))  # with int8 scales
+    assert measured_pool == cfg.cache.num_pages * per_page, (measured_pool, per_page)
     pages = [s["pages_used"] for s in timeline.samples]
+    capacity = (cfg.cache.num_pages - 1) * cfg.cache.page_size  # tokens: page 0 is scratch
     tiers = engine.tier_stats()
     frag = fragmentation(
         timeline.samples, [cfg.cache.page_size, *args.page_sizes], cfg.max_model_len
@@ -315,14 +240,7 @@ def measure_ours(args: argparse.Namespace) -> dict[str, Any]:
             row["measured_allocated_slots_step_sum"] = sum(pages) * cfg.cache.page_size
     return {
         "workload": wl.describe(),
-        "engine": {
-            "max_num_seqs": cfg.scheduler.max_num_seqs,
-            "max_model_len": cfg.max_model_len,
-            "page_size": cfg.cache.page_size,
-            "num_pages": cfg.cache.num_pages,
-            "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
-            "dtype": str(dtype),
-        },
+        "engine": {**engine_facts(cfg), "dtype": str(dtype)},
         "params": {
             "count": sum(x.size for x in jax.tree.leaves(engine.params)),
             "bytes": sum(x.nbytes for x in jax.tree.leaves(engine.params)),
@@ -332,10 +250,8 @@ def measure_ours(args: argparse.Namespace) -> dict[str, Any]:
             "usable_pages": cfg.cache.num_pages - 1,  # page 0 is the scratch page
             "bytes_per_page": per_page,
             "bytes": measured_pool,
-            "token_capacity": (cfg.cache.num_pages - 1) * cfg.cache.page_size,
-            "max_len_seqs_that_fit_contiguous": (cfg.cache.num_pages - 1)
-            * cfg.cache.page_size
-            // cfg.max_model_len,
+            "token_capacity": capacity,
+            "max_len_seqs_that_fit_contiguous": capacity // cfg.max_model_len,
             "peak_pages_used": max(pages, default=0),
             "peak_running": max((s["running"] for s in timeline.samples), default=0),
         },
