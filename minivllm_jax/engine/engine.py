@@ -1,11 +1,11 @@
 """`LLMEngine`: requests in, `RequestOutput`s out, one `step()` at a time.
 
-It takes requests in (validated, n samples a request, forked once the prompt is computed),
-orchestrates the steps (schedule, move pages, dispatch, read the step before: async scheduling)
-and contains faults (a failed row, step or page copy costs only its requests). It wires the
-scheduler, page manager and model runner together; `OutputProcessor` turns the tokens it reads
-into `RequestOutput`s (stops, text, logprobs). Code outside the engine reads `stats()` and its
-step listeners (`StepEvent`), never its parts.
+It takes requests in (validated, n samples a request), orchestrates the steps (schedule, move
+pages, dispatch, read the step before: async scheduling) and contains faults (a failed row,
+step or page copy costs only its requests). It wires the scheduler, page manager and model
+runner together; `StepUpdate` puts the tokens it reads into their sequences (n > 1 forks, KV
+compression) and `OutputProcessor` turns them into `RequestOutput`s (stops, text, logprobs).
+Code outside the engine reads `stats()` and its step listeners (`StepEvent`), never its parts.
 """
 
 from __future__ import annotations
@@ -23,17 +23,16 @@ from typing import Any
 from jax.sharding import Mesh
 
 from minivllm_jax.config import EngineConfig, KVCompressionConfig, ModelConfig
-from minivllm_jax.engine.decoding.speculative import accepted_length
 from minivllm_jax.engine.decoding.structured_output import GrammarCompiler
-from minivllm_jax.engine.kv.compression import kept_pages, needs_scores, wants_compression
 from minivllm_jax.engine.kv.pages import PageManager, check_cache_salt
 from minivllm_jax.engine.kv.tiers import FailedMoves, KVTiers
 from minivllm_jax.engine.output_processor import OutputProcessor, RequestState
 from minivllm_jax.engine.runner import ModelRunner, PendingStep, RowsFailed, StepResult
 from minivllm_jax.engine.sched_output import PageMoves, ScheduledBatch
-from minivllm_jax.engine.scheduler import Scheduler, note_draft_result
+from minivllm_jax.engine.scheduler import Scheduler
 from minivllm_jax.engine.sequence import Sequence, SequenceStatus
 from minivllm_jax.engine.stats import EngineStats, StepEvent
+from minivllm_jax.engine.step_update import InFlight, StepUpdate, book, drop_pending
 from minivllm_jax.models.params import ServingParams
 from minivllm_jax.ops.kv_cache import KVCache
 from minivllm_jax.outputs import RequestOutput
@@ -41,19 +40,6 @@ from minivllm_jax.prompts import prompt_ids
 from minivllm_jax.sampling_params import ContextLengthError, ParamError, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class _InFlight:
-    """A dispatched step: its batch, its device results, and for each of its sequences the
-    index in `output_token_ids` of the placeholder for the first token it samples (None: none;
-    a multi-step batch samples `batch.num_steps` tokens a row, in consecutive places)."""
-
-    batch: ScheduledBatch
-    pending: PendingStep
-    slots: tuple[int | None, ...]
-    dispatched: float
-    num_pages: int  # pages its sequences had computed into when it was dispatched
 
 
 class _DispatchFailed(Exception):
@@ -81,13 +67,6 @@ def _without(batch: ScheduledBatch, drop: set[int]) -> ScheduledBatch | None:
         batch.num_steps,
         drafts if any(drafts) else (),
     )
-
-
-def _drop_pending(seq: Sequence) -> None:
-    """Forget the placeholders of tokens that will never be read into this sequence."""
-    if seq.num_pending:
-        del seq.output_token_ids[-seq.num_pending :]
-        seq.num_pending = 0
 
 
 class LLMEngine:
@@ -136,15 +115,36 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self._request_counter = itertools.count()
         self._seed_rng = random.Random(seed)
-        self.num_generated_tokens = 0
-        self.num_prompt_tokens = 0
-        self.num_draft_tokens = 0  # speculative decoding: draft tokens proposed and verified
-        self.num_accepted_tokens = 0  # of which accepted
-        self.num_dropped_pages = 0  # KV compression: pages dropped by a policy
-        self._in_flight: _InFlight | None = None  # the step dispatched and not read yet
+        # Reads each step's tokens into its sequences and counts tokens, drafts, dropped pages.
+        self.step_update = StepUpdate(self.output_processor, self.runner, config.cache.page_size)
+        self._in_flight: InFlight | None = None  # the step dispatched and not read yet
         self._last_ready = 0.0  # when the last step's tokens were read
         self.num_steps = 0  # `step()` calls
         self._step_listeners: list[Callable[[StepEvent], None]] = []
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return self.step_update.num_generated_tokens
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt tokens computed (a recomputed prompt counts again)."""
+        return self.step_update.num_prompt_tokens
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Speculative decoding: draft tokens proposed and verified."""
+        return self.step_update.num_draft_tokens
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        """Of `num_draft_tokens`, those accepted."""
+        return self.step_update.num_accepted_tokens
+
+    @property
+    def num_dropped_pages(self) -> int:
+        """KV compression: pages dropped by a policy."""
+        return self.step_update.num_dropped_pages
 
     @property
     def num_compiles(self) -> int:
@@ -424,7 +424,7 @@ class LLMEngine:
                     outputs += self._read(previous, only_finished)
                 return outputs + self._fail_batch(batch, f"{type(e).__name__}: {e}")
             if pending is not None:
-                self._in_flight = self._advance(batch, pending, now)
+                self._in_flight = book(batch, pending, now, self.config.cache.page_size)
         if previous is not None:
             outputs += self._read(previous, only_finished)
         current = self._in_flight
@@ -496,27 +496,7 @@ class LLMEngine:
             self.scheduler.wants_draft(s) for s in self.scheduler.running
         )
 
-    def _advance(self, batch: ScheduledBatch, pending: PendingStep, now: float) -> _InFlight:
-        """Book a dispatched step as done before its tokens are known: each sequence's fed
-        tokens count as computed, and each sampled token is a placeholder `-(row + 1)`."""
-        slots = []
-        ps = self.config.cache.page_size
-        num_pages = sum(-(-seq.num_computed_tokens // ps) for seq in batch.seqs)
-        k = batch.num_steps  # a multi-step row also feeds itself the first k - 1 of its k tokens
-        for i, seq in enumerate(batch.seqs):
-            samples = batch.samples_next_token(i)
-            seq.num_computed_tokens += (
-                batch.num_new_tokens[i] - len(batch.draft(i)) + k - 1
-            )  # drafts: when accepted
-            if samples:
-                slots.append(len(seq.output_token_ids))
-                seq.output_token_ids.extend([-(i + 1)] * k)
-                seq.num_pending += k
-            else:
-                slots.append(None)
-        return _InFlight(batch, pending, tuple(slots), now, num_pages)
-
-    def _read(self, step: _InFlight, only_finished: bool) -> list[RequestOutput]:
+    def _read(self, step: InFlight, only_finished: bool) -> list[RequestOutput]:
         """Wait for a dispatched step's tokens and process them."""
         try:
             results = step.pending.fetch()
@@ -533,16 +513,7 @@ class LLMEngine:
         self._last_ready = ready
         outputs = self._process(step, results, only_finished)
         if self._step_listeners:
-            event = StepEvent(
-                len(batch.seqs),
-                batch.num_decodes,
-                batch.num_tokens,
-                batch.num_steps,
-                *step.pending.bucket,
-                step.num_pages,
-                start,
-                ready,
-            )
+            event = step.event(start, ready)
             for listener in self._step_listeners:
                 listener(event)
         return outputs
@@ -565,13 +536,13 @@ class LLMEngine:
             self._recompute_all()
         return outputs
 
-    def _fail_running_step(self, step: _InFlight, error: str) -> list[RequestOutput]:
+    def _fail_running_step(self, step: InFlight, error: str) -> list[RequestOutput]:
         """A dispatched step failed while running (seen when its tokens were read): steps
         dispatched after it were fed its results, so every sequence is recomputed from the
         tokens the host knows, after failing this step's suspects as `_fail_batch` does."""
         self._in_flight = None
         for seq in self.scheduler.running + self.scheduler.waiting:
-            _drop_pending(seq)
+            drop_pending(seq)
         outputs = self._fail_batch(step.batch, error)
         self._recompute_all()
         return outputs
@@ -622,112 +593,16 @@ class LLMEngine:
         sched.reset()
 
     def _process(
-        self, step: _InFlight, results: list[StepResult], only_finished: bool = False
+        self, step: InFlight, results: list[StepResult], only_finished: bool = False
     ) -> list[RequestOutput]:
-        """`results`: one per decode step the program ran (several for a multi-step batch)."""
-        now = time.monotonic()
-        batch = step.batch
-        changed: dict[str, RequestState] = {}
-        rows = (1 + len(batch.draft(i)) for i in range(len(batch.seqs)))  # verify rows
-        starts = [0, *itertools.accumulate(rows)]
-        for i, seq in enumerate(batch.seqs):
-            request = self.requests.get(seq.request_id)
-            if request is None or seq.is_finished:
-                continue  # aborted, or stopped by the step before (this row's token is dropped)
-            slot = step.slots[i]
-            # (result, row) of each token the row produced, in order
-            picks: list[tuple[StepResult, int]] = []
-            # All of them first: every token below num_computed_tokens is known.
-            if slot is not None:
-                picks = self._sampled(batch, i, results, starts[i])
-                tokens = [int(result.tokens[row]) for result, row in picks]
-                extra = len(tokens) - batch.num_steps  # accepted draft tokens: computed in the step
-                seq.output_token_ids[slot : slot + batch.num_steps] = tokens
-                seq.num_pending += extra
-                seq.num_computed_tokens += extra
-            if seq.status == SequenceStatus.RUNNING:  # not when swapped out meanwhile: no pages
-                self.page_manager.commit(seq)
-            if i >= batch.num_decodes:
-                self.num_prompt_tokens += batch.num_new_tokens[i]
-            if (
-                request.held
-                and seq.status == SequenceStatus.RUNNING
-                and seq.num_computed_tokens >= len(request.prompt_token_ids)
-            ):
-                self._fork(request, seq)  # before a stop can free the parent's pages
-            if slot is None:
-                continue
-            for j, (result, row) in enumerate(picks):
-                seq.num_pending -= 1
-                self.num_generated_tokens += 1
-                finish = self.output_processor.accept(seq, request, result, row, slot + j, now)
-                if finish is not None:
-                    self.scheduler.finish(seq, *finish)
-                    _drop_pending(seq)  # tokens past the stop, and a row the next step spent on it
-                    break
-            if (
-                seq.kv_compression is not None
-                and seq.status == SequenceStatus.RUNNING
-                and not request.held
-            ):
-                try:
-                    self._compress(seq)
-                except Exception as e:  # noqa: BLE001 (its policy failed: only this request ends)
-                    logger.exception("KV compression of %r failed; failing its request", seq)
-                    self._fail_request(request, f"kv_compression: {type(e).__name__}: {e}")
-            changed[request.request_id] = request
-        outputs = []
-        for request in changed.values():
-            if request.finished or not only_finished:
-                outputs.append(self.output_processor.output(request))
-            if request.finished:
-                request.metrics.finished_time = request.metrics.finished_time or now
-                self.requests.pop(request.request_id, None)  # a failed one is gone already
-        return outputs
-
-    def _compress(self, seq: Sequence) -> None:
-        """Apply the sequence's KV compression policy: drop the full pages it does not keep
-        (`minivllm_jax.engine.kv.compression`), back to the pool. Steps already dispatched read the old
-        page list and run before any later step can reuse a dropped page; later steps see the
-        shorter list, with the tokens' true positions (`Sequence.num_dropped_tokens`)."""
-        config, ps = seq.kv_compression, self.config.cache.page_size
-        known = min(seq.num_computed_tokens, len(seq) - seq.num_pending)  # tokens computed and read
-        full = (
-            known - 1 - seq.num_dropped_tokens
-        ) // ps  # full pages before the last known token's
-        if not wants_compression(config, full, ps):
-            return
-        scores = None
-        if needs_scores(config):  # waits for the steps in flight: once per page the sequence fills
-            scores = self.runner.page_scores(seq, known - 1)
-        keep = set(kept_pages(config, full, ps, scores))
-        dropped = [p for i, p in enumerate(seq.pages[:full]) if i not in keep]
-        seq.pages = [p for i, p in enumerate(seq.pages[:full]) if i in keep] + seq.pages[full:]
-        seq.page_hashes = []  # its pages no longer follow the prefix chain (commit stops too)
-        seq.num_dropped_tokens += len(dropped) * ps
-        self.page_manager.release(dropped)
-        self.num_dropped_pages += len(dropped)
-
-    def _sampled(
-        self, batch: ScheduledBatch, i: int, results: list[StepResult], start: int
-    ) -> list[tuple[StepResult, int]]:
-        """Where row `i`'s new tokens are: one per result (a multi-step batch gives several), or
-        in a verify step the samples at its last token and at each accepted draft token."""
-        draft = batch.draft(i)
-        if not draft:
-            return [(result, start if batch.drafts else i) for result in results]
-        sampled = results[0].tokens[start : start + len(draft) + 1].tolist()
-        accepted = accepted_length(draft, sampled)
-        self.num_draft_tokens += len(draft)
-        self.num_accepted_tokens += accepted
-        note_draft_result(batch.seqs[i], accepted)
-        return [(results[0], start + j) for j in range(accepted + 1)]
-
-    def _fork(self, request: RequestState, parent: Sequence) -> None:
-        """Start the held samples on the parent's computed prompt: they share its full pages by
-        refcount and compute only the last partial page (under page_size tokens) themselves,
-        which also gives each its own logits row to sample its first token from."""
-        for child in request.held:
-            self.page_manager.fork(parent, child, len(request.prompt_token_ids) - 1)
-            self.scheduler.add(child)
-        request.held = []
+        """Apply a read step to its sequences (`StepUpdate.apply`) with the engine's requests,
+        scheduler and page manager; a request whose KV compression fails is failed here."""
+        return self.step_update.apply(
+            step,
+            results,
+            self.requests,
+            self.scheduler,
+            self.page_manager,
+            self._fail_request,
+            only_finished,
+        )
