@@ -2,10 +2,11 @@
 
 It takes requests in (validated, n samples a request), orchestrates the steps (schedule, move
 pages, dispatch, read the step before: async scheduling) and contains faults (a failed row,
-step or page copy costs only its requests). It wires the scheduler, page manager and model
-runner together; `StepUpdate` puts the tokens it reads into their sequences (n > 1 forks, KV
-compression) and `OutputProcessor` turns them into `RequestOutput`s (stops, text, logprobs).
-Code outside the engine reads `stats()` and its step listeners (`StepEvent`), never its parts.
+step or page copy costs only its requests; `faults` holds the mechanics). It wires the
+scheduler, page manager and model runner together; `StepUpdate` puts the tokens it reads into
+their sequences (n > 1 forks, KV compression) and `OutputProcessor` turns them into
+`RequestOutput`s (stops, text, logprobs). Code outside the engine reads `stats()` and its step
+listeners (`StepEvent`), never its parts.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 from jax.sharding import Mesh
 
 from minivllm_jax.config import EngineConfig, KVCompressionConfig, ModelConfig
+from minivllm_jax.engine import faults
 from minivllm_jax.engine.decoding.structured_output import GrammarCompiler
 from minivllm_jax.engine.kv.pages import PageManager, check_cache_salt
 from minivllm_jax.engine.kv.tiers import FailedMoves, KVTiers
@@ -30,7 +32,7 @@ from minivllm_jax.engine.output_processor import OutputProcessor, RequestState
 from minivllm_jax.engine.runner import ModelRunner, PendingStep, RowsFailed, StepResult
 from minivllm_jax.engine.sched_output import PageMoves, ScheduledBatch
 from minivllm_jax.engine.scheduler import Scheduler
-from minivllm_jax.engine.sequence import Sequence, SequenceStatus
+from minivllm_jax.engine.sequence import Sequence
 from minivllm_jax.engine.stats import EngineStats, StepEvent
 from minivllm_jax.engine.step_update import InFlight, StepUpdate, book, drop_pending
 from minivllm_jax.models.params import ServingParams
@@ -42,31 +44,8 @@ from minivllm_jax.sampling_params import ContextLengthError, ParamError, Samplin
 logger = logging.getLogger(__name__)
 
 
-class _DispatchFailed(Exception):
-    """Dispatching `batch` raised (the cause): the step is failed as a whole (`_fail_batch`)."""
-
-    def __init__(self, batch: ScheduledBatch) -> None:
-        super().__init__(f"dispatching a step over {len(batch.seqs)} sequences failed")
-        self.batch = batch
-
-
 def _has_grammar(batch: ScheduledBatch) -> bool:
     return any(seq.grammar is not None for seq in batch.seqs)
-
-
-def _without(batch: ScheduledBatch, drop: set[int]) -> ScheduledBatch | None:
-    """The batch less the sequences whose `seq_id` is in `drop` (None if none is left)."""
-    keep = [i for i, seq in enumerate(batch.seqs) if seq.seq_id not in drop]
-    if not keep:
-        return None
-    drafts = tuple(batch.drafts[i] for i in keep) if batch.drafts else ()
-    return ScheduledBatch(
-        tuple(batch.seqs[i] for i in keep),
-        tuple(batch.num_new_tokens[i] for i in keep),
-        sum(1 for i in keep if i < batch.num_decodes),
-        batch.num_steps,
-        drafts if any(drafts) else (),
-    )
 
 
 class LLMEngine:
@@ -415,7 +394,7 @@ class LLMEngine:
                 metrics.first_scheduled_time = metrics.first_scheduled_time or now
             try:
                 batch, pending = self._dispatch(batch, outputs)
-            except _DispatchFailed as failure:  # fail this batch only and keep serving
+            except faults.DispatchFailed as failure:  # fail this batch only and keep serving
                 e, batch = failure.__cause__, failure.batch
                 logger.exception(
                     "step over %d sequences failed; failing their requests", len(batch.seqs)
@@ -443,7 +422,7 @@ class LLMEngine:
         (None, None: nothing was left to run). A sequence whose page copy or host-side row
         preparation failed costs only itself: it is recomputed, or its request fails (its
         output, with `error`, goes to `outputs`), and the step runs without it. Raises
-        `_DispatchFailed` (with the batch that failed) if dispatching the step itself fails."""
+        `faults.DispatchFailed` (with the batch that failed) if dispatching the step itself fails."""
         moves = self.move_pages(batch.moves)
         drop = {seq.seq_id for seq in moves.recompute}
         for seq in moves.failed:
@@ -451,9 +430,9 @@ class LLMEngine:
                 seq, f"loading its KV pages failed: {moves.error}", outputs
             )
         if self.runner.reset_cache_if_lost():  # a failed copy lost the cache: nothing to run
-            self._recompute_all()
+            faults.recompute_all(self.scheduler, self.page_manager)
             return None, None
-        while (batch := _without(batch, drop)) is not None:
+        while (batch := faults.without(batch, drop)) is not None:
             try:
                 return batch, self.runner.run(batch)
             except RowsFailed as e:
@@ -468,7 +447,7 @@ class LLMEngine:
                         batch.seqs[i], f"{type(error).__name__}: {error}", outputs
                     )
             except Exception as e:
-                raise _DispatchFailed(batch) from e
+                raise faults.DispatchFailed(batch) from e
         return None, None
 
     def _fail_request_of(self, seq: Sequence, error: str, outputs: list[RequestOutput]) -> set[int]:
@@ -519,21 +498,14 @@ class LLMEngine:
         return outputs
 
     def _fail_batch(self, batch: ScheduledBatch, error: str) -> list[RequestOutput]:
-        """Finish the failed step's suspects (all samples of each) with finish_reason "error".
-
-        Every step carries the running decodes, so blaming the whole step would let one bad
-        prompt end every stream. The suspects are the requests that brought prompt work into
-        the step; its decodes did not advance and simply run again next step (should a
-        decode-only step fail, all of its requests are the suspects). If the failed step took
-        the KV cache with it, everyone left is recomputed."""
-        suspects = batch.seqs[batch.num_decodes :] or batch.seqs
+        """Finish the failed step's suspects (`faults.suspects`: all samples of each) with
+        finish_reason "error". If the failed step took the KV cache with it, everyone left is
+        recomputed."""
         # A request may have ended already (async scheduling runs a finished row once more).
-        failed = [
-            self.requests.get(rid) for rid in dict.fromkeys(seq.request_id for seq in suspects)
-        ]
+        failed = [self.requests.get(rid) for rid in faults.suspects(batch)]
         outputs = [self._fail_request(request, error) for request in failed if request is not None]
         if self.runner.reset_cache_if_lost():
-            self._recompute_all()
+            faults.recompute_all(self.scheduler, self.page_manager)
         return outputs
 
     def _fail_running_step(self, step: InFlight, error: str) -> list[RequestOutput]:
@@ -544,27 +516,8 @@ class LLMEngine:
         for seq in self.scheduler.running + self.scheduler.waiting:
             drop_pending(seq)
         outputs = self._fail_batch(step.batch, error)
-        self._recompute_all()
+        faults.recompute_all(self.scheduler, self.page_manager)
         return outputs
-
-    def _recompute_all(self) -> None:
-        """The KV cache was rebuilt empty: no page holds what the host thinks, so every sequence
-        gives its pages back (running ones go back to waiting, to be recomputed from their
-        tokens) and the prefix cache forgets every page."""
-        for seq in list(self.scheduler.running):
-            self.scheduler.preempt(seq, allow_swap=False)
-        for seq in list(self.scheduler.waiting):
-            if seq.pages:  # a waiting sample may already share its prompt's pages (forked)
-                self.page_manager.free_pages(seq)
-            self.scheduler.forget_swapped(seq)
-        self._drop_page_moves()
-        self.page_manager.reset()  # no sequence holds a page now: the accounting starts afresh
-
-    def _drop_page_moves(self) -> None:
-        """Forget queued page copies and every cached page: a page queued to be filled from
-        disk holds nothing yet."""
-        self.scheduler.drop_page_moves()
-        self.page_manager.clear_cache()
 
     def recover(self) -> None:
         """After an exception escaped `step()` (a host-side bug, state unknown): abort every
@@ -572,25 +525,12 @@ class LLMEngine:
         it was lost, so that new requests can be served."""
         self._in_flight = None
         sched = self.scheduler
-        seqs = (
-            sched.running
-            + sched.waiting
-            + [seq for request in self.requests.values() for seq in request.seqs]
-        )
-        # Dropped, not freed: the accounting they would be freed into is not trusted.
-        for seq in seqs:
-            seq.status = SequenceStatus.FINISHED
-            seq.finish_reason = seq.finish_reason or "abort"
-            seq.pages, seq.page_hashes, seq.swapped, seq.penalty_slot = [], [], None, None
+        samples = [seq for request in self.requests.values() for seq in request.seqs]
+        faults.abandon(sched.running + sched.waiting + samples, sched)
         self.requests.clear()
         self._compiling.clear()
-        sched.running, sched.waiting = [], []
         self.runner.reset_cache_if_lost()
-        # No sequence is left: rebuild the accounting from scratch rather than trust what the
-        # crash left (refcounts, free list, prefix cache, penalty slots, swap pool), so that
-        # recovering can never fail on it.
-        self.page_manager.reset()
-        sched.reset()
+        faults.reset_accounting(sched, self.page_manager)
 
     def _process(
         self, step: InFlight, results: list[StepResult], only_finished: bool = False
