@@ -193,6 +193,7 @@ ENGINE_INTERNALS = frozenset(
         "tiers",
         "output_processor",
         "step_update",
+        "input_processor",
     }
 )
 # Reads kept on purpose, each with its reason.

@@ -1,20 +1,18 @@
 """`LLMEngine`: requests in, `RequestOutput`s out, one `step()` at a time.
 
-It takes requests in (validated, n samples a request), orchestrates the steps (schedule, move
-pages, dispatch, read the step before: async scheduling) and contains faults (a failed row,
-step or page copy costs only its requests; `faults` holds the mechanics). It wires the
-scheduler, page manager and model runner together; `StepUpdate` puts the tokens it reads into
-their sequences (n > 1 forks, KV compression) and `OutputProcessor` turns them into
-`RequestOutput`s (stops, text, logprobs). Code outside the engine reads `stats()` and its step
-listeners (`StepEvent`), never its parts.
+It takes requests in (`InputProcessor` checks them and makes their n samples), orchestrates
+the steps (schedule, move pages, dispatch, read the step before: async scheduling) and
+contains faults (a failed row, step or page copy costs only its requests; `faults` holds the
+mechanics). It wires the scheduler, page manager and model runner together; `StepUpdate` puts
+the tokens it reads into their sequences (n > 1 forks, KV compression) and `OutputProcessor`
+turns them into `RequestOutput`s (stops, text, logprobs). Code outside the engine reads
+`stats()` and its step listeners (`StepEvent`), never its parts.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
-import random
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -23,9 +21,10 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from minivllm_jax.config import EngineConfig, KVCompressionConfig, ModelConfig
+from minivllm_jax.config import EngineConfig, ModelConfig
 from minivllm_jax.engine import faults
 from minivllm_jax.engine.decoding.structured_output import GrammarCompiler
+from minivllm_jax.engine.input_processor import InputProcessor
 from minivllm_jax.engine.kv.pages import PageManager, check_cache_salt
 from minivllm_jax.engine.kv.tiers import FailedMoves, KVTiers
 from minivllm_jax.engine.output_processor import OutputProcessor, RequestState
@@ -39,7 +38,7 @@ from minivllm_jax.models.params import ServingParams
 from minivllm_jax.ops.kv_cache import KVCache
 from minivllm_jax.outputs import RequestOutput
 from minivllm_jax.prompts import prompt_ids
-from minivllm_jax.sampling_params import ContextLengthError, ParamError, SamplingParams
+from minivllm_jax.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +71,7 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.input_processor = InputProcessor(model_config, config, seed)
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, config.max_model_len)
         self.seed = seed
         self.runner = ModelRunner(model_config, config, params, mesh)
@@ -93,7 +93,6 @@ class LLMEngine:
         self._compiling: dict[str, Future] = {}
         self.requests: dict[str, RequestState] = {}
         self._request_counter = itertools.count()
-        self._seed_rng = random.Random(seed)
         # Reads each step's tokens into its sequences and counts tokens, drafts, dropped pages.
         self.step_update = StepUpdate(self.output_processor, self.runner, config.cache.page_size)
         self._in_flight: InFlight | None = None  # the step dispatched and not read yet
@@ -240,26 +239,6 @@ class LLMEngine:
         ids = prompt_ids(self.tokenizer, prompt, self.model_config.vocab_size)
         return (prompt if isinstance(prompt, str) else None), ids
 
-    def _check_request_compression(self, config: KVCompressionConfig) -> None:
-        """A request's own KV compression policy: only where the engine allows them (their
-        programs compiled at warm-up) and in one process. Raises ValueError naming the field."""
-        try:
-            config.check_page_size(self.config.cache.page_size)
-            config.check_model(self.model_config)
-        except ValueError as e:
-            raise ParamError("kv_compression", f"kv_compression: {e}") from e
-        if not self.config.allow_request_kv_compression:
-            raise ParamError(
-                "kv_compression",
-                "kv_compression: per-request KV compression is not enabled on this engine "
-                "(allow_request_kv_compression=True; the server's --allow-request-kv-compression)",
-            )
-        if self.runner.channel is not None:
-            raise ParamError(
-                "kv_compression",
-                "kv_compression: per-request KV compression does not run across several processes",
-            )
-
     def add_request(
         self,
         prompt: str | Seq[int],
@@ -283,46 +262,21 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
-        limit = self.config.max_model_len
-        if len(ids) >= limit:
-            raise ContextLengthError(
-                "prompt",
-                f"prompt has {len(ids)} tokens; max_model_len is {limit} (prompt must leave room for output)",
-            )
-        if params.max_tokens is None:
-            params = dataclasses.replace(params, max_tokens=limit - len(ids))
-        elif len(ids) + params.max_tokens > limit:
-            raise ContextLengthError(
-                "max_tokens",
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len ({limit})",
-            )
-        arrival = time.monotonic() if arrival_time is None else arrival_time
-        # Unseeded requests still get a seed: reproducible from the engine seed and arrival order.
-        # The n samples share it; the sampler keys sample i by fold_in(key(seed), i).
-        seed = params.seed if params.seed is not None else self._seed_rng.randrange(2**62)
-        if params.kv_compression is not None:  # the engine's own was checked at start
-            self._check_request_compression(params.kv_compression)
-        compression = params.kv_compression or self.config.kv_compression
-        seqs = []
-        for i in range(params.n):
-            seqs.append(
-                Sequence(
-                    request_id,
-                    ids,
-                    params,
-                    index=i,
-                    priority=priority,
-                    seed=seed,
-                    arrival_time=arrival,
-                    streaming=streaming,
-                    cache_salt=cache_salt,
-                )
-            )
-            seqs[-1].kv_compression = compression
+        seqs = self.input_processor.samples(
+            request_id,
+            ids,
+            params,
+            priority=priority,
+            arrival_time=arrival_time,
+            streaming=streaming,
+            cache_salt=cache_salt,
+            multiprocess=self.runner.channel is not None,
+        )
+        arrival, spec = seqs[0].arrival_time, seqs[0].params.structured_outputs
         request = self.output_processor.new_request(request_id, text, ids, seqs, arrival)
         self.requests[request_id] = request
-        if params.structured_outputs is not None:  # scheduled once its grammar is compiled
-            self._compiling[request_id] = self.grammar_compiler.submit(params.structured_outputs)
+        if spec is not None:  # scheduled once its grammar is compiled
+            self._compiling[request_id] = self.grammar_compiler.submit(spec)
         else:
             self.scheduler.add(seqs[0])  # the prompt is prefilled once, by sample 0
         return request_id
