@@ -185,7 +185,16 @@ def test_the_checks_catch_what_they_look_for(tmp_path: Path) -> None:
 # The engine's parts: code outside minivllm_jax/engine asks `LLMEngine.stats()`, its step
 # listeners and its request API instead of reaching into these (tests may still).
 ENGINE_INTERNALS = frozenset(
-    {"scheduler", "runner", "page_manager", "block_manager", "tiers", "output_processor"}
+    {
+        "scheduler",
+        "runner",
+        "page_manager",
+        "block_manager",
+        "tiers",
+        "output_processor",
+        "step_update",
+        "input_processor",
+    }
 )
 # Reads kept on purpose, each with its reason.
 ENGINE_INTERNAL_READS_ALLOWED = {

@@ -1,19 +1,18 @@
 """`LLMEngine`: requests in, `RequestOutput`s out, one `step()` at a time.
 
-It takes requests in (validated, n samples a request, forked once the prompt is computed),
-orchestrates the steps (schedule, move pages, dispatch, read the step before: async scheduling)
-and contains faults (a failed row, step or page copy costs only its requests). It wires the
-scheduler, page manager and model runner together; `OutputProcessor` turns the tokens it reads
-into `RequestOutput`s (stops, text, logprobs). Code outside the engine reads `stats()` and its
-step listeners (`StepEvent`), never its parts.
+It takes requests in (`InputProcessor` checks them and makes their n samples), orchestrates
+the steps (schedule, move pages, dispatch, read the step before: async scheduling) and
+contains faults (a failed row, step or page copy costs only its requests; `faults` holds the
+mechanics). It wires the scheduler, page manager and model runner together; `StepUpdate` puts
+the tokens it reads into their sequences (n > 1 forks, KV compression) and `OutputProcessor`
+turns them into `RequestOutput`s (stops, text, logprobs). Code outside the engine reads
+`stats()` and its step listeners (`StepEvent`), never its parts.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
-import random
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -22,72 +21,30 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from minivllm_jax.config import EngineConfig, KVCompressionConfig, ModelConfig
-from minivllm_jax.engine.decoding.speculative import accepted_length
+from minivllm_jax.config import EngineConfig, ModelConfig
+from minivllm_jax.engine import faults
 from minivllm_jax.engine.decoding.structured_output import GrammarCompiler
-from minivllm_jax.engine.kv.compression import kept_pages, needs_scores, wants_compression
+from minivllm_jax.engine.input_processor import InputProcessor
 from minivllm_jax.engine.kv.pages import PageManager, check_cache_salt
 from minivllm_jax.engine.kv.tiers import FailedMoves, KVTiers
 from minivllm_jax.engine.output_processor import OutputProcessor, RequestState
 from minivllm_jax.engine.runner import ModelRunner, PendingStep, RowsFailed, StepResult
 from minivllm_jax.engine.sched_output import PageMoves, ScheduledBatch
-from minivllm_jax.engine.scheduler import Scheduler, note_draft_result
-from minivllm_jax.engine.sequence import Sequence, SequenceStatus
+from minivllm_jax.engine.scheduler import Scheduler
+from minivllm_jax.engine.sequence import Sequence
 from minivllm_jax.engine.stats import EngineStats, StepEvent
+from minivllm_jax.engine.step_update import InFlight, StepUpdate, book, drop_pending
 from minivllm_jax.models.params import ServingParams
 from minivllm_jax.ops.kv_cache import KVCache
 from minivllm_jax.outputs import RequestOutput
 from minivllm_jax.prompts import prompt_ids
-from minivllm_jax.sampling_params import ContextLengthError, ParamError, SamplingParams
+from minivllm_jax.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True)
-class _InFlight:
-    """A dispatched step: its batch, its device results, and for each of its sequences the
-    index in `output_token_ids` of the placeholder for the first token it samples (None: none;
-    a multi-step batch samples `batch.num_steps` tokens a row, in consecutive places)."""
-
-    batch: ScheduledBatch
-    pending: PendingStep
-    slots: tuple[int | None, ...]
-    dispatched: float
-    num_pages: int  # pages its sequences had computed into when it was dispatched
-
-
-class _DispatchFailed(Exception):
-    """Dispatching `batch` raised (the cause): the step is failed as a whole (`_fail_batch`)."""
-
-    def __init__(self, batch: ScheduledBatch) -> None:
-        super().__init__(f"dispatching a step over {len(batch.seqs)} sequences failed")
-        self.batch = batch
-
-
 def _has_grammar(batch: ScheduledBatch) -> bool:
     return any(seq.grammar is not None for seq in batch.seqs)
-
-
-def _without(batch: ScheduledBatch, drop: set[int]) -> ScheduledBatch | None:
-    """The batch less the sequences whose `seq_id` is in `drop` (None if none is left)."""
-    keep = [i for i, seq in enumerate(batch.seqs) if seq.seq_id not in drop]
-    if not keep:
-        return None
-    drafts = tuple(batch.drafts[i] for i in keep) if batch.drafts else ()
-    return ScheduledBatch(
-        tuple(batch.seqs[i] for i in keep),
-        tuple(batch.num_new_tokens[i] for i in keep),
-        sum(1 for i in keep if i < batch.num_decodes),
-        batch.num_steps,
-        drafts if any(drafts) else (),
-    )
-
-
-def _drop_pending(seq: Sequence) -> None:
-    """Forget the placeholders of tokens that will never be read into this sequence."""
-    if seq.num_pending:
-        del seq.output_token_ids[-seq.num_pending :]
-        seq.num_pending = 0
 
 
 class LLMEngine:
@@ -114,6 +71,7 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.input_processor = InputProcessor(model_config, config, seed)
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_ids, config.max_model_len)
         self.seed = seed
         self.runner = ModelRunner(model_config, config, params, mesh)
@@ -135,16 +93,36 @@ class LLMEngine:
         self._compiling: dict[str, Future] = {}
         self.requests: dict[str, RequestState] = {}
         self._request_counter = itertools.count()
-        self._seed_rng = random.Random(seed)
-        self.num_generated_tokens = 0
-        self.num_prompt_tokens = 0
-        self.num_draft_tokens = 0  # speculative decoding: draft tokens proposed and verified
-        self.num_accepted_tokens = 0  # of which accepted
-        self.num_dropped_pages = 0  # KV compression: pages dropped by a policy
-        self._in_flight: _InFlight | None = None  # the step dispatched and not read yet
+        # Reads each step's tokens into its sequences and counts tokens, drafts, dropped pages.
+        self.step_update = StepUpdate(self.output_processor, self.runner, config.cache.page_size)
+        self._in_flight: InFlight | None = None  # the step dispatched and not read yet
         self._last_ready = 0.0  # when the last step's tokens were read
         self.num_steps = 0  # `step()` calls
         self._step_listeners: list[Callable[[StepEvent], None]] = []
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return self.step_update.num_generated_tokens
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt tokens computed (a recomputed prompt counts again)."""
+        return self.step_update.num_prompt_tokens
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Speculative decoding: draft tokens proposed and verified."""
+        return self.step_update.num_draft_tokens
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        """Of `num_draft_tokens`, those accepted."""
+        return self.step_update.num_accepted_tokens
+
+    @property
+    def num_dropped_pages(self) -> int:
+        """KV compression: pages dropped by a policy."""
+        return self.step_update.num_dropped_pages
 
     @property
     def num_compiles(self) -> int:
@@ -261,26 +239,6 @@ class LLMEngine:
         ids = prompt_ids(self.tokenizer, prompt, self.model_config.vocab_size)
         return (prompt if isinstance(prompt, str) else None), ids
 
-    def _check_request_compression(self, config: KVCompressionConfig) -> None:
-        """A request's own KV compression policy: only where the engine allows them (their
-        programs compiled at warm-up) and in one process. Raises ValueError naming the field."""
-        try:
-            config.check_page_size(self.config.cache.page_size)
-            config.check_model(self.model_config)
-        except ValueError as e:
-            raise ParamError("kv_compression", f"kv_compression: {e}") from e
-        if not self.config.allow_request_kv_compression:
-            raise ParamError(
-                "kv_compression",
-                "kv_compression: per-request KV compression is not enabled on this engine "
-                "(allow_request_kv_compression=True; the server's --allow-request-kv-compression)",
-            )
-        if self.runner.channel is not None:
-            raise ParamError(
-                "kv_compression",
-                "kv_compression: per-request KV compression does not run across several processes",
-            )
-
     def add_request(
         self,
         prompt: str | Seq[int],
@@ -304,46 +262,21 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
-        limit = self.config.max_model_len
-        if len(ids) >= limit:
-            raise ContextLengthError(
-                "prompt",
-                f"prompt has {len(ids)} tokens; max_model_len is {limit} (prompt must leave room for output)",
-            )
-        if params.max_tokens is None:
-            params = dataclasses.replace(params, max_tokens=limit - len(ids))
-        elif len(ids) + params.max_tokens > limit:
-            raise ContextLengthError(
-                "max_tokens",
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len ({limit})",
-            )
-        arrival = time.monotonic() if arrival_time is None else arrival_time
-        # Unseeded requests still get a seed: reproducible from the engine seed and arrival order.
-        # The n samples share it; the sampler keys sample i by fold_in(key(seed), i).
-        seed = params.seed if params.seed is not None else self._seed_rng.randrange(2**62)
-        if params.kv_compression is not None:  # the engine's own was checked at start
-            self._check_request_compression(params.kv_compression)
-        compression = params.kv_compression or self.config.kv_compression
-        seqs = []
-        for i in range(params.n):
-            seqs.append(
-                Sequence(
-                    request_id,
-                    ids,
-                    params,
-                    index=i,
-                    priority=priority,
-                    seed=seed,
-                    arrival_time=arrival,
-                    streaming=streaming,
-                    cache_salt=cache_salt,
-                )
-            )
-            seqs[-1].kv_compression = compression
+        seqs = self.input_processor.samples(
+            request_id,
+            ids,
+            params,
+            priority=priority,
+            arrival_time=arrival_time,
+            streaming=streaming,
+            cache_salt=cache_salt,
+            multiprocess=self.runner.channel is not None,
+        )
+        arrival, spec = seqs[0].arrival_time, seqs[0].params.structured_outputs
         request = self.output_processor.new_request(request_id, text, ids, seqs, arrival)
         self.requests[request_id] = request
-        if params.structured_outputs is not None:  # scheduled once its grammar is compiled
-            self._compiling[request_id] = self.grammar_compiler.submit(params.structured_outputs)
+        if spec is not None:  # scheduled once its grammar is compiled
+            self._compiling[request_id] = self.grammar_compiler.submit(spec)
         else:
             self.scheduler.add(seqs[0])  # the prompt is prefilled once, by sample 0
         return request_id
@@ -415,7 +348,7 @@ class LLMEngine:
                 metrics.first_scheduled_time = metrics.first_scheduled_time or now
             try:
                 batch, pending = self._dispatch(batch, outputs)
-            except _DispatchFailed as failure:  # fail this batch only and keep serving
+            except faults.DispatchFailed as failure:  # fail this batch only and keep serving
                 e, batch = failure.__cause__, failure.batch
                 logger.exception(
                     "step over %d sequences failed; failing their requests", len(batch.seqs)
@@ -424,7 +357,7 @@ class LLMEngine:
                     outputs += self._read(previous, only_finished)
                 return outputs + self._fail_batch(batch, f"{type(e).__name__}: {e}")
             if pending is not None:
-                self._in_flight = self._advance(batch, pending, now)
+                self._in_flight = book(batch, pending, now, self.config.cache.page_size)
         if previous is not None:
             outputs += self._read(previous, only_finished)
         current = self._in_flight
@@ -443,7 +376,7 @@ class LLMEngine:
         (None, None: nothing was left to run). A sequence whose page copy or host-side row
         preparation failed costs only itself: it is recomputed, or its request fails (its
         output, with `error`, goes to `outputs`), and the step runs without it. Raises
-        `_DispatchFailed` (with the batch that failed) if dispatching the step itself fails."""
+        `faults.DispatchFailed` (with the batch that failed) if dispatching the step itself fails."""
         moves = self.move_pages(batch.moves)
         drop = {seq.seq_id for seq in moves.recompute}
         for seq in moves.failed:
@@ -451,9 +384,9 @@ class LLMEngine:
                 seq, f"loading its KV pages failed: {moves.error}", outputs
             )
         if self.runner.reset_cache_if_lost():  # a failed copy lost the cache: nothing to run
-            self._recompute_all()
+            faults.recompute_all(self.scheduler, self.page_manager)
             return None, None
-        while (batch := _without(batch, drop)) is not None:
+        while (batch := faults.without(batch, drop)) is not None:
             try:
                 return batch, self.runner.run(batch)
             except RowsFailed as e:
@@ -468,7 +401,7 @@ class LLMEngine:
                         batch.seqs[i], f"{type(error).__name__}: {error}", outputs
                     )
             except Exception as e:
-                raise _DispatchFailed(batch) from e
+                raise faults.DispatchFailed(batch) from e
         return None, None
 
     def _fail_request_of(self, seq: Sequence, error: str, outputs: list[RequestOutput]) -> set[int]:
@@ -496,27 +429,7 @@ class LLMEngine:
             self.scheduler.wants_draft(s) for s in self.scheduler.running
         )
 
-    def _advance(self, batch: ScheduledBatch, pending: PendingStep, now: float) -> _InFlight:
-        """Book a dispatched step as done before its tokens are known: each sequence's fed
-        tokens count as computed, and each sampled token is a placeholder `-(row + 1)`."""
-        slots = []
-        ps = self.config.cache.page_size
-        num_pages = sum(-(-seq.num_computed_tokens // ps) for seq in batch.seqs)
-        k = batch.num_steps  # a multi-step row also feeds itself the first k - 1 of its k tokens
-        for i, seq in enumerate(batch.seqs):
-            samples = batch.samples_next_token(i)
-            seq.num_computed_tokens += (
-                batch.num_new_tokens[i] - len(batch.draft(i)) + k - 1
-            )  # drafts: when accepted
-            if samples:
-                slots.append(len(seq.output_token_ids))
-                seq.output_token_ids.extend([-(i + 1)] * k)
-                seq.num_pending += k
-            else:
-                slots.append(None)
-        return _InFlight(batch, pending, tuple(slots), now, num_pages)
-
-    def _read(self, step: _InFlight, only_finished: bool) -> list[RequestOutput]:
+    def _read(self, step: InFlight, only_finished: bool) -> list[RequestOutput]:
         """Wait for a dispatched step's tokens and process them."""
         try:
             results = step.pending.fetch()
@@ -533,67 +446,32 @@ class LLMEngine:
         self._last_ready = ready
         outputs = self._process(step, results, only_finished)
         if self._step_listeners:
-            event = StepEvent(
-                len(batch.seqs),
-                batch.num_decodes,
-                batch.num_tokens,
-                batch.num_steps,
-                *step.pending.bucket,
-                step.num_pages,
-                start,
-                ready,
-            )
+            event = step.event(start, ready)
             for listener in self._step_listeners:
                 listener(event)
         return outputs
 
     def _fail_batch(self, batch: ScheduledBatch, error: str) -> list[RequestOutput]:
-        """Finish the failed step's suspects (all samples of each) with finish_reason "error".
-
-        Every step carries the running decodes, so blaming the whole step would let one bad
-        prompt end every stream. The suspects are the requests that brought prompt work into
-        the step; its decodes did not advance and simply run again next step (should a
-        decode-only step fail, all of its requests are the suspects). If the failed step took
-        the KV cache with it, everyone left is recomputed."""
-        suspects = batch.seqs[batch.num_decodes :] or batch.seqs
+        """Finish the failed step's suspects (`faults.suspects`: all samples of each) with
+        finish_reason "error". If the failed step took the KV cache with it, everyone left is
+        recomputed."""
         # A request may have ended already (async scheduling runs a finished row once more).
-        failed = [
-            self.requests.get(rid) for rid in dict.fromkeys(seq.request_id for seq in suspects)
-        ]
+        failed = [self.requests.get(rid) for rid in faults.suspects(batch)]
         outputs = [self._fail_request(request, error) for request in failed if request is not None]
         if self.runner.reset_cache_if_lost():
-            self._recompute_all()
+            faults.recompute_all(self.scheduler, self.page_manager)
         return outputs
 
-    def _fail_running_step(self, step: _InFlight, error: str) -> list[RequestOutput]:
+    def _fail_running_step(self, step: InFlight, error: str) -> list[RequestOutput]:
         """A dispatched step failed while running (seen when its tokens were read): steps
         dispatched after it were fed its results, so every sequence is recomputed from the
         tokens the host knows, after failing this step's suspects as `_fail_batch` does."""
         self._in_flight = None
         for seq in self.scheduler.running + self.scheduler.waiting:
-            _drop_pending(seq)
+            drop_pending(seq)
         outputs = self._fail_batch(step.batch, error)
-        self._recompute_all()
+        faults.recompute_all(self.scheduler, self.page_manager)
         return outputs
-
-    def _recompute_all(self) -> None:
-        """The KV cache was rebuilt empty: no page holds what the host thinks, so every sequence
-        gives its pages back (running ones go back to waiting, to be recomputed from their
-        tokens) and the prefix cache forgets every page."""
-        for seq in list(self.scheduler.running):
-            self.scheduler.preempt(seq, allow_swap=False)
-        for seq in list(self.scheduler.waiting):
-            if seq.pages:  # a waiting sample may already share its prompt's pages (forked)
-                self.page_manager.free_pages(seq)
-            self.scheduler.forget_swapped(seq)
-        self._drop_page_moves()
-        self.page_manager.reset()  # no sequence holds a page now: the accounting starts afresh
-
-    def _drop_page_moves(self) -> None:
-        """Forget queued page copies and every cached page: a page queued to be filled from
-        disk holds nothing yet."""
-        self.scheduler.drop_page_moves()
-        self.page_manager.clear_cache()
 
     def recover(self) -> None:
         """After an exception escaped `step()` (a host-side bug, state unknown): abort every
@@ -601,133 +479,24 @@ class LLMEngine:
         it was lost, so that new requests can be served."""
         self._in_flight = None
         sched = self.scheduler
-        seqs = (
-            sched.running
-            + sched.waiting
-            + [seq for request in self.requests.values() for seq in request.seqs]
-        )
-        # Dropped, not freed: the accounting they would be freed into is not trusted.
-        for seq in seqs:
-            seq.status = SequenceStatus.FINISHED
-            seq.finish_reason = seq.finish_reason or "abort"
-            seq.pages, seq.page_hashes, seq.swapped, seq.penalty_slot = [], [], None, None
+        samples = [seq for request in self.requests.values() for seq in request.seqs]
+        faults.abandon(sched.running + sched.waiting + samples, sched)
         self.requests.clear()
         self._compiling.clear()
-        sched.running, sched.waiting = [], []
         self.runner.reset_cache_if_lost()
-        # No sequence is left: rebuild the accounting from scratch rather than trust what the
-        # crash left (refcounts, free list, prefix cache, penalty slots, swap pool), so that
-        # recovering can never fail on it.
-        self.page_manager.reset()
-        sched.reset()
+        faults.reset_accounting(sched, self.page_manager)
 
     def _process(
-        self, step: _InFlight, results: list[StepResult], only_finished: bool = False
+        self, step: InFlight, results: list[StepResult], only_finished: bool = False
     ) -> list[RequestOutput]:
-        """`results`: one per decode step the program ran (several for a multi-step batch)."""
-        now = time.monotonic()
-        batch = step.batch
-        changed: dict[str, RequestState] = {}
-        rows = (1 + len(batch.draft(i)) for i in range(len(batch.seqs)))  # verify rows
-        starts = [0, *itertools.accumulate(rows)]
-        for i, seq in enumerate(batch.seqs):
-            request = self.requests.get(seq.request_id)
-            if request is None or seq.is_finished:
-                continue  # aborted, or stopped by the step before (this row's token is dropped)
-            slot = step.slots[i]
-            # (result, row) of each token the row produced, in order
-            picks: list[tuple[StepResult, int]] = []
-            # All of them first: every token below num_computed_tokens is known.
-            if slot is not None:
-                picks = self._sampled(batch, i, results, starts[i])
-                tokens = [int(result.tokens[row]) for result, row in picks]
-                extra = len(tokens) - batch.num_steps  # accepted draft tokens: computed in the step
-                seq.output_token_ids[slot : slot + batch.num_steps] = tokens
-                seq.num_pending += extra
-                seq.num_computed_tokens += extra
-            if seq.status == SequenceStatus.RUNNING:  # not when swapped out meanwhile: no pages
-                self.page_manager.commit(seq)
-            if i >= batch.num_decodes:
-                self.num_prompt_tokens += batch.num_new_tokens[i]
-            if (
-                request.held
-                and seq.status == SequenceStatus.RUNNING
-                and seq.num_computed_tokens >= len(request.prompt_token_ids)
-            ):
-                self._fork(request, seq)  # before a stop can free the parent's pages
-            if slot is None:
-                continue
-            for j, (result, row) in enumerate(picks):
-                seq.num_pending -= 1
-                self.num_generated_tokens += 1
-                finish = self.output_processor.accept(seq, request, result, row, slot + j, now)
-                if finish is not None:
-                    self.scheduler.finish(seq, *finish)
-                    _drop_pending(seq)  # tokens past the stop, and a row the next step spent on it
-                    break
-            if (
-                seq.kv_compression is not None
-                and seq.status == SequenceStatus.RUNNING
-                and not request.held
-            ):
-                try:
-                    self._compress(seq)
-                except Exception as e:  # noqa: BLE001 (its policy failed: only this request ends)
-                    logger.exception("KV compression of %r failed; failing its request", seq)
-                    self._fail_request(request, f"kv_compression: {type(e).__name__}: {e}")
-            changed[request.request_id] = request
-        outputs = []
-        for request in changed.values():
-            if request.finished or not only_finished:
-                outputs.append(self.output_processor.output(request))
-            if request.finished:
-                request.metrics.finished_time = request.metrics.finished_time or now
-                self.requests.pop(request.request_id, None)  # a failed one is gone already
-        return outputs
-
-    def _compress(self, seq: Sequence) -> None:
-        """Apply the sequence's KV compression policy: drop the full pages it does not keep
-        (`minivllm_jax.engine.kv.compression`), back to the pool. Steps already dispatched read the old
-        page list and run before any later step can reuse a dropped page; later steps see the
-        shorter list, with the tokens' true positions (`Sequence.num_dropped_tokens`)."""
-        config, ps = seq.kv_compression, self.config.cache.page_size
-        known = min(seq.num_computed_tokens, len(seq) - seq.num_pending)  # tokens computed and read
-        full = (
-            known - 1 - seq.num_dropped_tokens
-        ) // ps  # full pages before the last known token's
-        if not wants_compression(config, full, ps):
-            return
-        scores = None
-        if needs_scores(config):  # waits for the steps in flight: once per page the sequence fills
-            scores = self.runner.page_scores(seq, known - 1)
-        keep = set(kept_pages(config, full, ps, scores))
-        dropped = [p for i, p in enumerate(seq.pages[:full]) if i not in keep]
-        seq.pages = [p for i, p in enumerate(seq.pages[:full]) if i in keep] + seq.pages[full:]
-        seq.page_hashes = []  # its pages no longer follow the prefix chain (commit stops too)
-        seq.num_dropped_tokens += len(dropped) * ps
-        self.page_manager.release(dropped)
-        self.num_dropped_pages += len(dropped)
-
-    def _sampled(
-        self, batch: ScheduledBatch, i: int, results: list[StepResult], start: int
-    ) -> list[tuple[StepResult, int]]:
-        """Where row `i`'s new tokens are: one per result (a multi-step batch gives several), or
-        in a verify step the samples at its last token and at each accepted draft token."""
-        draft = batch.draft(i)
-        if not draft:
-            return [(result, start if batch.drafts else i) for result in results]
-        sampled = results[0].tokens[start : start + len(draft) + 1].tolist()
-        accepted = accepted_length(draft, sampled)
-        self.num_draft_tokens += len(draft)
-        self.num_accepted_tokens += accepted
-        note_draft_result(batch.seqs[i], accepted)
-        return [(results[0], start + j) for j in range(accepted + 1)]
-
-    def _fork(self, request: RequestState, parent: Sequence) -> None:
-        """Start the held samples on the parent's computed prompt: they share its full pages by
-        refcount and compute only the last partial page (under page_size tokens) themselves,
-        which also gives each its own logits row to sample its first token from."""
-        for child in request.held:
-            self.page_manager.fork(parent, child, len(request.prompt_token_ids) - 1)
-            self.scheduler.add(child)
-        request.held = []
+        """Apply a read step to its sequences (`StepUpdate.apply`) with the engine's requests,
+        scheduler and page manager; a request whose KV compression fails is failed here."""
+        return self.step_update.apply(
+            step,
+            results,
+            self.requests,
+            self.scheduler,
+            self.page_manager,
+            self._fail_request,
+            only_finished,
+        )

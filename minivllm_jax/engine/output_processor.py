@@ -2,7 +2,7 @@
 
 The engine hands each token it reads to `OutputProcessor.accept`, which records its logprobs
 and timing, feeds the grammar and the detokenizer, and says whether the sequence stops there
-(a stop token, EOS, a stop string, a complete grammar, or a length limit); the engine then
+(a stop token, EOS, a stop string, a complete grammar, or a length limit); `StepUpdate` then
 finishes it in the scheduler. `output` builds the `RequestOutput` a caller sees. Nothing here
 touches pages, the scheduler or the device.
 """
