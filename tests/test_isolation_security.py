@@ -16,7 +16,7 @@ import stat
 import numpy as np
 import pytest
 
-from minivllm_jax.engine import kv_disk
+from minivllm_jax.engine.kv import disk as kv_disk
 from minivllm_jax.engine.kv.disk import DiskPageStore
 from minivllm_jax.engine.kv.pages import ROOT_DIGEST, page_digest
 
