@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks.lib.peers import hf_generate
 from benchmarks.quality.family_parity import (
     FAMILIES,
     GREEDY_TOKENS,
@@ -25,7 +26,6 @@ from benchmarks.quality.family_parity import (
     PAGE_SIZE,
     PROMPT_LEN,
     TINY,
-    hf_greedy,
     hf_logits,
     make_tiny_family,
     our_logits,
@@ -57,6 +57,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # FAMILIES builds them: the native kernel serves these, the reference the others. Named here,
 # not derived from the config under test, so a reader that loses a feature fails.
 PLAIN_ATTENTION = {"qwen2", "qwen3"}
+
+
+def hf_greedy(model, ids, n: int) -> list[int]:
+    """HF `generate`'s `n` greedy tokens after `ids` (no EOS stop)."""
+    ids = [int(t) for t in ids]
+    return hf_generate(model, [ids], n)[0, len(ids) :].tolist()
 
 
 @pytest.fixture(scope="module", params=NEW_FAMILIES)
