@@ -116,6 +116,24 @@ def test_registry_auto_and_forced_reference(monkeypatch):
         resolve_attention("flash")
 
 
+def test_forced_reference_is_one_rule_for_attention_and_matmul(monkeypatch):
+    """MINIVLLM_KERNELS=reference turns an explicit "native" into the reference for both ops
+    (no raise, no custom call), and both say why with the same words."""
+    from minivllm_jax.ops.matmul import matmul
+
+    monkeypatch.setenv(kernels.FORCE_REFERENCE_ENV, "reference")
+    reason = kernels.unavailable_reason()
+    assert reason is not None and kernels.FORCE_REFERENCE_ENV in reason
+    assert not kernels.native_available()
+    assert resolve_attention("native") == "reference"
+    x, w = jnp.ones((3, 64), jnp.float32), jnp.ones((64, 64), jnp.float32)
+    forced = jax.jit(functools.partial(matmul, impl="native"))
+    assert "custom_call" not in forced.lower(x, w).as_text()
+    np.testing.assert_array_equal(np.asarray(forced(x, w)), np.full((3, 64), 64.0, np.float32))
+    with pytest.raises(RuntimeError, match=f"{kernels.FORCE_REFERENCE_ENV}=reference forces"):
+        kernels.require_native("matmul", "matmul='reference'")
+
+
 @requires_smollm2
 @pytest.mark.skipif(
     not kernels.native_available(),

@@ -81,14 +81,30 @@ def _load() -> bool:
 
 def native_available() -> bool:
     """The native library is loaded and not forced off (the CPU backend only)."""
-    return not reference_forced() and jax.default_backend() == "cpu" and _load()
+    return unavailable_reason() is None
+
+
+def unavailable_reason() -> str | None:
+    """None where the native kernels serve this process, else why not (the one wording every
+    dispatcher and wrapper uses)."""
+    if reference_forced():
+        return f"{FORCE_REFERENCE_ENV}=reference forces the pure-JAX reference"
+    if jax.default_backend() != "cpu":
+        return f"the native kernels are CPU-only, and this backend is {jax.default_backend()}"
+    if not _load():
+        return "the native kernels are not built here (python -m minivllm_jax.kernels.build)"
+    return None
+
+
+@functools.cache
+def log_fallback_once(op: str, reason: str) -> None:
+    """An "auto" choice that runs the reference says why, once per op and reason."""
+    logger.info("%s='auto' runs the pure-JAX reference: %s", op, reason)
 
 
 def require_native(kernel: str, fallback: str) -> None:
     """Raise, naming the setting that avoids it, when a wrapper must call the native `kernel`
     (e.g. "matmul") and the library is not available."""
-    if not native_available():
-        raise RuntimeError(
-            f"the native {kernel} kernel is not available here (not built, not a CPU backend, or "
-            f"{FORCE_REFERENCE_ENV}=reference); use {fallback}"
-        )
+    reason = unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"the native {kernel} kernel cannot run: {reason}; use {fallback}")

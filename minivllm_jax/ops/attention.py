@@ -33,7 +33,6 @@ Nothing in it depends on how an implementation schedules its work: only these ar
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable
 
@@ -406,11 +405,6 @@ def native_unsupported(
     return native.unsupported(dtype, page_dtype(dtype, kv_cache_dtype), **extras)
 
 
-@functools.cache
-def _log_fallback(why: str) -> None:
-    logger.info("attention='auto' runs the pure-JAX reference: %s", why)
-
-
 def resolve_attention(
     name: str,
     cfg: ModelConfig | None = None,
@@ -438,11 +432,8 @@ def resolve_attention(
     why = native_unsupported(cfg, dtype, kv_cache_dtype)
     if why is None and kernels.reference_forced():
         return "reference"
-    if why is None and not kernels.native_available():
-        why = (
-            "the native kernels are not available here (not built, or not a CPU backend: "
-            "python -m minivllm_jax.kernels.build)"
-        )
+    if why is None:
+        why = kernels.unavailable_reason()
     if why is None:
         return "native"
     if name == "native":
@@ -450,7 +441,7 @@ def resolve_attention(
             f"attention='native' cannot serve this model: {why}; use attention='auto' (the "
             "native kernel where it serves, else the reference) or 'reference'"
         )
-    _log_fallback(why)
+    kernels.log_fallback_once("attention", why)
     return "reference"
 
 

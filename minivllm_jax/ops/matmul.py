@@ -10,14 +10,14 @@
   layout, an output size it does not take, the library not built) raises a ValueError naming
   why: nothing is silently served by the reference.
 - "auto": "native" where the kernels serve it, else the reference, said once in the log.
+`MINIVLLM_KERNELS=reference` turns both "auto" and "native" into the reference (debugging, A/B
+benchmarks), as it does for attention (`ops.attention.resolve_attention`).
 Everything is decided at trace time from static facts: the weight's type and layout, dtypes,
 shapes and the step's row count.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -34,8 +34,6 @@ from minivllm_jax.ops.quantization import (
     quantized_matmul_reference,
 )
 
-logger = logging.getLogger(__name__)
-
 MATMULS = ("auto", "native", "reference")
 Call = Callable[[], jax.Array]
 
@@ -45,23 +43,18 @@ def check_matmul(impl: str) -> None:
         raise ValueError(f"matmul must be one of {MATMULS}, got {impl!r}")
 
 
-@functools.cache
-def _log_once(reason: str) -> None:
-    logger.info("matmul='auto': %s; the reference serves it", reason)
-
-
 def _dispatch(impl: str, native: Call | str | None, reference: Call) -> jax.Array:
     """Run `native` (a native call, None where XLA is the faster choice, or why the kernels
     cannot serve it) or `reference`, by `impl` (the module docstring)."""
     check_matmul(impl)
-    if impl == "reference" or native is None:
+    if impl == "reference" or native is None or kernels.reference_forced():
         return reference()
-    if not isinstance(native, str) and not kernels.native_available():
-        native = f"the native kernels are not available (not built, not a CPU backend, or {kernels.FORCE_REFERENCE_ENV}=reference)"
+    if not isinstance(native, str):
+        native = kernels.unavailable_reason() or native
     if isinstance(native, str):
         if impl == "native":
             raise ValueError(f"matmul='native': {native}; use matmul='auto' or 'reference'")
-        _log_once(native)
+        kernels.log_fallback_once("matmul", native)
         return reference()
     return native()
 
