@@ -153,3 +153,39 @@ def test_engine_config_replace_routes_flat_knobs_to_their_group_and_checks_them(
         config.replace(max_num_batched_tokens=8)
     with pytest.raises(TypeError):
         config.replace(max_num_seq=8)
+
+
+def test_auto_page_count_holds_across_starts_with_slightly_different_free_memory(monkeypatch):
+    """The page count is part of every step program's shape: two starts whose free memory
+    differs by a little must size the same pool, or the program cache never loads (7,580 and
+    7,664 pages were seen in two starts of the same server)."""
+    import jax.numpy as jnp
+
+    from minivllm_jax import args as args_module
+    from minivllm_jax.config import ModelConfig
+    from minivllm_jax.ops.kv_cache import kv_bytes_per_page
+
+    cfg = ModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=128,
+    )
+    engine_args = EngineArgs(model="m", max_num_seqs=10_000)
+    page_bytes = kv_bytes_per_page(cfg, engine_args.page_size, jnp.float32)
+
+    def pages_with_free(num_pages_of_memory: int) -> int:
+        free = num_pages_of_memory * page_bytes / engine_args.kv_memory_fraction
+        monkeypatch.setattr(args_module, "available_memory_bytes", lambda: free)
+        return engine_args.auto_num_pages(cfg, 128)
+
+    assert pages_with_free(7580) == pages_with_free(7664) == 1 + 7168
+    for n in (100, 1000, 7580, 50_000):  # never more than the memory holds, at most 1/8 less
+        assert n * 7 / 8 <= pages_with_free(n) - 1 <= n
+    assert pages_with_free(1) - 1 == 128 // engine_args.page_size  # still one full sequence
