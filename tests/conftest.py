@@ -148,13 +148,18 @@ def smollm2_hf():
     return load_smollm2_hf()
 
 
+REFERENCE_TOKENS = 64  # the longest continuation a SmolLM2 parity test compares
+
+
 @pytest.fixture(scope="session")
 def smollm2_greedy():
     """`greedy(ids, n) -> (tokens, logits)`: HF `generate`'s greedy continuation of `ids` on
-    SmolLM2 (n new tokens, no EOS stop) and its logits at each step. Each (prompt, n) is
-    generated once per test session and stored in a file that the pytest-xdist workers share
-    (the one that computes it holds a lock; the others wait and read), so a worker that only
-    reads never loads the HF model: both workers built the 64-token parity references, 90 s each."""
+    SmolLM2 (n new tokens, no EOS stop) and its logits at each step. Each prompt is generated
+    once per test session, `REFERENCE_TOKENS` long (greedy decoding is causal: the first n of
+    them are the n-token continuation, so tests asking 32, 48 or 64 tokens of one prompt share
+    it), and stored in a file that the pytest-xdist workers share (the one that computes it
+    holds a lock; the others wait and read), so a worker that only reads never loads the HF
+    model: both workers built the 64-token parity references, 90 s each."""
     require_smollm2()
     import hashlib
 
@@ -165,9 +170,10 @@ def smollm2_greedy():
     root.mkdir(exist_ok=True)
 
     def greedy(ids: list[int], n: int) -> tuple[list[int], list]:
-        path = (
-            root / f"{hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest()[:32]}-{n}.npz"
-        )
+        if n > REFERENCE_TOKENS:
+            raise ValueError(f"smollm2_greedy gives at most {REFERENCE_TOKENS} tokens, not {n}")
+        digest = hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest()[:32]
+        path = root / f"{digest}-{REFERENCE_TOKENS}.npz"
         with FileLock(f"{path}.lock"):
             if not path.exists():
                 import torch
@@ -175,7 +181,7 @@ def smollm2_greedy():
                 with torch.no_grad():
                     out = load_smollm2_hf().generate(
                         torch.tensor([ids]),
-                        max_new_tokens=n,
+                        max_new_tokens=REFERENCE_TOKENS,
                         do_sample=False,
                         eos_token_id=None,
                         pad_token_id=0,
@@ -189,7 +195,7 @@ def smollm2_greedy():
                     )
                 path.with_suffix(".tmp").rename(path)
             with np.load(path) as data:
-                return data["tokens"].tolist(), list(data["logits"])
+                return data["tokens"][:n].tolist(), list(data["logits"][:n])
 
     return greedy
 

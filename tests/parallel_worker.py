@@ -35,13 +35,13 @@ def engines(model: str) -> dict:
     out = {}
     for tp, dp in [(1, 1), (4, 1), (1, 2), (2, 2)]:
         llm = LLM(model, tensor_parallel_size=tp, data_parallel_size=dp, **ENGINE)
-        warm = [e.num_compiles for e in llm.engines]
+        warm = [e.stats().compiles for e in llm.engines]
         tokens = greedy(llm)
         out[f"{tp}x{dp}"] = {
             "tokens": tokens,
             "warm_compiles": warm,
-            "compiles_after": [e.num_compiles for e in llm.engines],
-            "requests_per_replica": [e.num_generated_tokens // TOKENS for e in llm.engines],
+            "compiles_after": [e.stats().compiles for e in llm.engines],
+            "requests_per_replica": [e.stats().generated_tokens // TOKENS for e in llm.engines],
             "cache_devices": [
                 sorted(d.id for d in e.runner.cache.k.sharding.device_set) for e in llm.engines
             ],
@@ -79,7 +79,7 @@ def server(model: str) -> dict:
         "reference": [
             o.outputs[0].text for o in llm.generate(PROMPTS, _greedy_params(), use_tqdm=False)
         ],
-        "tokens_per_replica": [e.num_generated_tokens for e in llm.engines],
+        "tokens_per_replica": [e.stats().generated_tokens for e in llm.engines],
         "metrics_compiles": [
             line for line in metrics.splitlines() if line.startswith("minivllm_compiles")
         ],
@@ -121,7 +121,11 @@ def process(model: str, coordinator: str, num: int, pid: int) -> dict:
         return {"followed": True, "devices": jax.device_count()}
     tokens = greedy(llm)
     llm.shutdown()
-    return {"tokens": tokens, "devices": jax.device_count(), "compiles": llm.engine.num_compiles}
+    return {
+        "tokens": tokens,
+        "devices": jax.device_count(),
+        "compiles": llm.engine.stats().compiles,
+    }
 
 
 def smollm2() -> dict:

@@ -95,7 +95,7 @@ def test_async_outputs_equal_sync(engines):
 
     fast.engine.runner.prepare = spy
     try:
-        compiles = fast.engine.num_compiles, sync.engine.num_compiles
+        compiles = fast.engine.stats().compiles, sync.engine.stats().compiles
         preemptions = fast.engine.scheduler.num_preemptions, sync.engine.scheduler.num_preemptions
         got = fast.generate([p for p, _ in WORKLOAD], [s for _, s in WORKLOAD], use_tqdm=False)
         want = sync.generate([p for p, _ in WORKLOAD], [s for _, s in WORKLOAD], use_tqdm=False)
@@ -107,7 +107,7 @@ def test_async_outputs_equal_sync(engines):
     assert fast.engine.scheduler.num_preemptions > preemptions[0]  # the workload did preempt
     assert sync.engine.scheduler.num_preemptions > preemptions[1]
     for llm, before in zip(engines, compiles):
-        assert llm.engine.num_compiles == before
+        assert llm.engine.stats().compiles == before
         assert llm.engine.page_manager.num_free_pages == NUM_PAGES - 1
         assert llm.engine.requests == {} and not llm.engine.has_unfinished()
 

@@ -235,7 +235,7 @@ def test_prefix_cache_keeps_a_round_to_about_a_page_of_prefill_a_beam(tiny, monk
         "add_request",
         lambda ids, *a, **kw: lengths.append(len(ids)) or add_request(ids, *a, **kw),
     )
-    before = engine.num_prompt_tokens
+    before = engine.stats().prompt_tokens
     prompt = [
         40,
         41,
@@ -259,7 +259,7 @@ def test_prefix_cache_keeps_a_round_to_about_a_page_of_prefill_a_beam(tiny, monk
         58,
     ]  # 2.5 pages of 8
     llm.beam_search([prompt], BeamSearchParams(2, 12, ignore_eos=True))
-    prefilled = engine.num_prompt_tokens - before
+    prefilled = engine.stats().prompt_tokens - before
     page = engine.config.cache.page_size
     assert len(lengths) > 12  # 12 rounds, two beams after the first
     assert (

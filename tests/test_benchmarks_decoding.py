@@ -36,14 +36,8 @@ def test_decoding_quick(tiny_chat_model, tmp_path):
     assert multi["identical_tokens"] is True  # k decode steps in one program: the same tokens
     assert set(multi) >= {"k_1", "k_4", "k_8", "bound_tok_s", "weight_bytes_per_token"}
     spec = r["speculative"]
-    assert set(spec) == {
-        "grounded_batch_1",
-        "grounded_batch_8",
-        "chat_batch_1",
-        "chat_batch_8",
-        "grounded_batch_1_int8",
-        "chat_batch_1_int8",
-    }
+    # --quick runs the grounded workload only (the chat one takes the same paths)
+    assert set(spec) == {"grounded_batch_1", "grounded_batch_8", "grounded_batch_1_int8"}
     for key, row in spec.items():
         assert row["identical_tokens"] is True, key  # greedy speculation keeps the tokens
         assert row["ngram"]["output_tokens"] == row["off"]["output_tokens"] > 0, key

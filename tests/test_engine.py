@@ -86,7 +86,7 @@ def test_pages_return_after_abort(llm):
 
 
 def test_no_compiles_after_warmup(llm):
-    before = llm.engine.num_compiles
+    before = llm.engine.stats().compiles
     rng = np.random.default_rng(0)
     for _ in range(20):
         n = int(rng.integers(1, 9))
@@ -105,7 +105,7 @@ def test_no_compiles_after_warmup(llm):
             for _ in range(n)
         ]
         llm.generate(prompts, params, use_tqdm=False)
-    assert llm.engine.num_compiles == before
+    assert llm.engine.stats().compiles == before
 
 
 def test_seed_reproducible_regardless_of_batch_mates(llm):

@@ -40,6 +40,7 @@ def llm(tiny_model_with_tokenizer):
         max_model_len=128,
         num_pages=NUM_PAGES,
         use_tqdm=False,
+        warmup=False,  # compiles what it runs: no test here counts programs
     )
 
 
@@ -164,7 +165,7 @@ def test_host_error_propagates_and_recover_clears_the_engine(llm, monkeypatch):
     def broken(*args):
         raise KeyError("scheduler bug")
 
-    monkeypatch.setattr(engine, "_process", broken)
+    monkeypatch.setattr(engine.step_update, "apply", broken)
     with pytest.raises(KeyError, match="scheduler bug"):  # only device steps are isolated
         engine.step()
     monkeypatch.undo()
@@ -240,7 +241,7 @@ def test_server_restarts_a_crashed_engine_loop(llm, monkeypatch):
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=20)
     expected = alone(llm, GOOD[1], params).outputs[0].text
-    real_process, crashes = engine._process, []
+    real_process, crashes = engine.step_update.apply, []
 
     def process_crashing_once(step, result, *args):
         if not crashes and len(engine.requests) == 2:  # both requests are in flight
@@ -248,7 +249,7 @@ def test_server_restarts_a_crashed_engine_loop(llm, monkeypatch):
             raise KeyError("host bug")  # not from the runner: it escapes step()
         return real_process(step, result, *args)
 
-    monkeypatch.setattr(engine, "_process", process_crashing_once)
+    monkeypatch.setattr(engine.step_update, "apply", process_crashing_once)
     inject_fault(engine, monkeypatch, delay_s=0.003)  # no MARK prompt here: only slows steps down
     app = create_app(llm, model_name="tiny")
     state = app.state.minivllm

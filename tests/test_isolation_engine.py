@@ -423,11 +423,11 @@ def test_request_compression_refused_across_processes(llm, monkeypatch):
 
 def test_allowed_request_compression_compiles_nothing_after_warmup(llm):
     engine = llm.engine
-    compiles, dropped = engine.num_compiles, engine.num_dropped_pages
+    compiles, dropped = engine.stats().compiles, engine.stats().dropped_pages
     out = run_all(engine, [ids(52, 10)], [greedy(100, kv_compression=SCORES)])[0]
     assert out.error is None and len(out.outputs[0].token_ids) == 100
-    assert engine.num_dropped_pages > dropped  # the policy ran ...
-    assert engine.num_compiles == compiles  # ... on the programs warm-up compiled
+    assert engine.stats().dropped_pages > dropped  # the policy ran ...
+    assert engine.stats().compiles == compiles  # ... on the programs warm-up compiled
     assert_idle(engine)
 
 

@@ -270,7 +270,7 @@ def test_compressed_generation_runs_in_constant_pages(llm, policy):  # noqa: F81
     kept = 1 + 2 if policy is WINDOW else 5  # full pages kept: sinks + window, or the budget
     steady = held[len(held) // 2 :]
     assert max(steady) <= kept + 2  # + the partial page and the one the next token may open
-    assert max(held) <= kept + 2 and engine.num_dropped_pages >= (20 + 340) // PAGE - kept - 2
+    assert max(held) <= kept + 2 and engine.stats().dropped_pages >= (20 + 340) // PAGE - kept - 2
     assert_idle(engine)
 
 
@@ -289,7 +289,7 @@ def test_compression_is_per_request_and_leaves_other_rows_alone(llm):  # noqa: F
         4 * PAGE - 30
     )  # 4 full pages exist before the sink page + 2 window pages are exceeded
     assert got[0].outputs[0].token_ids[:first_drop] == solo[0].outputs[0].token_ids[:first_drop]
-    assert engine.num_dropped_pages > 0
+    assert engine.stats().dropped_pages > 0
     assert_idle(engine)
 
 
@@ -298,7 +298,7 @@ def test_short_generation_under_a_policy_is_unchanged(llm):  # noqa: F811
     want = run_all(side_engine(llm), prompts, [greedy(20)] * 3)
     engine = side_engine(llm, kv_compression=WINDOW)
     assert_same_tokens(run_all(engine, prompts, [greedy(20)] * 3), want)
-    assert engine.num_dropped_pages == 0
+    assert engine.stats().dropped_pages == 0
 
 
 def test_bad_compression_config_is_an_error():

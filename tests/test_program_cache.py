@@ -100,6 +100,7 @@ def test_engine_warm_start_loads_every_program(tiny_model_with_tokenizer, tmp_pa
     kwargs = dict(
         max_num_seqs=4,
         max_model_len=128,
+        max_num_batched_tokens=32,  # six step programs, not ten: what a start does is the same
         num_pages=24,
         use_tqdm=False,
         compilation_cache_dir=str(tmp_path),
@@ -111,14 +112,20 @@ def test_engine_warm_start_loads_every_program(tiny_model_with_tokenizer, tmp_pa
         SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True),
     ]
     cold = LLM(str(tiny_model_with_tokenizer), **kwargs)
-    assert cold.engine.num_programs_loaded == 0 and cold.engine.num_compiles > 0
+    assert cold.engine.stats().programs_loaded == 0 and cold.engine.stats().compiles > 0
     expected = [o.outputs[0].token_ids for o in cold.generate(prompts, params, use_tqdm=False)]
     warm = LLM(str(tiny_model_with_tokenizer), **kwargs)
-    assert warm.engine.num_programs_loaded == warm.engine.num_compiles == cold.engine.num_compiles
+    assert (
+        warm.engine.stats().programs_loaded
+        == warm.engine.stats().compiles
+        == cold.engine.stats().compiles
+    )
     assert [
         o.outputs[0].token_ids for o in warm.generate(prompts, params, use_tqdm=False)
     ] == expected
-    assert warm.engine.num_compiles == cold.engine.num_compiles  # nothing compiled after warm-up
+    assert (
+        warm.engine.stats().compiles == cold.engine.stats().compiles
+    )  # nothing compiled after warm-up
 
 
 XLA_CACHE_SCRIPT = """

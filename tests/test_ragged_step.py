@@ -77,7 +77,7 @@ def run_with_traffic(llm, target_prompt, target_params, others):
 def test_tokens_do_not_depend_on_mixed_step_mates(llm, params):
     prompt = ids(1, 30)
     alone = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
-    before = llm.engine.num_compiles
+    before = llm.engine.stats().compiles
     others = [
         (
             ids(10 + i, n),
@@ -90,7 +90,7 @@ def test_tokens_do_not_depend_on_mixed_step_mates(llm, params):
     assert len(mixed) >= 3  # it decoded beside prompt chunks, some of them chunk continuations
     assert any(c > 0 for _, ctx in mixed for c in ctx)
     assert mixed_tokens == alone
-    assert llm.engine.num_compiles == before
+    assert llm.engine.stats().compiles == before
 
 
 def test_streams_keep_decoding_while_a_long_prompt_prefills(llm):

@@ -97,7 +97,7 @@ def test_same_outputs_with_and_without_speculation(model_dir):
     expected = _summary(_llm(model_dir, warmup=False).generate(PROMPTS, PARAMS, use_tqdm=False))
     llm = _llm(model_dir, NGRAM)
     engine = llm.engine
-    compiled, free = engine.num_compiles, engine.page_manager.num_free_pages
+    compiled, free = engine.stats().compiles, engine.page_manager.num_free_pages
     got = _summary(llm.generate(PROMPTS, PARAMS, use_tqdm=False))
     for want, have in zip(
         expected, got
@@ -109,8 +109,11 @@ def test_same_outputs_with_and_without_speculation(model_dir):
                     assert a.keys() == b.keys() and np.allclose(
                         list(a.values()), list(b.values()), atol=1e-4
                     )
-    assert engine.num_accepted_tokens > 0 and engine.num_draft_tokens > engine.num_accepted_tokens
-    assert engine.num_compiles == compiled  # the verify buckets are in the warm-up
+    assert (
+        engine.stats().accepted_tokens > 0
+        and engine.stats().draft_tokens > engine.stats().accepted_tokens
+    )
+    assert engine.stats().compiles == compiled  # the verify buckets are in the warm-up
     assert engine.page_manager.num_free_pages == free and sum(engine.page_manager.refcount) == 0
 
 
@@ -137,7 +140,7 @@ def test_speculation_backs_off_when_nothing_repeats(model_dir):
     while engine.has_unfinished():
         lookups += engine.scheduler.wants_draft(seq) and not seq.is_finished
         engine.step()
-    assert engine.num_draft_tokens == 0 and 0 < lookups < 10 and seq.spec_backoff > 1
+    assert engine.stats().draft_tokens == 0 and 0 < lookups < 10 and seq.spec_backoff > 1
 
 
 def test_no_drafts_while_more_sequences_run_than_disable_by_batch_size(model_dir):
@@ -150,9 +153,9 @@ def test_no_drafts_while_more_sequences_run_than_disable_by_batch_size(model_dir
     assert [
         o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], greedy, use_tqdm=False)
     ] == expected
-    assert engine.num_draft_tokens == 0  # two ran together all along
+    assert engine.stats().draft_tokens == 0  # two ran together all along
     assert llm.generate(PROMPTS[:1], greedy, use_tqdm=False)[0].outputs[0].token_ids == expected[0]
-    assert engine.num_draft_tokens > 0  # alone, it speculates
+    assert engine.stats().draft_tokens > 0  # alone, it speculates
 
 
 def test_backoff_doubles_on_misses_and_resets_on_acceptance():
@@ -209,8 +212,8 @@ def test_sampled_outputs_keep_the_model_distribution(tmp_path):
         for o in llm.generate([prompt] * n, params, use_tqdm=False)
     ]
     assert (
-        llm.engine.num_accepted_tokens > 100
-        and llm.engine.num_draft_tokens > llm.engine.num_accepted_tokens
+        llm.engine.stats().accepted_tokens > 100
+        and llm.engine.stats().draft_tokens > llm.engine.stats().accepted_tokens
     )
 
     def top3(ids):  # the model's top-3 next tokens and their renormalized probabilities

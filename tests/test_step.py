@@ -123,8 +123,8 @@ def test_one_program_per_bucket_no_separate_sampler(llm):
     """The warm-up compiles one program per step shape plus the penalty-row loader, and a run
     mixing greedy, sampled, penalized and logprob rows compiles nothing more."""
     cfg = llm.engine.config
-    assert llm.engine.num_compiles == len(cfg.scheduler.step_shapes()) + 1
-    before = llm.engine.num_compiles
+    assert llm.engine.stats().compiles == len(cfg.scheduler.step_shapes()) + 1
+    before = llm.engine.stats().compiles
     llm.generate(
         [ids(20, 30), ids(21, 70)],
         [
@@ -133,4 +133,4 @@ def test_one_program_per_bucket_no_separate_sampler(llm):
         ],
         use_tqdm=False,
     )
-    assert llm.engine.num_compiles == before
+    assert llm.engine.stats().compiles == before

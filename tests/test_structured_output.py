@@ -162,6 +162,11 @@ QUESTIONS = {
 }
 
 
+# The module's SmolLM2 engine warms up 11 programs: its tests stay on one pytest-xdist worker
+# (`--dist loadgroup` in the Makefile), so the engine is built once, not once per worker.
+pytestmark = pytest.mark.xdist_group("structured_output_smollm2")
+
+
 @pytest.fixture(scope="module")
 def llm():
     from tests.conftest import require_smollm2
@@ -186,7 +191,7 @@ def test_json_schemas_mixed_with_unconstrained_rows(llm):
     """Every constrained output parses and validates, greedy and sampled (n=2), in one batch
     with unconstrained rows whose tokens are those of a run without any constraint; nothing
     compiles after warm-up."""
-    compiles = llm.engine.num_compiles
+    compiles = llm.engine.stats().compiles
     plain_prompts = [chat(llm, "Write one sentence about the sea."), "The capital of France is"]
     plain = SamplingParams(temperature=0.0, max_tokens=24)
     prompts, params = [], []
@@ -209,7 +214,7 @@ def test_json_schemas_mixed_with_unconstrained_rows(llm):
             jsonschema.validate(json.loads(c.text), SCHEMAS[name])
             checked += 1
     assert checked == 12
-    assert llm.engine.num_compiles == compiles
+    assert llm.engine.stats().compiles == compiles
     assert llm.engine.page_manager.num_free_pages == llm.engine.config.cache.num_pages - 1
 
 

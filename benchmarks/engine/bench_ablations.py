@@ -170,7 +170,7 @@ class Bench:
             run_requests(llm.engine, wl.prompts, greedy_params([min(o, 8) for o in wl.output_lens]))
             print(
                 f"  engine {dict(key) or 'base'}: ready in {time.perf_counter() - start:.1f} s "
-                f"({llm.engine.num_compiles} programs)",
+                f"({llm.engine.stats().compiles} programs)",
                 flush=True,
             )
             self._llms[key] = llm
@@ -217,7 +217,7 @@ class Bench:
         fresh_host_state(engine, contiguous, **knobs)
         counter = self._counters[id(llm)]
         counter.reset()
-        compiles = engine.num_compiles
+        compiles = engine.stats().compiles
         peak = 0
 
         def on_step(e) -> None:
@@ -230,7 +230,7 @@ class Bench:
             "padding": counter.summary(),
             "peak_running": peak,
             "preemptions": engine.stats().preemptions,
-            "compiles_during_run": engine.num_compiles - compiles,
+            "compiles_during_run": engine.stats().compiles - compiles,
             "scheduler": _scheduler_config(engine, **knobs).knobs(),
         }
         return metrics, run.token_ids

@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     rec = Recorder(engine)
     while min(len(rec.tokens.get(s, [])) for s in streams) < 4:  # prefilled, a few decodes
         rec.step()
-    compiles_before = engine.num_compiles
+    compiles_before = engine.stats().compiles
 
     t0 = time.monotonic()  # phase 1: the streams alone
     for _ in range(args.warm_steps):
@@ -238,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         "engine": engine_facts(cfg, "target_tpot_ms"),
         "git": git_state(),
         "warmup_s": llm.warmup_seconds,
-        "num_compiles": engine.num_compiles,
-        "compiles_during_timed": engine.num_compiles - compiles_before,
+        "num_compiles": engine.stats().compiles,
+        "compiles_during_timed": engine.stats().compiles - compiles_before,
         "num_preemptions": engine.stats().preemptions,
         "streams_outlasted": alive == len(streams),
         "phase1": phase1,

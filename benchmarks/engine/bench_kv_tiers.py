@@ -110,7 +110,7 @@ def preemption(args: argparse.Namespace) -> dict[str, Any]:
         )
         print(
             f"preemption {mode:>9}: {run.elapsed_s:6.1f} s, {rows[-1]['preemptions']} preemptions, "
-            f"{rows[-1]['swap_outs']} swaps, {engine.num_prompt_tokens} prompt tokens computed",
+            f"{rows[-1]['swap_outs']} swaps, {engine.stats().prompt_tokens} prompt tokens computed",
             flush=True,
         )
         del engine

@@ -147,19 +147,19 @@ def run_ours(
     warm = fresh_prompts(work, args.seed + 10_000, vocab_hi)[: max(args.concurrency)]
     engine_closed_loop(llm, warm, [4] * len(warm), max(args.concurrency))
 
-    levels, compiles_before = [], llm.engine.num_compiles
+    levels, compiles_before = [], llm.engine.stats().compiles
     for c in args.concurrency:
-        before = llm.engine.num_compiles
+        before = llm.engine.stats().compiles
         records, wall = engine_closed_loop(llm, level_prompts[c], work.output_lens, c)
         levels.append(summarize_level(args, "ours", c, records, wall))
-        levels[-1]["compiles_during_run"] = llm.engine.num_compiles - before
+        levels[-1]["compiles_during_run"] = llm.engine.stats().compiles - before
     cfg = llm.engine.config
     return {
         "engine": engine_facts(cfg, "enable_prefix_caching"),
         "startup_s": startup_s,
         "warmup_s": llm.warmup_seconds,
-        "num_compiles": llm.engine.num_compiles,
-        "compiles_during_timed": llm.engine.num_compiles - compiles_before,
+        "num_compiles": llm.engine.stats().compiles,
+        "compiles_during_timed": llm.engine.stats().compiles - compiles_before,
         "levels": levels,
     }
 

@@ -231,7 +231,7 @@ def measure_ours(args: argparse.Namespace) -> dict[str, Any]:
     assert measured_pool == cfg.cache.num_pages * per_page, (measured_pool, per_page)
     pages = [s["pages_used"] for s in timeline.samples]
     capacity = (cfg.cache.num_pages - 1) * cfg.cache.page_size  # tokens: page 0 is scratch
-    tiers = engine.tier_stats()
+    tiers = engine.stats().tiers()
     frag = fragmentation(
         timeline.samples, [cfg.cache.page_size, *args.page_sizes], cfg.max_model_len
     )

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         run = {
             "tokens": [o.outputs[0].token_ids for o in outs],
             "tok_s": len(PROMPTS) * args.tokens / seconds,
-            "compiles_after_warmup": llm.engine.num_compiles - len(shapes) - 1,
+            "compiles_after_warmup": llm.engine.stats().compiles - len(shapes) - 1,
         }
         if tp > 1:
             steps = {}

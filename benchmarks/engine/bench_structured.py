@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             engine, [(prompts[i : i + batch], params[i : i + batch]) for i in groups]
         )
 
-    warm_compiles = engine.num_compiles
+    warm_compiles = engine.stats().compiles
     mask_seconds = [0.0, 0]  # host time filling masks, masks filled
     fill = Grammar.fill_bitmask
 
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "tokenizer_view_ms": tokenizer_ms,
         "compile": compile_ms,
         "example": example,
-        "compiles_after_warmup": engine.num_compiles - warm_compiles,
+        "compiles_after_warmup": engine.stats().compiles - warm_compiles,
     }
     out = write_result(result, args.out)
     fig, axes = new_figure()

@@ -92,7 +92,7 @@ def run_ours(args: argparse.Namespace, dtype: str, wl: Workload) -> dict[str, An
         SamplingParams(temperature=args.temperature, max_tokens=o, ignore_eos=True, seed=i)
         for i, o in enumerate(wl.output_lens)
     ]
-    compiles = llm.engine.num_compiles
+    compiles = llm.engine.stats().compiles
     with EnergyMeter() as meter:
         outs = llm.generate(wl.prompts, params, use_tqdm=False)
     elapsed = meter.elapsed_s
@@ -102,7 +102,7 @@ def run_ours(args: argparse.Namespace, dtype: str, wl: Workload) -> dict[str, An
         "startup_s": startup,
         "warmup_s": llm.warmup_seconds,
         "compiled_programs": compiles,
-        "compiles_during_run": llm.engine.num_compiles - compiles,
+        "compiles_during_run": llm.engine.stats().compiles - compiles,
         "preemptions": llm.engine.stats().preemptions,
         "num_pages": llm.engine.config.cache.num_pages,
         **rates(elapsed, wl.input_tokens, produced),

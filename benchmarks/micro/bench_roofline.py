@@ -145,7 +145,7 @@ def measure_engine(
     return {
         "decode_tok_s": statistics.median(rates),
         "runs_tok_s": rates,
-        "compiled_programs": engine.num_compiles,
+        "compiled_programs": engine.stats().compiles,
         "token_ids": ids,
     }
 

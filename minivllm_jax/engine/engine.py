@@ -28,7 +28,7 @@ from minivllm_jax.engine.input_processor import InputProcessor
 from minivllm_jax.engine.kv.pages import PageManager, check_cache_salt
 from minivllm_jax.engine.kv.tiers import FailedMoves, KVTiers
 from minivllm_jax.engine.output_processor import OutputProcessor, RequestState
-from minivllm_jax.engine.runner import ModelRunner, PendingStep, RowsFailed, StepResult
+from minivllm_jax.engine.runner import ModelRunner, PendingStep, RowsFailed
 from minivllm_jax.engine.sched_output import PageMoves, ScheduledBatch
 from minivllm_jax.engine.scheduler import Scheduler
 from minivllm_jax.engine.sequence import Sequence
@@ -101,39 +101,6 @@ class LLMEngine:
         self._step_listeners: list[Callable[[StepEvent], None]] = []
 
     @property
-    def num_generated_tokens(self) -> int:
-        return self.step_update.num_generated_tokens
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        """Prompt tokens computed (a recomputed prompt counts again)."""
-        return self.step_update.num_prompt_tokens
-
-    @property
-    def num_draft_tokens(self) -> int:
-        """Speculative decoding: draft tokens proposed and verified."""
-        return self.step_update.num_draft_tokens
-
-    @property
-    def num_accepted_tokens(self) -> int:
-        """Of `num_draft_tokens`, those accepted."""
-        return self.step_update.num_accepted_tokens
-
-    @property
-    def num_dropped_pages(self) -> int:
-        """KV compression: pages dropped by a policy."""
-        return self.step_update.num_dropped_pages
-
-    @property
-    def num_compiles(self) -> int:
-        return self.runner.num_compiles
-
-    @property
-    def num_programs_loaded(self) -> int:
-        """Of `num_compiles`, the programs loaded whole from the program cache (warm start)."""
-        return self.runner.num_loaded
-
-    @property
     def params(self) -> ServingParams:
         """The loaded params, in the serving layout the runner holds them."""
         return self.runner.params
@@ -154,21 +121,27 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """A snapshot of the queues, the KV pages and the counters (`EngineStats`)."""
-        sched, pm, pool = self.scheduler, self.page_manager, self.scheduler.swap_pool
+        sched, pm, pool, counts = (
+            self.scheduler,
+            self.page_manager,
+            self.scheduler.swap_pool,
+            self.step_update,
+        )
         return EngineStats(
             running=len(sched.running),
             waiting=len(sched.waiting),
             free_pages=pm.num_free_pages,
             usable_pages=pm.num_usable_pages,
-            generated_tokens=self.num_generated_tokens,
-            prompt_tokens=self.num_prompt_tokens,
-            compiles=self.num_compiles,
-            programs_loaded=self.num_programs_loaded,
+            generated_tokens=counts.num_generated_tokens,
+            prompt_tokens=counts.num_prompt_tokens,
+            compiles=self.runner.num_compiles,
+            programs_loaded=self.runner.num_loaded,
             preemptions=sched.num_preemptions,
             steps=self.num_steps,
-            draft_tokens=self.num_draft_tokens,
-            accepted_tokens=self.num_accepted_tokens,
-            **self.tier_stats(),
+            draft_tokens=counts.num_draft_tokens,
+            accepted_tokens=counts.num_accepted_tokens,
+            **self.tiers.stats(pm),
+            dropped_pages=counts.num_dropped_pages,
             requests=len(self.requests),
             swapped=sum(seq.swapped is not None for seq in sched.waiting),
             cached_pages=len(pm.cached),
@@ -221,10 +194,6 @@ class LLMEngine:
         the live sequences hold (tests call it after every fault)."""
         self.page_manager.check(self.scheduler.running + self.scheduler.waiting)
         self.scheduler.check_accounting()
-
-    def tier_stats(self) -> dict[str, int]:
-        """Where KV lives and moves (`KVTiers.stats`) and the pages compression dropped."""
-        return {**self.tiers.stats(self.page_manager), "dropped_pages": self.num_dropped_pages}
 
     def close(self) -> None:
         """A clean shutdown: the cached pages go to the disk tier, if there is one (`KVTiers.close`)."""
@@ -444,7 +413,16 @@ class LLMEngine:
         batch = step.batch
         self.scheduler.costs.observe(batch.num_tokens, (ready - start) / batch.num_steps)
         self._last_ready = ready
-        outputs = self._process(step, results, only_finished)
+        # A request whose KV compression fails is failed by `_fail_request`.
+        outputs = self.step_update.apply(
+            step,
+            results,
+            self.requests,
+            self.scheduler,
+            self.page_manager,
+            self._fail_request,
+            only_finished,
+        )
         if self._step_listeners:
             event = step.event(start, ready)
             for listener in self._step_listeners:
@@ -485,18 +463,3 @@ class LLMEngine:
         self._compiling.clear()
         self.runner.reset_cache_if_lost()
         faults.reset_accounting(sched, self.page_manager)
-
-    def _process(
-        self, step: InFlight, results: list[StepResult], only_finished: bool = False
-    ) -> list[RequestOutput]:
-        """Apply a read step to its sequences (`StepUpdate.apply`) with the engine's requests,
-        scheduler and page manager; a request whose KV compression fails is failed here."""
-        return self.step_update.apply(
-            step,
-            results,
-            self.requests,
-            self.scheduler,
-            self.page_manager,
-            self._fail_request,
-            only_finished,
-        )

@@ -43,6 +43,12 @@ class EngineStats:
     swap_recomputes: int = 0  # preemptions the swap pool could not take (recomputed instead)
     swap_bytes_per_second: float = 0.0  # the swap copy rate measured at warm-up (0: no pool)
 
+    def tiers(self) -> dict[str, int]:
+        """The fields from `swap_pages` to `dropped_pages`: where KV lives and moves."""
+        names = [f.name for f in dataclasses.fields(self)]
+        tier_names = names[names.index("swap_pages") : names.index("dropped_pages") + 1]
+        return {name: getattr(self, name) for name in tier_names}
+
     @property
     def used_pages(self) -> int:
         """KV pages held by sequences (the memory tier)."""
