@@ -16,7 +16,6 @@ import pytest
 
 from minivllm_jax import LLM, kernels
 from minivllm_jax.kernels import ragged_paged_attention as native_kernel
-from minivllm_jax.ops import attention
 from minivllm_jax.ops.attention import ATTENTION, get_attention, resolve_attention
 from minivllm_jax.ops.batch import Chunk, build_step_batch
 from minivllm_jax.ops.kv_cache import KVCache
@@ -193,11 +192,11 @@ def test_native_is_refused_for_16_bit_activations_and_auto_falls_back_once(
         "use attention='auto'",
     ):
         resolve_attention("native", None, dtype)
-    attention._log_fallback.cache_clear()
-    with caplog.at_level(logging.INFO, logger=attention.__name__):
+    kernels.log_fallback_once.cache_clear()
+    with caplog.at_level(logging.INFO, logger=kernels.__name__):
         for _ in range(2):
             assert resolve_attention("auto", None, dtype) == "reference"
-    fallbacks = [r.getMessage() for r in caplog.records if r.name == attention.__name__]
+    fallbacks = [r.getMessage() for r in caplog.records if r.name == kernels.__name__]
     assert len(fallbacks) == 1 and f"{dtype} activations" in fallbacks[0], fallbacks
     assert resolve_attention("auto", None, dtype, "int8") == "reference"
     served = "native" if kernels.native_available() else "reference"

@@ -350,12 +350,10 @@ def test_checkpoints_keep_their_on_disk_names(tmp_path):
 def test_matmul_auto_says_once_why_the_reference_serves(caplog):
     """'auto' runs the reference where the kernels cannot serve a weight (here: not in the panel
     layout) and logs why once, however often it is traced; 'native' raises instead."""
-    from minivllm_jax.ops import matmul as matmul_module
-
-    matmul_module._log_once.cache_clear()
+    kernels.log_fallback_once.cache_clear()
     w = quantize_int8(np.random.default_rng(3).standard_normal((64, 64)).astype(np.float32))
     x = jax.numpy.ones((2, 64), np.float32)
-    with caplog.at_level(logging.INFO, logger=matmul_module.__name__):
+    with caplog.at_level(logging.INFO, logger=kernels.__name__):
         for _ in range(3):
             np.testing.assert_array_equal(
                 np.asarray(matmul(x, w, "auto")), np.asarray(matmul(x, w, "reference"))
