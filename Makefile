@@ -34,13 +34,14 @@ run: setup
 # --durations: the slowest tests in the log, to keep the suite inside CI's time. Two workers
 # (pytest-xdist): much of the suite is single-threaded XLA compiles, so two cores take 0.8x the
 # time of one worker (1,111 against about 1,330 s here). TEST_WORKERS=0 runs in one process.
-# --dist loadgroup: a module marked `xdist_group` runs on one worker, so its costly module-scoped
-# engine is built once.
+# --dist loadfile: each test file runs on one worker, so a module-scoped engine (SmolLM2's warm-up
+# is 30-50 s) is built once. Per-test scheduling split most modules over both workers, and each
+# worker built the module's engine again.
 TEST_WORKERS ?= 2
 test: setup $(BROWSER_STAMP)
 	$(PY) -m ruff check --quiet .
 	$(PY) -m ruff format --check --quiet .
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 # Debian's chromium and chromium-driver, for the chat page test (tests/test_chat_page.py drives
 # them through Selenium). Installed with apt-get when missing and we are root (about 35 s here);

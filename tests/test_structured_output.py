@@ -162,11 +162,6 @@ QUESTIONS = {
 }
 
 
-# The module's SmolLM2 engine warms up 11 programs: its tests stay on one pytest-xdist worker
-# (`--dist loadgroup` in the Makefile), so the engine is built once, not once per worker.
-pytestmark = pytest.mark.xdist_group("structured_output_smollm2")
-
-
 @pytest.fixture(scope="module")
 def llm():
     from tests.conftest import require_smollm2
