@@ -244,6 +244,26 @@ TINY_LLAMA = dict(
 )
 
 
+def tiny_model_config(**overrides):
+    """A small `ModelConfig` for tests that need shapes, not a checkpoint (64 tokens, 2 layers,
+    4 query and 2 KV heads of 16)."""
+    from minivllm_jax.config import ModelConfig
+
+    defaults = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=128,
+    )
+    return ModelConfig(**{**defaults, **overrides})
+
+
 def make_tiny_llama(path, seed: int = 0, **overrides):
     """Save a random tiny `LlamaForCausalLM` to `path`; returns the torch model (eval, float32)."""
     import torch

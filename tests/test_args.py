@@ -162,21 +162,10 @@ def test_auto_page_count_holds_across_starts_with_slightly_different_free_memory
     import jax.numpy as jnp
 
     from minivllm_jax import args as args_module
-    from minivllm_jax.config import ModelConfig
     from minivllm_jax.ops.kv_cache import kv_bytes_per_page
+    from tests.conftest import tiny_model_config
 
-    cfg = ModelConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        max_position_embeddings=128,
-    )
+    cfg = tiny_model_config()
     engine_args = EngineArgs(model="m", max_num_seqs=10_000)
     page_bytes = kv_bytes_per_page(cfg, engine_args.page_size, jnp.float32)
 

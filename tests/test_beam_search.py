@@ -10,24 +10,13 @@ import numpy as np
 import pytest
 
 from minivllm_jax import LLM, BeamSearchParams, SamplingParams
-from minivllm_jax.config import ModelConfig
 from minivllm_jax.engine.decoding.beam_search import MAX_BEAM_WIDTH, BeamSearchState
 from minivllm_jax.engine.kv.pages import PageManager
 from minivllm_jax.engine.sequence import Sequence
 from minivllm_jax.ops.kv_cache import SCRATCH_PAGE, copy_pages, init_kv_cache
+from tests.conftest import tiny_model_config
 
-CFG = ModelConfig(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-    max_position_embeddings=128,
-)
+CFG = tiny_model_config()
 
 
 def hf_beams(

@@ -12,21 +12,10 @@ import pytest
 
 from minivllm_jax import LLM, SamplingParams
 from minivllm_jax.args import EngineArgs
-from minivllm_jax.config import ModelConfig
 from minivllm_jax.ops.kv_cache import as_stored, init_kv_cache, kv_bytes_per_token, write_kv
+from tests.conftest import tiny_model_config
 
-CFG = ModelConfig(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-    max_position_embeddings=128,
-)
+CFG = tiny_model_config()
 
 
 def test_write_kv_stores_int8_with_a_scale_per_token_and_head():
