@@ -263,15 +263,30 @@ def exposure_error(args: argparse.Namespace) -> str | None:
     )
 
 
+# Libraries that log routine steps at INFO: orbax (through absl) a dozen lines per checkpoint
+# save or load, JAX a line per accelerator backend it did not find. At INFO they buried the
+# server's own lines; they show from WARNING, and everything shows at --log-level debug.
+CHATTY_LIBRARY_LOGGERS = ("absl", "orbax", "jax._src.xla_bridge")
+
+
+def configure_logging(log_level: str) -> None:
+    """The server's log: our lines at `log_level`, the chatty libraries' from WARNING."""
+    level = getattr(logging, log_level.upper())
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(level)  # also where a handler was there already
+    for name in CHATTY_LIBRARY_LOGGERS:
+        logging.getLogger(name).setLevel(
+            level if level <= logging.DEBUG else max(level, logging.WARNING)
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     resolve_api_keys(args)
     if (error := exposure_error(args)) is not None:
         parser.error(error)  # exit status 2, as for any bad argument
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(args.log_level)
     log = logging.getLogger("server")
     if not _is_loopback(args.host) and not args.api_key:
         log.warning(

@@ -570,3 +570,25 @@ def test_kv_compression_request_field():
     with pytest.raises(APIError) as e:
         bad.sampling_params()
     assert e.value.status == 400 and e.value.param == "kv_compression" and "lru" in e.value.message
+
+
+def test_the_server_log_shows_its_own_info_lines_and_the_libraries_warnings_only():
+    """orbax (through absl) wrote a dozen INFO lines per checkpoint save, JAX one per missing
+    backend: at --log-level info only the server's lines and the libraries' warnings show."""
+    import logging
+
+    from server.cli import CHATTY_LIBRARY_LOGGERS, configure_logging
+
+    saved = {name: logging.getLogger(name).level for name in ("", *CHATTY_LIBRARY_LOGGERS)}
+    try:
+        configure_logging("info")
+        assert logging.getLogger("server").isEnabledFor(logging.INFO)
+        assert logging.getLogger("minivllm_jax.engine").isEnabledFor(logging.INFO)
+        for name in CHATTY_LIBRARY_LOGGERS:
+            assert not logging.getLogger(name).isEnabledFor(logging.INFO), name
+            assert logging.getLogger(name).isEnabledFor(logging.WARNING), name
+        configure_logging("debug")  # debugging shows everything
+        assert all(logging.getLogger(n).isEnabledFor(logging.DEBUG) for n in CHATTY_LIBRARY_LOGGERS)
+    finally:
+        for name, level in saved.items():
+            logging.getLogger(name).setLevel(level)
