@@ -360,4 +360,5 @@ def _round_down_coarsely(n: int) -> int:
     little from one start to the next, and the page count is part of every step program's
     shape: rounded, it stays the same, so the programs compiled by one start load whole in the
     next instead of compiling again."""
-    return n >> max(0, n.bit_length() - 4) << max(0, n.bit_length() - 4)
+    dropped_bits = max(0, n.bit_length() - 4)
+    return n >> dropped_bits << dropped_bits

@@ -227,15 +227,14 @@ def bench_speculative(args, workloads: dict[str, list[list[int]]]) -> dict[str, 
                         for g in groups
                         for o in llm.generate(g, greedy(args.spec_tokens, False), use_tqdm=False)
                     ]  # noqa: E731
-                    drafts, accepted = e.stats().draft_tokens, e.stats().accepted_tokens
+                    before = e.stats()
                     seconds, outs = timed(run, args.reps, WARMUPS)
                     runs = args.reps + WARMUPS  # the warm-ups' drafts count too
                     generated = sum(len(o.outputs[0].token_ids) for o in outs)
                     tokens[name] = [o.outputs[0].token_ids for o in outs]
-                    d, a = (
-                        (e.stats().draft_tokens - drafts) / runs,
-                        (e.stats().accepted_tokens - accepted) / runs,
-                    )
+                    after = e.stats()
+                    d = (after.draft_tokens - before.draft_tokens) / runs
+                    a = (after.accepted_tokens - before.accepted_tokens) / runs
                     row[name] = {
                         "tok_s": generated / seconds,
                         "decode_tok_s": output_decode_rate(outs),

@@ -121,12 +121,8 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """A snapshot of the queues, the KV pages and the counters (`EngineStats`)."""
-        sched, pm, pool, counts = (
-            self.scheduler,
-            self.page_manager,
-            self.scheduler.swap_pool,
-            self.step_update,
-        )
+        sched, pm, pool = self.scheduler, self.page_manager, self.scheduler.swap_pool
+        counts = self.step_update
         return EngineStats(
             running=len(sched.running),
             waiting=len(sched.waiting),
