@@ -13,6 +13,18 @@ from pathlib import Path
 # Tests run on the CPU and must not grab all memory up front or warn about missing GPUs.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# The suite's programs run for milliseconds and compile for seconds (compiling was 60% of its
+# time), so it builds them the way a debug build is made: LLVM at -O0, the loop emitters and one
+# codegen unit a program. A SmolLM2 engine's ten step programs compile in 11 s instead of 29, run
+# about 20% slower, and give the same tokens (docs/perf-notes.md). Set before JAX starts, and
+# inherited by the servers and workers the tests start; flags already in XLA_FLAGS come last, so
+# they win. The native kernels are built by gcc and do not change.
+SUITE_XLA_FLAGS = (
+    "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
+    "--xla_cpu_parallel_codegen_split_count=1"
+)
+os.environ["XLA_FLAGS"] = f"{SUITE_XLA_FLAGS} {os.environ.get('XLA_FLAGS', '')}".strip()
+
 import pytest  # noqa: E402
 
 # ---------------------------------------------------------------- one folder for the test run

@@ -258,7 +258,7 @@ def test_tensor_parallel_gemma3_matches_hf(tmp_path):
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2",
         "PYTHONPATH": str(ROOT),
         "MINIVLLM_CACHE_DIR": str(tmp_path / "cache"),
     }

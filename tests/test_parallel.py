@@ -35,7 +35,7 @@ def run_worker(*args: str, devices: int = 4, env: dict | None = None, timeout: f
     environ = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}",
         "PYTHONPATH": str(ROOT),
         **(env or {}),
     }
@@ -215,7 +215,7 @@ def test_two_processes_generate_the_tokens_of_one(gqa_model):
     environ = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=1",
         "PYTHONPATH": str(ROOT),
     }
     procs = [
