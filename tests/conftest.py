@@ -7,6 +7,8 @@ import functools
 import importlib.util
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -17,13 +19,33 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # time), so it builds them the way a debug build is made: LLVM at -O0, the loop emitters and one
 # codegen unit a program. A SmolLM2 engine's ten step programs compile in 11 s instead of 29, run
 # about 20% slower, and give the same tokens (docs/perf-notes.md). Set before JAX starts, and
-# inherited by the servers and workers the tests start; flags already in XLA_FLAGS come last, so
-# they win. The native kernels are built by gcc and do not change.
+# inherited by the pytest-xdist workers and by the servers and workers the tests start; flags
+# already in XLA_FLAGS come last, so they win. The native kernels are built by gcc: unchanged.
 SUITE_XLA_FLAGS = (
     "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
     "--xla_cpu_parallel_codegen_split_count=1"
 )
-os.environ["XLA_FLAGS"] = f"{SUITE_XLA_FLAGS} {os.environ.get('XLA_FLAGS', '')}".strip()
+
+
+def _with_suite_xla_flags(current: str) -> str:
+    """`current` XLA_FLAGS with the suite's in front, if this jaxlib accepts them (XLA aborts on
+    a flag it does not know, and a later one may drop these): one JAX start in a subprocess."""
+    if SUITE_XLA_FLAGS in current:  # an xdist worker: the controller checked
+        return current
+    flags = f"{SUITE_XLA_FLAGS} {current}".strip()
+    probe = subprocess.run(
+        [sys.executable, "-c", "import jax; jax.devices()"],
+        env={**os.environ, "XLA_FLAGS": flags},
+        capture_output=True,
+    )
+    if probe.returncode != 0:
+        tail = probe.stderr.decode(errors="replace")[-300:]
+        print(f"warning: this jaxlib refuses the suite's XLA flags, compiling as usual: {tail}")
+        return current
+    return flags
+
+
+os.environ["XLA_FLAGS"] = _with_suite_xla_flags(os.environ.get("XLA_FLAGS", ""))
 
 import pytest  # noqa: E402
 
@@ -138,20 +160,41 @@ def pytest_runtest_setup(item) -> None:
 @functools.cache
 def load_smollm2_hf():
     """The shipped SmolLM2 as an HF transformers model (float32, dequantized from its GGUF),
-    loaded once per process (about 20 s)."""
-    require_smollm2()
+    loaded once per process. Dequantizing the GGUF takes about 20 s, so the first process to load
+    it saves it as safetensors in the run's folder (`smollm2_hf_folder`) and the others load that
+    (the same float32 weights bit for bit: tests/test_smollm2_parity.py checks it)."""
     import torch
     import transformers
 
-    from minivllm_jax.loading.aliases import alias_source
-
-    path = alias_source("smollm2-135m")
     return transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent),
-        gguf_file=path.name,
-        dtype=torch.float32,
-        quantization_config=transformers.GgufConfig(dequantize=True),
+        str(smollm2_hf_folder()), dtype=torch.float32
     ).eval()
+
+
+def smollm2_hf_folder() -> Path:
+    """SmolLM2 as transformers saves it (`save_pretrained` of its own dequantized GGUF load), in
+    the run's folder: written once per test run, by whichever process asks first."""
+    require_smollm2()
+    from filelock import FileLock
+
+    folder = session_dir() / "smollm2-hf"
+    with FileLock(f"{folder}.lock"):
+        if not folder.exists():
+            import torch
+            import transformers
+
+            from minivllm_jax.loading.aliases import alias_source
+
+            path = alias_source("smollm2-135m")
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                str(path.parent),
+                gguf_file=path.name,
+                dtype=torch.float32,
+                quantization_config=transformers.GgufConfig(dequantize=True),
+            )
+            model.save_pretrained(folder.with_suffix(".tmp"))
+            folder.with_suffix(".tmp").rename(folder)
+    return folder
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """The real shipped SmolLM2-135M: our JAX model vs HF transformers (PyTorch), greedy, 64 tokens.
 
 Both conversion paths are checked: the GGUF file read directly, and an HF safetensors folder
-written by `save_pretrained` from transformers' own (dequantized) GGUF load.
+written by `save_pretrained` from transformers' own (dequantized) GGUF load. They give the same
+float32 arrays bit for bit (checked), so the greedy parity runs once, on the GGUF path.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -16,7 +18,7 @@ from convert import read_checkpoint
 from minivllm_jax.models.hf_config import config_from_hf
 from minivllm_jax.models.params import unstack_layers
 from minivllm_jax.reference.greedy import greedy_generate
-from tests.conftest import require_smollm2
+from tests.conftest import require_smollm2, smollm2_hf_folder
 
 pytestmark = [pytest.mark.slow, pytest.mark.requires_smollm2]
 
@@ -79,11 +81,9 @@ def gguf_model():
 
 
 @pytest.fixture(scope="module")
-def safetensors_model(smollm2_hf, tmp_path_factory):
-    model = smollm2_hf
-    folder = tmp_path_factory.mktemp("smollm2-hf")
-    model.save_pretrained(folder)
-    hf_config, params = read_checkpoint(folder, progress=False)
+def safetensors_model():
+    """The safetensors path: transformers' own dequantized load of the GGUF, saved as HF saves it."""
+    hf_config, params = read_checkpoint(smollm2_hf_folder(), progress=False)
     return config_from_hf(hf_config), unstack_layers(params)
 
 
@@ -99,9 +99,21 @@ def test_real_config(gguf_model):
     assert cfg.vocab_size == 49152 and cfg.rope_theta == 100000.0 and cfg.tie_word_embeddings
 
 
-@pytest.mark.parametrize("path", ["gguf", "safetensors"])
+def test_both_conversion_paths_give_the_same_model(gguf_model, safetensors_model):
+    """Our GGUF reader and transformers' dequantize Q4_1 to the same float32 bits, and both
+    configs agree: the greedy parity below, run on the GGUF path, holds for the safetensors path
+    too (the same pure function of the same arrays)."""
+    (cfg_a, params_a), (cfg_b, params_b) = gguf_model, safetensors_model
+    assert cfg_a == cfg_b
+    leaves_a, tree_a = jax.tree.flatten(params_a)
+    leaves_b, tree_b = jax.tree.flatten(params_b)
+    assert tree_a == tree_b
+    for a, b in zip(leaves_a, leaves_b):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.parametrize("k", range(len(PROMPTS) + 1))
-def test_greedy_64_matches_hf_generate(path, k, request, prompts, reference):
-    cfg, params = request.getfixturevalue(f"{path}_model")
+def test_greedy_64_matches_hf_generate(k, gguf_model, prompts, reference):
+    cfg, params = gguf_model
     ours = greedy_generate(params, cfg, prompts[k], NEW_TOKENS)
     assert_same_greedy(ours, *reference[k])

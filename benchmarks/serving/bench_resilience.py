@@ -352,13 +352,21 @@ class SlowReaders(Background):
 
 
 class HealthPoller(Background):
-    """GET /health every HEALTH_POLL_S on its own thread; keeps the worst latency and non-200s."""
+    """GET /health every HEALTH_POLL_S on its own thread; keeps the worst latency and non-200s.
+    Entering waits for the first answer, so a short phase is polled from its start (a phase
+    could otherwise end before the thread's first request)."""
 
     def __init__(self, url: str) -> None:
         super().__init__(join_s=90)
         self.url = url
         self.latencies: list[float] = []
         self.not_ok: collections.Counter[str] = collections.Counter()
+        self._first_answer = threading.Event()
+
+    def __enter__(self):
+        super().__enter__()
+        self._first_answer.wait(60)
+        return self
 
     def work(self, k: int) -> None:
         import httpx
@@ -373,6 +381,7 @@ class HealthPoller(Background):
                 self.latencies.append(time.perf_counter() - start)
                 if status != "200":
                     self.not_ok[status] += 1
+                self._first_answer.set()
                 self.stopped.wait(HEALTH_POLL_S)
 
     def summary(self) -> dict:

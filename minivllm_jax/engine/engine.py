@@ -16,20 +16,19 @@ import logging
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from concurrent.futures import Future
 from typing import Any
 
 from jax.sharding import Mesh
 
 from minivllm_jax.config import EngineConfig, ModelConfig
 from minivllm_jax.engine import faults
-from minivllm_jax.engine.decoding.structured_output import GrammarCompiler
+from minivllm_jax.engine.decoding.structured_output import GrammarCompiler, GrammarQueue
 from minivllm_jax.engine.input_processor import InputProcessor
 from minivllm_jax.engine.kv.pages import PageManager, check_cache_salt
-from minivllm_jax.engine.kv.tiers import FailedMoves, KVTiers
+from minivllm_jax.engine.kv.tiers import KVTiers
 from minivllm_jax.engine.output_processor import OutputProcessor, RequestState
 from minivllm_jax.engine.runner import ModelRunner, PendingStep, RowsFailed
-from minivllm_jax.engine.sched_output import PageMoves, ScheduledBatch
+from minivllm_jax.engine.sched_output import ScheduledBatch
 from minivllm_jax.engine.scheduler import Scheduler
 from minivllm_jax.engine.sequence import Sequence
 from minivllm_jax.engine.stats import EngineStats, StepEvent
@@ -85,12 +84,12 @@ class LLMEngine:
             self.tiers.disk,
         )
         self.scheduler = Scheduler(config, self.page_manager, self.tiers.swap_pool)
-        # Structured output: grammars compile on the compiler's thread; a request waits in
-        # `_compiling` (not yet in the scheduler) until its grammar is ready.
+        # Structured output: a request waits in `grammars` (not yet scheduled) until its
+        # grammar has compiled on the compiler's threads.
         self.grammar_compiler = GrammarCompiler(
             tokenizer, model_config.vocab_size, self.eos_token_ids
         )
-        self._compiling: dict[str, Future] = {}
+        self.grammars = GrammarQueue(self.grammar_compiler)
         self.requests: dict[str, RequestState] = {}
         self._request_counter = itertools.count()
         # Reads each step's tokens into its sequences and counts tokens, drafts, dropped pages.
@@ -120,29 +119,17 @@ class LLMEngine:
         return [len(s) - (1 if s.output_token_ids else 0) for s in self.scheduler.running]
 
     def stats(self) -> EngineStats:
-        """A snapshot of the queues, the KV pages and the counters (`EngineStats`)."""
-        sched, pm, pool = self.scheduler, self.page_manager, self.scheduler.swap_pool
-        counts = self.step_update
+        """A snapshot of the queues, the KV pages and the counters (`EngineStats`): each part
+        reports its own fields."""
         return EngineStats(
-            running=len(sched.running),
-            waiting=len(sched.waiting),
-            free_pages=pm.num_free_pages,
-            usable_pages=pm.num_usable_pages,
-            generated_tokens=counts.num_generated_tokens,
-            prompt_tokens=counts.num_prompt_tokens,
+            steps=self.num_steps,
+            requests=len(self.requests),
             compiles=self.runner.num_compiles,
             programs_loaded=self.runner.num_loaded,
-            preemptions=sched.num_preemptions,
-            steps=self.num_steps,
-            draft_tokens=counts.num_draft_tokens,
-            accepted_tokens=counts.num_accepted_tokens,
-            **self.tiers.stats(pm),
-            dropped_pages=counts.num_dropped_pages,
-            requests=len(self.requests),
-            swapped=sum(seq.swapped is not None for seq in sched.waiting),
-            cached_pages=len(pm.cached),
-            swap_recomputes=pool.num_recomputes if pool is not None else 0,
-            swap_bytes_per_second=pool.bytes_per_second if pool is not None else 0.0,
+            **self.scheduler.stats(),
+            **self.page_manager.stats(),
+            **self.step_update.stats(),
+            **self.tiers.stats(self.page_manager),
         )
 
     def add_step_listener(self, listener: Callable[[StepEvent], None]) -> None:
@@ -180,10 +167,6 @@ class LLMEngine:
         seconds = self.runner.warmup(progress)
         self.tiers.warmed_up()
         return seconds
-
-    def move_pages(self, moves: PageMoves) -> FailedMoves:
-        """Dispatch a batch's page copies (swap, disk tier) before its step (`KVTiers`)."""
-        return self.tiers.move_pages(moves, self.scheduler, self.page_manager)
 
     def check_accounting(self) -> None:
         """Raise AssertionError unless the pages, penalty slots and swap pool are exactly those
@@ -241,27 +224,23 @@ class LLMEngine:
         request = self.output_processor.new_request(request_id, text, ids, seqs, arrival)
         self.requests[request_id] = request
         if spec is not None:  # scheduled once its grammar is compiled
-            self._compiling[request_id] = self.grammar_compiler.submit(spec)
+            self.grammars.submit(request_id, spec)
         else:
             self.scheduler.add(seqs[0])  # the prompt is prefilled once, by sample 0
         return request_id
 
     def _admit_compiled(self) -> list[RequestOutput]:
-        """Schedule the requests whose grammars are compiled (each sample gets its own matcher);
-        fail those whose grammar did not compile."""
+        """Schedule the requests whose grammars compiled (each sample gets its own matcher); fail
+        those whose grammar did not."""
         outputs = []
-        for request_id, future in list(self._compiling.items()):
-            if not future.done():
-                continue
-            del self._compiling[request_id]
+        for request_id, grammar, error in self.grammars.ready():
             request = self.requests[request_id]
-            error = future.exception()
-            if error is None:
-                for seq in request.seqs:
-                    seq.grammar = future.result().new_grammar()
-                self.scheduler.add(request.seqs[0])
+            if error is not None:
+                outputs.append(self._fail_request(request, f"structured_outputs: {error}"))
                 continue
-            outputs.append(self._fail_request(request, f"structured_outputs: {error}"))
+            for seq in request.seqs:
+                seq.grammar = grammar.new_grammar()
+            self.scheduler.add(request.seqs[0])
         return outputs
 
     def abort(self, request_id: str) -> bool:
@@ -269,7 +248,7 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
-        self._compiling.pop(request_id, None)
+        self.grammars.discard(request_id)
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
@@ -277,7 +256,7 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         # A sequence in flight is running, so counted here; a request whose grammar compiles is not yet.
-        return self.scheduler.has_unfinished() or bool(self._compiling)
+        return self.scheduler.has_unfinished() or bool(self.grammars)
 
     # ------------------------------------------------------------------ stepping
 
@@ -293,7 +272,7 @@ class LLMEngine:
         now = time.monotonic()
         self.num_steps += 1
         previous, self._in_flight = self._in_flight, None
-        outputs: list[RequestOutput] = self._admit_compiled() if self._compiling else []
+        outputs: list[RequestOutput] = self._admit_compiled() if self.grammars else []
         # Drafts are looked up in known tokens only; a grammar's next mask needs its last token.
         if previous is not None and (self._may_speculate() or _has_grammar(previous.batch)):
             outputs, previous = outputs + self._read(previous, only_finished), None
@@ -304,7 +283,7 @@ class LLMEngine:
                 # Admissions held to gather a batch, or only grammars compiling: wait, do not spin.
                 if opens is not None and not outputs:
                     time.sleep(min(max(opens - now, 0.0), 0.005))
-                elif self._compiling and not outputs:
+                elif self.grammars and not outputs:
                     time.sleep(0.001)
                 return outputs
         else:
@@ -342,7 +321,7 @@ class LLMEngine:
         preparation failed costs only itself: it is recomputed, or its request fails (its
         output, with `error`, goes to `outputs`), and the step runs without it. Raises
         `faults.DispatchFailed` (with the batch that failed) if dispatching the step itself fails."""
-        moves = self.move_pages(batch.moves)
+        moves = self.tiers.move_pages(batch.moves, self.scheduler, self.page_manager)
         drop = {seq.seq_id for seq in moves.recompute}
         for seq in moves.failed:
             drop |= self._fail_request_of(
@@ -385,7 +364,7 @@ class LLMEngine:
         request.error = error
         request.metrics.finished_time = time.monotonic()
         self.requests.pop(request.request_id, None)
-        self._compiling.pop(request.request_id, None)
+        self.grammars.discard(request.request_id)
         return self.output_processor.output(request)
 
     def _may_speculate(self) -> bool:
@@ -456,6 +435,6 @@ class LLMEngine:
         samples = [seq for request in self.requests.values() for seq in request.seqs]
         faults.abandon(sched.running + sched.waiting + samples, sched)
         self.requests.clear()
-        self._compiling.clear()
+        self.grammars.clear()
         self.runner.reset_cache_if_lost()
         faults.reset_accounting(sched, self.page_manager)

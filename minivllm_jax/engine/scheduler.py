@@ -103,6 +103,16 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def stats(self) -> dict[str, int]:
+        """The queues' `EngineStats` fields."""
+        swapped = sum(seq.swapped is not None for seq in self.waiting)
+        return dict(
+            running=len(self.running),
+            waiting=len(self.waiting),
+            swapped=swapped,
+            preemptions=self.num_preemptions,
+        )
+
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Mark finished and give its pages back (the one exit for every sequence)."""
         seq.status = SequenceStatus.FINISHED

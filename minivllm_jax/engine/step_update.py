@@ -109,6 +109,16 @@ class StepUpdate:
         self.num_accepted_tokens = 0  # of which accepted
         self.num_dropped_pages = 0  # KV compression: pages dropped by a policy
 
+    def stats(self) -> dict[str, int]:
+        """The token counters' `EngineStats` fields."""
+        return dict(
+            generated_tokens=self.num_generated_tokens,
+            prompt_tokens=self.num_prompt_tokens,
+            draft_tokens=self.num_draft_tokens,
+            accepted_tokens=self.num_accepted_tokens,
+            dropped_pages=self.num_dropped_pages,
+        )
+
     def apply(
         self,
         step: InFlight,

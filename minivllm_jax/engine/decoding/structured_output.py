@@ -320,6 +320,34 @@ class GrammarCompiler:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+class GrammarQueue:
+    """Requests waiting for their grammar (not yet in the scheduler): `submit` one, and
+    `ready()` hands back, once each, those whose compile ended, with the grammar or the error."""
+
+    def __init__(self, compiler: GrammarCompiler) -> None:
+        self.compiler = compiler
+        self._waiting: dict[str, Future] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._waiting)
+
+    def submit(self, request_id: str, spec: StructuredOutputsParams) -> None:
+        self._waiting[request_id] = self.compiler.submit(spec)
+
+    def discard(self, request_id: str) -> None:
+        self._waiting.pop(request_id, None)
+
+    def ready(self) -> list[tuple[str, CompiledGrammar | None, BaseException | None]]:
+        """(request_id, grammar, None) or (request_id, None, error) for each finished compile."""
+        done = [(rid, f) for rid, f in self._waiting.items() if f.done()]
+        for rid, _ in done:
+            del self._waiting[rid]
+        return [(rid, None if f.exception() else f.result(), f.exception()) for rid, f in done]
+
+    def clear(self) -> None:
+        self._waiting.clear()
+
+
 def _timeout_message(field: str) -> str:
     return f"{field} did not compile within {GRAMMAR_COMPILE_TIMEOUT_S:g} s; use a smaller or simpler constraint"
 

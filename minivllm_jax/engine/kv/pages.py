@@ -121,6 +121,14 @@ class PageManager:
     def num_usable_pages(self) -> int:
         return self.num_pages - 1
 
+    def stats(self) -> dict[str, int]:
+        """The pages' `EngineStats` fields."""
+        return dict(
+            free_pages=self.num_free_pages,
+            usable_pages=self.num_usable_pages,
+            cached_pages=len(self.cached),
+        )
+
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 

@@ -176,7 +176,11 @@ class KVTiers:
         pool, disk = self.swap_pool, self.disk
         if pool is not None:
             stats.update(
-                swap_pages=pool.used_pages, swap_outs=pool.num_swap_outs, swap_ins=pool.num_swap_ins
+                swap_pages=pool.used_pages,
+                swap_outs=pool.num_swap_outs,
+                swap_ins=pool.num_swap_ins,
+                swap_recomputes=pool.num_recomputes,
+                swap_bytes_per_second=pool.bytes_per_second,
             )
         if disk is not None:
             stats.update(
