@@ -271,6 +271,17 @@ class EngineConfig:
                 f"preemption_mode={mode!r} needs swap_space_gb > 0, got {self.cache.swap_space_gb}"
             )
 
+    def check_model(self, model_config: Any) -> None:
+        """Raise ValueError unless an engine with this config can serve `model_config`: one
+        max_model_len sequence must fit in the pages, and a KV compression policy must suit it."""
+        if self.cache.num_pages - 1 < self.max_pages_per_seq:
+            raise ValueError(
+                f"num_pages={self.cache.num_pages} cannot hold one max_model_len={self.max_model_len} sequence "
+                f"({self.max_pages_per_seq} pages of {self.cache.page_size} + the scratch page)"
+            )
+        if self.kv_compression is not None:
+            self.kv_compression.check_model(model_config)
+
     def replace(self, **knobs: Any) -> EngineConfig:
         """A copy with some knobs changed, each named as `EngineArgs` names it (`page_size=8`,
         `async_scheduling=False`) whichever group holds it; the groups check the new values."""

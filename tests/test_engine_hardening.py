@@ -108,3 +108,13 @@ def test_sample_seeds_are_folded_not_added(llm):
     assert pair.outputs[0].token_ids == alone.outputs[0].token_ids
     assert pair.outputs[1].token_ids != next_seed.outputs[0].token_ids
     assert pair.outputs[1].token_ids != pair.outputs[0].token_ids
+
+
+def test_a_page_pool_smaller_than_one_sequence_is_refused(llm):
+    """192 tokens in pages of 16 need 12 pages plus the scratch page: 12 pages cannot serve."""
+    engine = llm.engine
+    engine.config.replace(num_pages=13).check_model(engine.model_config)
+    with pytest.raises(
+        ValueError, match=r"num_pages=12 cannot hold one max_model_len=192 .*12 pages"
+    ):
+        engine.config.replace(num_pages=12).check_model(engine.model_config)

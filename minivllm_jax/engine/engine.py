@@ -59,13 +59,7 @@ class LLMEngine:
         mesh: Mesh | None = None,
     ) -> None:
         """`mesh`: the devices this engine's model runs on, tensor-parallel (`ModelRunner`)."""
-        if config.cache.num_pages - 1 < config.max_pages_per_seq:
-            raise ValueError(
-                f"num_pages={config.cache.num_pages} cannot hold one max_model_len={config.max_model_len} sequence "
-                f"({config.max_pages_per_seq} pages of {config.cache.page_size} + the scratch page)"
-            )
-        if config.kv_compression is not None:
-            config.kv_compression.check_model(model_config)
+        config.check_model(model_config)
         self.model_config = model_config
         self.config = config
         self.tokenizer = tokenizer
