@@ -47,6 +47,13 @@ def _with_suite_xla_flags(current: str) -> str:
 
 os.environ["XLA_FLAGS"] = _with_suite_xla_flags(os.environ.get("XLA_FLAGS", ""))
 
+
+def xla_flags_with_host_devices(count: int) -> str:
+    """XLA_FLAGS for a subprocess that needs `count` virtual CPU devices: this run's flags (the
+    suite's included) plus the device count."""
+    return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}"
+
+
 import pytest  # noqa: E402
 
 # ---------------------------------------------------------------- one folder for the test run

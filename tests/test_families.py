@@ -41,7 +41,7 @@ from minivllm_jax.ops.attention import resolve_attention
 from minivllm_jax.ops.batch import single_sequence_batch
 from minivllm_jax.ops.kv_cache import init_kv_cache
 from minivllm_jax.reference.greedy import greedy_generate
-from tests.conftest import save_tiny_tokenizer
+from tests.conftest import save_tiny_tokenizer, xla_flags_with_host_devices
 
 VOCAB = TINY["vocab_size"]
 NEW_FAMILIES = [name for name in FAMILIES if name != "llama"]  # Llama has its own test files
@@ -258,7 +258,7 @@ def test_tensor_parallel_gemma3_matches_hf(tmp_path):
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2",
+        "XLA_FLAGS": xla_flags_with_host_devices(2),
         "PYTHONPATH": str(ROOT),
         "MINIVLLM_CACHE_DIR": str(tmp_path / "cache"),
     }

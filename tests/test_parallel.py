@@ -25,7 +25,12 @@ from minivllm_jax.parallel.sharding import (
     local_config,
     stored_config,
 )
-from tests.conftest import make_tiny_llama, requires_smollm2, save_tiny_tokenizer
+from tests.conftest import (
+    make_tiny_llama,
+    requires_smollm2,
+    save_tiny_tokenizer,
+    xla_flags_with_host_devices,
+)
 
 WORKER = Path(__file__).with_name("parallel_worker.py")
 ROOT = WORKER.parents[1]
@@ -35,7 +40,7 @@ def run_worker(*args: str, devices: int = 4, env: dict | None = None, timeout: f
     environ = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}",
+        "XLA_FLAGS": xla_flags_with_host_devices(devices),
         "PYTHONPATH": str(ROOT),
         **(env or {}),
     }
@@ -215,7 +220,7 @@ def test_two_processes_generate_the_tokens_of_one(gqa_model):
     environ = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=1",
+        "XLA_FLAGS": xla_flags_with_host_devices(1),
         "PYTHONPATH": str(ROOT),
     }
     procs = [

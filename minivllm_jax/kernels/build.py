@@ -41,12 +41,12 @@ def build(verbose: bool = True) -> bool:
     fd, tmp = tempfile.mkstemp(dir=LIBRARY.parent, suffix=".so")
     os.close(fd)
     with tempfile.TemporaryDirectory(dir=LIBRARY.parent) as work:
-        objects = [str(Path(work) / f"{src.stem}.o") for src in sources()]
+        objects = {src: str(Path(work) / f"{src.stem}.o") for src in sources()}
         compiles = [
             [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", "-c", str(src), "-o", obj]
-            for src, obj in zip(sources(), objects)
+            for src, obj in objects.items()
         ]
-        link = [compiler, *FLAGS, *objects, "-o", tmp]
+        link = [compiler, *FLAGS, *objects.values(), "-o", tmp]
         for cmd in [*compiles, link] if verbose else []:
             print(" ".join(cmd))
         with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
